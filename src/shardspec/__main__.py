@@ -1,0 +1,3 @@
+from shardspec.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,161 @@
+"""The `shardspec` command: `worker` runs a shard-worker daemon, `generate` runs one prompt."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any
+
+EXAMPLES = """\
+examples:
+  shardspec generate "def fibonacci(n):" --model DIR --local 2
+  shardspec generate --model DIR --prompt-ids 1,2,3 --max-tokens 16 --json
+  shardspec worker --listen tcp://0.0.0.0:7000 --device cuda:0
+  shardspec generate "Hello" --model DIR --workers tcp://hostA:7000,tcp://hostB:7000
+"""
+
+
+class UsageError(Exception):
+    """Bad command-line input: printed as one line, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardspec",
+        description="Run Qwen3.5-style MTP language models tensor-parallel over shard-worker daemons.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    worker = commands.add_parser(
+        "worker",
+        help="run a shard-worker daemon on one device",
+        description="A long-running daemon that holds one tensor-parallel shard of a model. It serves one "
+        "orchestrator at a time and returns to idle when that orchestrator leaves; SIGINT/SIGTERM stop it.",
+    )
+    worker.add_argument("--listen", required=True, metavar="ADDR", help="tcp://HOST:PORT or ipc://PATH")
+    worker.add_argument("--device", default="cpu", metavar="DEV", help="cpu, cuda or cuda:N (default: cpu)")
+    worker.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads for torch")
+    worker.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+    gen = commands.add_parser(
+        "generate",
+        help="generate a completion for one prompt",
+        description="Load a model on local or remote workers and stream the completion of one prompt.",
+    )
+    gen.add_argument("prompt", nargs="?", help="prompt text (needs the model's tokenizer.json)")
+    gen.add_argument("--model", metavar="DIR", required=True, help="Hugging Face-style model folder")
+    gen.add_argument("--prompt-ids", metavar="IDS", help="comma-separated token ids instead of text")
+    where = gen.add_mutually_exclusive_group()
+    where.add_argument("--local", type=int, metavar="N", help="spawn N workers on this machine")
+    where.add_argument("--workers", metavar="A,B,...", help="addresses of running workers, rank order")
+    gen.add_argument("--tp", type=int, metavar="N", help="tensor-parallel degree (= number of workers)")
+    gen.add_argument("--device", default="cpu", help="device of spawned local workers: cpu or cuda")
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                     help="auto: the checkpoint's dtype on CPU, bfloat16 on GPU")
+    gen.add_argument("--max-tokens", type=int, default=128, metavar="N")
+    gen.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = no top-k filter")
+    gen.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    gen.add_argument("--seed", type=int, default=None, metavar="S")
+    gen.add_argument("--max-seq-len", type=int, default=4096, metavar="N", help="cache length per sequence")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "worker":
+            return run_worker(args)
+        return asyncio.run(run_generate(args))
+    except UsageError as exc:
+        print(f"shardspec {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"shardspec {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    import torch
+
+    from shardspec.shard_worker.daemon import ShardWorker
+    from shardspec.utils import check_address, parse_device, setup_logging
+
+    try:
+        check_address(args.listen)
+        parse_device(args.device)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UsageError(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    setup_logging(f"worker[{args.listen}]", args.log_level)
+    try:
+        ShardWorker(args.listen, args.device).serve_forever()
+    except Exception as exc:  # e.g. the address is in use
+        print(f"shardspec worker: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _generate_inputs(args: argparse.Namespace) -> tuple[Any, list[str] | None]:
+    if (args.prompt is None) == (args.prompt_ids is None):
+        raise UsageError("give either a PROMPT text or --prompt-ids, exactly one")
+    prompt: Any = args.prompt
+    if args.prompt_ids is not None:
+        try:
+            prompt = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            raise UsageError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+    workers = [w.strip() for w in args.workers.split(",") if w.strip()] if args.workers else None
+    for name in ("max_tokens", "local", "tp", "max_seq_len"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    return prompt, workers
+
+
+async def run_generate(args: argparse.Namespace) -> int:
+    from shardspec.orchestrator.engine import EngineError, connect
+    from shardspec.orchestrator.workers import WorkerLost
+    from shardspec.protocol.errors import RemoteError
+    from shardspec.utils import setup_logging
+
+    setup_logging("orchestrator", args.log_level)
+    prompt, workers = _generate_inputs(args)
+    token_ids: list[int] = []
+    final = None
+    try:
+        async with connect(args.model, workers=workers, local=args.local, device=args.device, tp=args.tp,
+                           dtype=args.dtype, max_slots=1, max_seq_len=args.max_seq_len) as engine:
+            async for chunk in engine.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                                               top_k=args.top_k, top_p=args.top_p, seed=args.seed):
+                token_ids += chunk.token_ids
+                if not args.json:
+                    print(chunk.text if engine.tokenizer else " ".join(map(str, chunk.token_ids)),
+                          end="" if engine.tokenizer else " ", flush=True)
+                final = chunk
+            text = engine.tokenizer.decode(token_ids) if engine.tokenizer else None
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    except (EngineError, WorkerLost, RemoteError) as exc:
+        print(f"\nshardspec generate: error: {exc}", file=sys.stderr)
+        return 1
+    assert final is not None and final.stats is not None
+    if args.json:
+        out = {"token_ids": token_ids, "finish_reason": final.finish_reason, "stats": final.stats}
+        if text is not None:
+            out["text"] = text
+        print(json.dumps(out))
+    else:
+        s = final.stats
+        print(f"\n[{s['generated_tokens']} tokens, {s['tokens_per_s']:.1f} tokens/s, "
+              f"first token {s['time_to_first_token_s']:.2f}s, finish: {final.finish_reason}]", file=sys.stderr)
+    return 0

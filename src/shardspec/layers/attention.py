@@ -1,0 +1,68 @@
+"""Gated full attention of Qwen3.5 with a fixed-size per-slot KV cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardspec.layers.batch import Batch
+from shardspec.layers.linear import ColumnParallelLinear, RowParallelLinear, head_ranges
+from shardspec.layers.norm import RMSNorm
+from shardspec.layers.parallel import TPGroup
+from shardspec.layers.rotary import RotaryEmbedding
+from shardspec.models.config import ModelConfig
+
+
+def kv_head_ranges(config: ModelConfig, tp: TPGroup) -> tuple[int, list[tuple[int, int]]]:
+    """This rank's KV heads; with more ranks than KV heads each rank keeps a replica of one."""
+    heads, dim = config.num_key_value_heads, config.head_dim
+    if heads >= tp.size:
+        return heads // tp.size, head_ranges(tp, heads, dim)
+    head = tp.rank * heads // tp.size
+    return 1, [(head * dim, (head + 1) * dim)]
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TPGroup):
+        super().__init__()
+        dim, hidden = config.head_dim, config.hidden_size
+        self.head_dim = dim
+        self.heads = config.num_attention_heads // tp.size
+        self.kv_heads, kv_ranges = kv_head_ranges(config, tp)
+        # q_proj rows hold [query | gate] per head, so whole heads are 2*dim rows
+        self.q_proj = ColumnParallelLinear(hidden, head_ranges(tp, config.num_attention_heads, 2 * dim))
+        self.k_proj = ColumnParallelLinear(hidden, kv_ranges)
+        self.v_proj = ColumnParallelLinear(hidden, kv_ranges)
+        self.o_proj = RowParallelLinear(head_ranges(tp, config.num_attention_heads, dim), hidden, tp)
+        self.q_norm = RMSNorm(dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(dim, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(dim, config.rotary_dim, config.rope_theta)
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def allocate(self, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device) -> int:
+        shape = (num_slots, max_len, self.kv_heads, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        return 2 * self.k_cache.nbytes
+
+    def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        B, T, _ = x.shape
+        qg = self.q_proj(x).view(B, T, self.heads, 2 * self.head_dim)
+        q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :].reshape(B, T, -1)
+        q = self.rotary(self.q_norm(q), batch.positions)
+        k = self.rotary(self.k_norm(self.k_proj(x).view(B, T, self.kv_heads, self.head_dim)), batch.positions)
+        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim)
+
+        rows = batch.slots[:, None]
+        self.k_cache[rows, batch.positions] = k
+        self.v_cache[rows, batch.positions] = v
+        keys = self.k_cache[batch.slots, : batch.kv_len].transpose(1, 2)
+        values = self.v_cache[batch.slots, : batch.kv_len].transpose(1, 2)
+        visible = torch.arange(batch.kv_len, device=x.device) <= batch.positions[..., None]  # [B, T, L]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=visible[:, None], enable_gqa=True
+        )
+        out = out.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate)
+        return self.o_proj(out)

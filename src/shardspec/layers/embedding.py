@@ -1,0 +1,67 @@
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocab."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardspec.layers.parallel import TPGroup, shard
+
+
+def vocab_range(vocab_size: int, tp: TPGroup) -> tuple[int, int]:
+    """This rank's [start, end) of the vocabulary padded up to a multiple of the group size."""
+    per = -(-vocab_size // tp.size)
+    return tp.rank * per, (tp.rank + 1) * per
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, dim: int, tp: TPGroup):
+        super().__init__()
+        self.start, self.end = vocab_range(vocab_size, tp)
+        weight = nn.Parameter(torch.empty(self.end - self.start, dim), requires_grad=False)
+        self.weight = shard(weight, 0, [(self.start, self.end)])
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside[..., None], 0.0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """Local logits over this rank's vocab slice; full logits or the argmax on request."""
+
+    def __init__(self, vocab_size: int, dim: int, tp: TPGroup):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.start, self.end = vocab_range(vocab_size, tp)
+        weight = nn.Parameter(torch.empty(self.end - self.start, dim), requires_grad=False)
+        self.weight = shard(weight, 0, [(self.start, self.end)])
+        self.tp = tp
+
+    def local_logits(self, h: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(h, self.weight).float()
+        pad = self.end - self.vocab_size  # padding rows must never win an argmax or get mass
+        if pad > 0:
+            logits[..., max(0, logits.shape[-1] - pad) :] = float("-inf")
+        return logits
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary fp32 logits on every rank: [..., vocab_size]."""
+        return self.tp.all_gather(self.local_logits(h), dim=-1)[..., : self.vocab_size]
+
+    def argmax(self, h: torch.Tensor) -> torch.Tensor:
+        """Global argmax from one (max, index) pair per rank; ties go to the lowest index."""
+        local = self.local_logits(h)
+        value, index = local.max(dim=-1)
+        if self.tp.size == 1:
+            return index
+        pairs = torch.stack([value, (index + self.start).float()], dim=-1)  # exact below 2**24
+        gathered = self.tp.all_gather(pairs[None], dim=0)  # [tp, ..., 2]
+        best_rank = gathered[..., 0].argmax(dim=0, keepdim=True)  # first max = lowest vocab slice
+        return gathered[..., 1].gather(0, best_rank)[0].long()

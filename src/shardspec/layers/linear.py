@@ -1,0 +1,49 @@
+"""Column- and row-parallel linear layers (no bias: Qwen3.5 has none)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardspec.layers.parallel import Ranges, TPGroup, shard
+
+
+class ColumnParallelLinear(nn.Module):
+    """Holds the output rows `ranges` of the full weight; the output stays split."""
+
+    def __init__(self, in_features: int, ranges: Ranges):
+        super().__init__()
+        out_features = sum(end - start for start, end in ranges)
+        self.weight = shard(nn.Parameter(torch.empty(out_features, in_features), requires_grad=False), 0, ranges)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """Holds the input columns `ranges`; the partial outputs are summed across the group."""
+
+    def __init__(self, ranges: Ranges, out_features: int, tp: TPGroup):
+        super().__init__()
+        in_features = sum(end - start for start, end in ranges)
+        self.weight = shard(nn.Parameter(torch.empty(out_features, in_features), requires_grad=False), 1, ranges)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(F.linear(x, self.weight))
+
+
+class ReplicatedLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def head_ranges(tp: TPGroup, num_heads: int, head_size: int, offset: int = 0) -> Ranges:
+    """The rows of this rank's heads in a weight laid out head after head."""
+    start, end = tp.split(num_heads)
+    return [(offset + start * head_size, offset + end * head_size)]

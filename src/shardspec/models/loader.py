@@ -1,0 +1,100 @@
+"""Build a rank's shard of a model and fill it from a Hugging Face folder, reading only its slices."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from shardspec.layers.parallel import TPGroup
+from shardspec.models.config import ConfigError, ModelConfig
+from shardspec.models.qwen3_5 import Qwen3_5Model, checkpoint_name
+
+Progress = Callable[[int, int], None]
+
+
+def checkpoint_files(folder: Path) -> dict[str, Path]:
+    """Map every tensor name of the checkpoint to the file that holds it."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise ConfigError(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
+    with safe_open(single, framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def has_mtp(folder: Path) -> bool:
+    return any(name.startswith("mtp.") for name in checkpoint_files(folder))
+
+
+def load_model(
+    folder: str | Path,
+    tp: TPGroup,
+    dtype: torch.dtype,
+    device: torch.device,
+    with_mtp: bool | None = None,
+    progress: Progress | None = None,
+) -> Qwen3_5Model:
+    """This rank's shard, weights in `dtype` on `device`; peak host memory ≈ the shard, not the model."""
+    folder = Path(folder)
+    config = ModelConfig.from_folder(folder)
+    config.check_tp(tp.size)
+    files = checkpoint_files(folder)
+    mtp_present = any(name.startswith("mtp.") for name in files)
+    if with_mtp and not mtp_present:
+        raise ConfigError(f"{folder} has no MTP weights (mtp.*)")
+    with torch.device("meta"):
+        model = Qwen3_5Model(config, tp, with_mtp=mtp_present if with_mtp is None else with_mtp)
+    shards = {name: getattr(param, "shard", None) for name, param in model.named_parameters()}
+    model = model.to(dtype).to_empty(device=device)  # new parameter objects: `shards` keeps the specs
+
+    text_prefix = "model.language_model." if "model.language_model.embed_tokens.weight" in files else "model."
+    params = list(model.named_parameters())
+    with ExitStack() as stack:
+        handles: dict[Path, object] = {}
+        for done, (name, param) in enumerate(params, 1):
+            key = checkpoint_name(name, config)
+            key = text_prefix + key[len("model.") :] if key.startswith("model.") else key
+            if key not in files:
+                raise ConfigError(f"checkpoint in {folder} lacks tensor {key!r}")
+            if files[key] not in handles:
+                handles[files[key]] = stack.enter_context(safe_open(files[key], framework="pt"))
+            with torch.no_grad():
+                param.copy_(_read_shard(handles[files[key]], key, list(param.shape), shards[name]))
+            if progress:
+                progress(done, len(params))
+    return model
+
+
+def _read_shard(handle, key: str, expected: list[int], spec: tuple | None) -> torch.Tensor:
+    """Read the rows/columns of `key` a parameter holds; ranges past the end read as zeros."""
+    full = handle.get_slice(key)
+    if spec is None:
+        tensor = full[:]
+        if list(tensor.shape) != expected:
+            raise ConfigError(f"tensor {key!r} has shape {list(tensor.shape)}, the config implies {expected}")
+        return tensor
+    dim, ranges = spec
+    size = full.get_shape()[dim]
+    parts = []
+    for start, end in ranges:
+        index = [slice(None)] * len(full.get_shape())
+        index[dim] = slice(min(start, size), min(end, size))
+        part = full[tuple(index)]
+        missing = end - start - part.shape[dim]
+        if missing:
+            pad_shape = list(part.shape)
+            pad_shape[dim] = missing
+            part = torch.cat([part, part.new_zeros(pad_shape)], dim)
+        parts.append(part)
+    tensor = torch.cat(parts, dim) if len(parts) > 1 else parts[0]
+    if list(tensor.shape) != expected:
+        raise ConfigError(f"tensor {key!r} sliced to {list(tensor.shape)}, the config implies {expected}")
+    return tensor

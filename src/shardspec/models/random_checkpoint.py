@@ -1,0 +1,411 @@
+"""Random-weight Qwen3.5 (dense, text) checkpoints in Hugging Face folder format."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+LAYOUTS = ("model", "language_model")
+# lm_head std = LOGIT_GAIN / sqrt(hidden), so logits ~ N(0, LOGIT_GAIN²): peaked, not saturated
+LOGIT_GAIN = 3.0
+KEEP_LIMIT_BYTES = 1 << 30  # write_random_checkpoint keeps tensors by default only below this
+PROGRESS_MIN_BYTES = 1 << 30  # report write progress on stderr from this checkpoint size up
+
+_ST_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def _layer_types(num_layers: int, interval: int = 4) -> list[str]:
+    """Qwen3.5 hybrid pattern: every `interval`-th layer is full attention."""
+    return [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+        for i in range(num_layers)
+    ]
+
+
+def tiny_config(**overrides) -> dict:
+    """Small Qwen3.5 text config: head counts divide by 1, 2 and 4; GQA and grouped GDN heads."""
+    config = {
+        "model_type": "qwen3_5_text",
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "layer_types": _layer_types(4),
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 16,
+        "linear_num_key_heads": 4,
+        "linear_num_value_heads": 8,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+        },
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "dtype": "float32",
+        "mtp_num_hidden_layers": 1,
+    }
+    if "num_hidden_layers" in overrides and "layer_types" not in overrides:
+        overrides = {**overrides, "layer_types": _layer_types(overrides["num_hidden_layers"])}
+    config.update(overrides)
+    return config
+
+
+# Shapes from the text_config of the public Hugging Face config.json files of Qwen/Qwen3.5-9B and
+# Qwen/Qwen3.5-27B; the 9B values are also transformers 5.24's Qwen3_5TextConfig defaults.
+def nine_b_config() -> dict:
+    """Qwen3.5-9B text shapes."""
+    return tiny_config(
+        vocab_size=248320,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+        },
+        max_position_embeddings=262144,
+        eos_token_id=248044,
+        dtype="bfloat16",
+    )
+
+
+def twenty_seven_b_config() -> dict:
+    """Qwen3.5-27B text shapes."""
+    return tiny_config(
+        vocab_size=248320,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=64,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=48,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+        },
+        max_position_embeddings=262144,
+        eos_token_id=248044,
+        dtype="bfloat16",
+    )
+
+
+def _decoder_layer_shapes(prefix: str, c: dict, layer_type: str) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes of one decoder layer under `prefix` (e.g. 'model.layers.3.')."""
+    h = c["hidden_size"]
+    shapes: dict[str, tuple[int, ...]] = {f"{prefix}input_layernorm.weight": (h,)}
+    if layer_type == "linear_attention":
+        nk, nv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+        dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+        conv_dim = 2 * nk * dk + nv * dv
+        a = f"{prefix}linear_attn."
+        shapes |= {
+            f"{a}in_proj_qkv.weight": (conv_dim, h),
+            f"{a}in_proj_z.weight": (nv * dv, h),
+            f"{a}in_proj_b.weight": (nv, h),
+            f"{a}in_proj_a.weight": (nv, h),
+            f"{a}conv1d.weight": (conv_dim, 1, c["linear_conv_kernel_dim"]),
+            f"{a}dt_bias": (nv,),
+            f"{a}A_log": (nv,),
+            f"{a}norm.weight": (dv,),
+            f"{a}out_proj.weight": (h, nv * dv),
+        }
+    elif layer_type == "full_attention":
+        nq, nkv, d = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+        a = f"{prefix}self_attn."
+        shapes |= {
+            f"{a}q_proj.weight": (2 * nq * d, h),  # per head: [query | output gate]
+            f"{a}k_proj.weight": (nkv * d, h),
+            f"{a}v_proj.weight": (nkv * d, h),
+            f"{a}o_proj.weight": (h, nq * d),
+            f"{a}q_norm.weight": (d,),
+            f"{a}k_norm.weight": (d,),
+        }
+    else:
+        raise ValueError(f"unknown layer type {layer_type!r}")
+    i = c["intermediate_size"]
+    shapes |= {
+        f"{prefix}post_attention_layernorm.weight": (h,),
+        f"{prefix}mlp.gate_proj.weight": (i, h),
+        f"{prefix}mlp.up_proj.weight": (i, h),
+        f"{prefix}mlp.down_proj.weight": (h, i),
+    }
+    return shapes
+
+
+def parameter_shapes(config: dict, mtp: bool = True) -> dict[str, tuple[int, ...]]:
+    """Ordered text-layout parameter names and shapes of a Qwen3.5 text checkpoint."""
+    h = config["hidden_size"]
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config["vocab_size"], h)}
+    for i, layer_type in enumerate(config["layer_types"][: config["num_hidden_layers"]]):
+        shapes |= _decoder_layer_shapes(f"model.layers.{i}.", config, layer_type)
+    shapes["model.norm.weight"] = (h,)
+    if not config.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (config["vocab_size"], h)
+    if mtp:
+        shapes |= {
+            "mtp.fc.weight": (h, 2 * h),
+            "mtp.pre_fc_norm_embedding.weight": (h,),
+            "mtp.pre_fc_norm_hidden.weight": (h,),
+        }
+        for j in range(config.get("mtp_num_hidden_layers", 1)):
+            shapes |= _decoder_layer_shapes(f"mtp.layers.{j}.", config, "full_attention")
+        shapes["mtp.norm.weight"] = (h,)
+    return shapes
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    """Per-tensor generator, so values depend only on (seed, name), not on order or sharding."""
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def random_tensor(
+    config: dict, name: str, shape: tuple[int, ...], seed: int, dtype=torch.float32
+) -> Tensor:
+    """One randomly initialised parameter, chosen by its (text-layout) name."""
+    g = _generator(seed, name)
+    module = name.split(".")[-2]
+
+    def randn() -> Tensor:
+        return torch.randn(shape, generator=g)
+
+    # In-place ops keep the peak at one fp32 copy (+ the cast) for vocab-sized tensors.
+    if name == "model.embed_tokens.weight":
+        t = randn()
+    elif name == "lm_head.weight":
+        t = randn().mul_(LOGIT_GAIN / math.sqrt(shape[1]))
+    elif name.endswith("linear_attn.norm.weight"):
+        t = randn().mul_(0.2).add_(1.0)  # gated RMSNorm multiplies by w directly
+    elif "norm" in module:
+        t = randn().mul_(0.2)  # zero-centred RMSNorm: x̂ * (1 + w)
+    elif name.endswith("A_log"):
+        t = torch.empty(shape).uniform_(0.5, 8.0, generator=g).log_()
+    elif name.endswith("dt_bias"):
+        t = randn().mul_(0.5)
+    elif name.endswith("conv1d.weight"):
+        t = randn().mul_(0.3)
+    elif len(shape) == 2:
+        t = randn().mul_(1.0 / math.sqrt(shape[1]))
+    else:
+        raise ValueError(f"no init rule for {name}")
+    return t.to(dtype)
+
+
+def random_state_dict(
+    config: dict, seed: int, dtype=torch.float32, mtp: bool = True
+) -> dict[str, Tensor]:
+    """Deterministic random text-layout state dict for `config`."""
+    return {
+        n: random_tensor(config, n, s, seed, dtype)
+        for n, s in parameter_shapes(config, mtp).items()
+    }
+
+
+def layout_name(name: str, layout: str) -> str:
+    """Rename a text-layout parameter name for a checkpoint layout."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "language_model" and name.startswith("model."):
+        return "model.language_model." + name.removeprefix("model.")
+    return name
+
+
+def text_layout_name(name: str) -> str:
+    """Undo `layout_name`: map a checkpoint name of either layout to the text layout."""
+    if name.startswith("model.language_model."):
+        return "model." + name.removeprefix("model.language_model.")
+    return name
+
+
+def checkpoint_config(config: dict, layout: str) -> dict:
+    """The config.json contents for a text config written in `layout`."""
+    text = {k: v for k, v in config.items() if k != "architectures"}
+    if layout == "model":
+        return {**text, "architectures": ["Qwen3_5ForCausalLM"]}
+    if layout == "language_model":
+        return {
+            "model_type": "qwen3_5",
+            "architectures": ["Qwen3_5ForConditionalGeneration"],
+            "text_config": text,
+            "tie_word_embeddings": text.get("tie_word_embeddings", False),
+        }
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def _split(sizes: list[int], shards: int) -> list[int]:
+    """Shard index of each tensor: contiguous groups of roughly equal byte size."""
+    if not 1 <= shards <= len(sizes):
+        raise ValueError(f"shards must be in [1, {len(sizes)}], got {shards}")
+    total, done, shard, out = sum(sizes), 0, 0, []
+    for i, size in enumerate(sizes):
+        target = min(done * shards // total, shard + 1, shards - 1)
+        # but leave at least one tensor for every later shard
+        shard = max(shard, target, shards - (len(sizes) - i))
+        out.append(shard)
+        done += size
+    return out
+
+
+def _write_safetensors(
+    file: Path,
+    entries: list[tuple[str, tuple[int, ...], torch.dtype]],
+    get: Callable[[], Iterator[Tensor]],
+    progress: Callable[[int], None],
+) -> None:
+    """Stream tensors into a safetensors file, holding one tensor at a time."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, dtype in entries:
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {
+            "dtype": _ST_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for (name, shape, dtype), tensor in zip(entries, get(), strict=True):
+            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                raise ValueError(
+                    f"{name}: expected {shape} {dtype}, got {tuple(tensor.shape)} {tensor.dtype}"
+                )
+            f.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            progress(tensor.numel() * dtype.itemsize)
+
+
+def _write(
+    path: str | Path,
+    config: dict,
+    entries: list[tuple[str, tuple[int, ...], torch.dtype]],
+    tensor_of: Callable[[str], Tensor],
+    layout: str,
+    shards: int,
+) -> None:
+    """Write config.json and weights; `entries` are text-layout (name, shape, dtype) triples."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(
+        json.dumps(checkpoint_config(config, layout), indent=2) + "\n"
+    )
+    sizes = [math.prod(s) * d.itemsize for _, s, d in entries]
+    total = sum(sizes)
+    shard_of = _split(sizes, shards)
+    files = (
+        ["model.safetensors"]
+        if shards == 1
+        else [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    )
+    verbose, written, reported = total >= PROGRESS_MIN_BYTES, 0, 0
+
+    def progress(nbytes: int) -> None:
+        nonlocal written, reported
+        written += nbytes
+        if verbose and (written - reported >= total // 50 or written == total):
+            reported = written
+            print(
+                f"random_checkpoint: {written / 2**30:.1f}/{total / 2**30:.1f} GiB -> {path}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    weight_map = {}
+    for k, file in enumerate(files):
+        group = [e for e, s in zip(entries, shard_of, strict=True) if s == k]
+        named = [(layout_name(n, layout), shape, dtype) for n, shape, dtype in group]
+        _write_safetensors(
+            path / file, named, lambda g=group: (tensor_of(n) for n, _, _ in g), progress
+        )
+        weight_map |= {n: file for n, _, _ in named}
+    if shards > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def write_checkpoint(
+    path: str | Path,
+    config: dict,
+    state_dict: dict[str, Tensor],
+    layout: str = "model",
+    shards: int = 1,
+) -> None:
+    """Write a text-layout state dict and its config as a Hugging Face checkpoint folder."""
+    entries = [(n, tuple(t.shape), t.dtype) for n, t in state_dict.items()]
+    _write(path, config, entries, state_dict.__getitem__, layout, shards)
+
+
+def write_random_checkpoint(
+    path: str | Path,
+    config: dict | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    layout: str = "model",
+    shards: int = 1,
+    mtp: bool = True,
+    keep: bool | None = None,
+) -> dict[str, Tensor]:
+    """Stream a random checkpoint to `path`; returns its text-layout state dict, or {} if not kept.
+
+    Tensors are generated one at a time while writing, so peak memory is one tensor plus what is
+    kept; `keep=None` keeps (and returns) the state dict only below KEEP_LIMIT_BYTES.
+    """
+    config = dict(tiny_config() if config is None else config)
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    shapes = parameter_shapes(config, mtp)
+    entries = [(n, s, dtype) for n, s in shapes.items()]
+    if keep is None:
+        keep = sum(math.prod(s) for s in shapes.values()) * dtype.itemsize < KEEP_LIMIT_BYTES
+    kept: dict[str, Tensor] = {}
+
+    def tensor_of(name: str) -> Tensor:
+        t = random_tensor(config, name, shapes[name], seed, dtype)
+        if keep:
+            kept[name] = t
+        return t
+
+    _write(path, config, entries, tensor_of, layout, shards)
+    return {n: kept[n] for n in shapes} if keep else {}

@@ -1,0 +1,186 @@
+"""The orchestrator's side of a worker connection, and spawning workers on this machine."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from shardspec.protocol import codec, transport
+from shardspec.protocol.codec import Message
+from shardspec.protocol.errors import RemoteError
+from shardspec.protocol.messages import REPLIES, HelloRequest, parse, to_meta
+
+log = logging.getLogger("shardspec.orchestrator")
+
+
+class WorkerLost(ConnectionError):
+    """The connection to a worker broke, or its process exited."""
+
+
+class WorkerClient:
+    """One DEALER socket to one worker; requests are matched to replies by id."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str):
+        self.address = address
+        self.sock = ctx.socket(zmq.DEALER)
+        transport.configure(self.sock)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self.sock.connect(address)
+        self.pending: dict[int, asyncio.Future] = {}
+        self.next_id = 1
+        self.connected = False
+        self.failure: Exception | None = None
+        self.tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+
+    def submit(self, request: Any, tensors: dict[str, torch.Tensor] | None = None) -> asyncio.Future:
+        """Send a request now; the future resolves to (reply, tensors) or raises."""
+        future = asyncio.get_running_loop().create_future()
+        if self.failure is not None:
+            future.set_exception(self.failure)
+            return future
+        request_id, self.next_id = self.next_id, self.next_id + 1
+        self.pending[request_id] = future
+        transport.send(self.sock, Message(request.OP, request_id, to_meta(request), tensors or {}))
+        return future
+
+    async def call(self, request: Any, tensors: dict | None = None, timeout: float | None = None) -> tuple:
+        future = self.submit(request, tensors)
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            raise WorkerLost(f"worker {self.address} did not answer {request.OP!r} within {timeout:.0f}s") from None
+
+    def fail(self, exc: Exception) -> None:
+        """Fail every pending and future request with `exc`."""
+        self.failure = exc
+        for future in self.pending.values():
+            if not future.done():
+                future.set_exception(exc)
+        self.pending.clear()
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            try:
+                reply = codec.decode(frames)
+                body = parse(REPLIES[reply.op], reply.meta)
+            except Exception as exc:  # e.g. a worker of another protocol version: fail that request
+                log.error("undecodable reply from %s: %s", self.address, exc)
+                future = self.pending.pop(codec.peek_id(frames), None)
+                if future is not None and not future.done():
+                    future.set_exception(WorkerLost(f"worker {self.address}: {exc}"))
+                continue
+            future = self.pending.pop(reply.id, None)
+            if future is None:
+                log.warning("reply %d from %s matches no request", reply.id, self.address)
+            elif future.done():  # the caller gave up waiting (cancelled)
+                continue
+            elif reply.op == "error":
+                future.set_exception(RemoteError(self.address, body.code, body.message))
+            else:
+                future.set_result((body, reply.tensors))
+
+    async def _watch(self) -> None:
+        while True:
+            event = parse_monitor_message(await self.monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_CONNECTED:
+                self.connected = True
+            elif event["event"] == zmq.EVENT_DISCONNECTED and self.connected:
+                self.connected = False
+                self.fail(WorkerLost(f"lost the connection to worker {self.address}"))
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.fail(WorkerLost(f"connection to {self.address} closed"))
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the orchestrator dies, however it dies (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class LocalWorkers:
+    """Worker daemons spawned on this machine on ipc:// sockets; they die with this process."""
+
+    def __init__(self, count: int, device: str):
+        self.dir = Path(tempfile.mkdtemp(prefix="shardspec-"))
+        self.addresses = [f"ipc://{self.dir}/worker{i}.sock" for i in range(count)]
+        self.logs = [self.dir / f"worker{i}.log" for i in range(count)]
+        devices = [f"cuda:{i}" for i in range(count)] if device == "cuda" else [device] * count
+        threads = max(1, (os.cpu_count() or 1) // count) if device == "cpu" else 1
+        self.procs: list[subprocess.Popen] = []
+        for address, dev, log_path in zip(self.addresses, devices, self.logs):
+            cmd = [sys.executable, "-m", "shardspec", "worker", "--listen", address, "--device", dev,
+                   "--threads", str(threads)]
+            with open(log_path, "wb") as log_file:
+                self.procs.append(
+                    subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                                     preexec_fn=_die_with_parent)
+                )
+
+    def check_alive(self) -> None:
+        for i, proc in enumerate(self.procs):
+            if proc.poll() is not None:
+                raise WorkerLost(f"local worker {i} exited with code {proc.returncode}:\n{self.log_tail(i)}")
+
+    def log_tail(self, i: int, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.logs[i].read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+async def wait_ready(client: WorkerClient, local: LocalWorkers | None, timeout: float) -> Any:
+    """Say hello until the worker answers (it may still be starting); returns its HelloReply."""
+    future = client.submit(HelloRequest(client=f"shardspec-orchestrator pid {os.getpid()}"))
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not future.done():
+        if local is not None:
+            local.check_alive()
+        if asyncio.get_running_loop().time() > deadline:
+            future.cancel()
+            raise WorkerLost(f"worker {client.address} did not answer hello within {timeout:.0f}s")
+        await asyncio.wait([future], timeout=0.1)
+    hello, _ = future.result()
+    return hello
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,288 @@
+"""Typed request and reply definitions of every op. Worker and orchestrator both import this.
+
+Each op has a request and a reply dataclass. `parse(cls, meta)` checks a received meta map against
+the dataclass — no unknown keys, every required key present, exact types (a bool is not an int),
+numeric ranges from the field's metadata — and raises ProtocolError(BAD_REQUEST) naming the bad
+field. `to_meta(obj)` is the inverse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any, ClassVar, TypeVar
+
+from shardspec.protocol.errors import ErrorCode, ProtocolError
+
+MAX_STR = 4096
+MAX_LIST = 1 << 20
+INT64 = (-(2**63), 2**63 - 1)
+
+
+def bounded(lo: float, hi: float, default: Any = dataclasses.MISSING) -> Any:
+    """A field whose value must lie in [lo, hi]."""
+    return field(default=default, metadata={"range": (lo, hi)})
+
+
+# --- sampling -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-sequence sampling. temperature 0 means greedy; top_k 0 and top_p 1 mean no filter."""
+
+    temperature: float = bounded(0.0, 100.0, 0.0)
+    top_k: int = bounded(0, 1 << 30, 0)
+    top_p: float = bounded(0.0, 1.0, 1.0)
+    seed: int = bounded(0, 2**63 - 1, 0)
+
+    def __post_init__(self) -> None:
+        if self.top_p <= 0.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+# --- ops --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HelloRequest:
+    OP: ClassVar[str] = "hello"
+    client: str = ""
+
+
+@dataclass(frozen=True)
+class HelloReply:
+    OP: ClassVar[str] = "hello"
+    protocol: int
+    version: str
+    device: str
+    pid: int
+    hostname: str
+    state: str  # "idle" | "initialized" | "loaded"
+
+
+@dataclass(frozen=True)
+class InitRequest:
+    """Join a torch.distributed group; rank 0 hosts the rendezvous at dist_addr."""
+
+    OP: ClassVar[str] = "init"
+    rank: int = bounded(0, 4095)
+    world_size: int = bounded(1, 4096)
+    dist_addr: str = "tcp://127.0.0.1:29500"
+    timeout_s: float = bounded(1.0, 3600.0, 120.0)
+
+
+@dataclass(frozen=True)
+class InitReply:
+    OP: ClassVar[str] = "init"
+    rank: int
+    world_size: int
+    backend: str
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """Load this rank's shard of a checkpoint folder and allocate caches for max_slots sequences."""
+
+    OP: ClassVar[str] = "load"
+    model: str
+    dtype: str = "auto"
+    max_slots: int = bounded(1, 4096, 8)
+    max_seq_len: int = bounded(1, 1 << 22, 4096)
+    prefill_chunk: int = bounded(1, 1 << 20, 512)
+
+
+@dataclass(frozen=True)
+class LoadReply:
+    OP: ClassVar[str] = "load"
+    weight_bytes: int
+    cache_bytes: int
+    dtype: str
+    vocab_size: int
+    num_layers: int
+    has_mtp: bool
+    max_seq_len: int
+    eos_token_ids: list[int]
+    load_s: float
+    rss_bytes: int
+
+
+@dataclass(frozen=True)
+class PrefillSpec:
+    """A new sequence: its prompt is the next `length` ids of the step's `prompt_ids` tensor."""
+
+    seq: int = bounded(0, 2**63 - 1)
+    length: int = bounded(1, 1 << 22)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """Prefill new sequences and decode one token for running ones; all ranks do the same."""
+
+    OP: ClassVar[str] = "step"
+    prefill: list[PrefillSpec] = field(default_factory=list)
+    decode: list[int] = field(default_factory=list)
+    return_logits: bool = False
+
+
+@dataclass(frozen=True)
+class StepReply:
+    """Per sequence (prefills first, then decodes, in request order) the new token ids."""
+
+    OP: ClassVar[str] = "step"
+    seqs: list[int]
+    tokens: list[list[int]]
+    step_s: float
+
+
+@dataclass(frozen=True)
+class ReleaseRequest:
+    OP: ClassVar[str] = "release"
+    seqs: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ReleaseReply:
+    OP: ClassVar[str] = "release"
+    released: list[int]
+    free_slots: int
+
+
+@dataclass(frozen=True)
+class StatsRequest:
+    OP: ClassVar[str] = "stats"
+
+
+@dataclass(frozen=True)
+class StatsReply:
+    OP: ClassVar[str] = "stats"
+    state: str
+    device: str
+    rank: int
+    world_size: int
+    rss_bytes: int
+    rss_anon_bytes: int
+    device_bytes: int
+    weight_bytes: int
+    cache_bytes: int
+    slots_total: int
+    slots_free: int
+    live_sequences: list[int]
+    steps: int
+    errors: int
+
+
+@dataclass(frozen=True)
+class ShutdownRequest:
+    """Goodbye: the worker frees the model and the group and waits for the next orchestrator."""
+
+    OP: ClassVar[str] = "shutdown"
+
+
+@dataclass(frozen=True)
+class ShutdownReply:
+    OP: ClassVar[str] = "shutdown"
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    OP: ClassVar[str] = "error"
+    code: str
+    message: str
+
+
+REQUESTS: dict[str, type] = {
+    cls.OP: cls
+    for cls in (HelloRequest, InitRequest, LoadRequest, StepRequest, ReleaseRequest, StatsRequest, ShutdownRequest)
+}
+REPLIES: dict[str, type] = {
+    cls.OP: cls
+    for cls in (HelloReply, InitReply, LoadReply, StepReply, ReleaseReply, StatsReply, ShutdownReply, ErrorReply)
+}
+
+# --- validation -------------------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+def parse(cls: type[T], meta: Any, where: str = "meta") -> T:
+    """Build `cls` from a received map, validating every field; raises ProtocolError."""
+    if not isinstance(meta, dict):
+        _bad(where, f"must be a map, got {type(meta).__name__}")
+    hints = _hints(cls)
+    unknown = set(meta) - set(hints)
+    if unknown:
+        _bad(where, f"unknown fields {sorted(map(str, unknown))}; expected {sorted(hints)}")
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in meta:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                _bad(where, f"missing required field {f.name!r}")
+            continue
+        value = _check(hints[f.name], meta[f.name], f"{where}.{f.name}")
+        if "range" in f.metadata:
+            lo, hi = f.metadata["range"]
+            if not lo <= value <= hi:
+                _bad(f"{where}.{f.name}", f"{value!r} is outside [{lo}, {hi}]")
+        values[f.name] = value
+    try:
+        return cls(**values)
+    except ValueError as exc:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where}: {exc}") from None
+
+
+def to_meta(obj: Any) -> dict[str, Any]:
+    """The msgpack-ready map of a message dataclass."""
+    return dataclasses.asdict(obj)
+
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    return {f.name: typing.get_type_hints(cls)[f.name] for f in dataclasses.fields(cls)}
+
+
+def _check(tp: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is bool:
+        if type(value) is not bool:
+            _bad(where, f"expected a bool, got {type(value).__name__}")
+        return value
+    if tp is int:
+        if type(value) is not int or not INT64[0] <= value <= INT64[1]:
+            _bad(where, f"expected a 64-bit int, got {type(value).__name__}")
+        return value
+    if tp is float:
+        if type(value) not in (int, float) or not math.isfinite(value):
+            _bad(where, f"expected a finite number, got {value!r}"[:200])
+        return float(value)
+    if tp is str:
+        if type(value) is not str or len(value) > MAX_STR:
+            _bad(where, f"expected a string of at most {MAX_STR} chars")
+        return value
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if type(value) is not list or len(value) > MAX_LIST:
+            _bad(where, f"expected a list of at most {MAX_LIST} items")
+        return [_check(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _check(inner, value, where)
+    if dataclasses.is_dataclass(tp):
+        return parse(tp, value, where)
+    raise TypeError(f"unsupported schema type {tp!r} at {where}")  # a bug in this module
+
+
+def _bad(where: str, what: str) -> typing.NoReturn:
+    raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where}: {what}")

@@ -1,0 +1,298 @@
+"""The shard worker daemon: one process per device, serving one orchestrator at a time.
+
+States: idle -> (init) initialized -> (load) loaded; `shutdown` from the orchestrator, or losing
+its connection, frees everything and returns to idle. Only SIGINT/SIGTERM end the process.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+import socket
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from shardspec import __version__
+from shardspec.layers.parallel import TPGroup
+from shardspec.models.config import ConfigError
+from shardspec.models.loader import load_model
+from shardspec.protocol import codec, transport
+from shardspec.protocol.codec import Message
+from shardspec.protocol.errors import ErrorCode, ProtocolError
+from shardspec.protocol.messages import (
+    REQUESTS,
+    ErrorReply,
+    HelloReply,
+    InitReply,
+    InitRequest,
+    LoadReply,
+    LoadRequest,
+    ReleaseReply,
+    ReleaseRequest,
+    ShutdownReply,
+    StatsReply,
+    StepReply,
+    StepRequest,
+    parse,
+    to_meta,
+)
+from shardspec.shard_worker.runner import ModelRunner
+from shardspec.utils import memory_stats, parse_device, resolve_dtype
+
+log = logging.getLogger("shardspec.worker")
+
+
+class ShardWorker:
+    def __init__(self, listen: str, device: str):
+        self.listen = listen
+        self.device = parse_device(device)
+        self.state = "idle"
+        self.owner: bytes | None = None
+        self.owner_fd: int | None = None
+        self.tp: TPGroup | None = None
+        self.runner: ModelRunner | None = None
+        self.weight_bytes = 0
+        self.steps = 0
+        self.errors = 0
+        self.stopping = False
+        self.handlers = {
+            "hello": self._hello,
+            "init": self._init,
+            "load": self._load,
+            "step": self._step,
+            "release": self._release,
+            "stats": self._stats,
+            "shutdown": self._shutdown,
+        }
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        transport.configure(sock)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        try:
+            sock.bind(self.listen)
+            log.info("listening on %s, device %s, pid %d", self.listen, self.device, os.getpid())
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
+            while not self.stopping:
+                events = dict(poller.poll(200))
+                if monitor in events:
+                    self._drain_monitor(monitor)
+                if sock in events:
+                    self._serve_one(sock, monitor)
+        finally:
+            self._reset("worker stopping")
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            sock.close(linger=0)
+            ctx.term()
+            if self.listen.startswith("ipc://"):
+                Path(self.listen[len("ipc://") :]).unlink(missing_ok=True)
+            log.info("stopped")
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        if self.stopping:  # a second signal: the user means it
+            os._exit(128 + signum)
+        log.info("signal %d: stopping", signum)
+        self.stopping = True
+
+    def _drain_monitor(self, monitor: zmq.Socket) -> None:
+        while monitor.poll(0):
+            event = recv_monitor_message(monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED and event["value"] == self.owner_fd:
+                self._reset("orchestrator disconnected")
+
+    def _reset(self, why: str) -> None:
+        """Free the model, the caches and the process group; back to idle."""
+        if self.state == "idle" and self.owner is None:
+            return
+        log.info("%s: releasing model and group, back to idle", why)
+        self.runner = None
+        self.weight_bytes = 0
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.tp = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.state, self.owner, self.owner_fd = "idle", None, None
+
+    # --- one request ----------------------------------------------------------------------------
+
+    def _serve_one(self, sock: zmq.Socket, monitor: zmq.Socket) -> None:
+        parts = sock.recv_multipart(copy=False)
+        peer, frames = parts[0], parts[1:]
+        self._drain_monitor(monitor)  # a stale disconnect must not outlive a new hello
+        try:
+            request = codec.decode(frames)
+            reply = self._dispatch(peer.bytes, frames[0].get(zmq.SRCFD) if frames else None, request)
+        except ProtocolError as exc:
+            self.errors += 1
+            log.warning("rejected request: %s", exc)
+            reply = _error(codec.peek_id(frames), exc.code, exc.message)
+        except Exception as exc:  # a bug or a device failure: report it, keep serving
+            self.errors += 1
+            log.error("internal error: %s", traceback.format_exc())
+            reply = _error(codec.peek_id(frames), ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        transport.send(sock, reply, envelope=[peer.bytes])
+
+    def _dispatch(self, peer: bytes, fd: int | None, request: Message) -> Message:
+        if request.op not in REQUESTS:
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"{request.op!r} is not a request op")
+        body = parse(REQUESTS[request.op], request.meta)
+        if request.op == "hello":
+            if self.owner not in (None, peer):
+                raise ProtocolError(ErrorCode.BUSY, "this worker serves another orchestrator")
+            self.owner, self.owner_fd = peer, fd
+        elif self.owner is None:
+            raise ProtocolError(ErrorCode.BAD_STATE, f"say hello before {request.op!r}")
+        elif peer != self.owner:
+            raise ProtocolError(ErrorCode.BUSY, "this worker serves another orchestrator")
+        meta, tensors = self.handlers[request.op](body, request.tensors)
+        return Message(op=request.op, id=request.id, meta=to_meta(meta), tensors=tensors or {})
+
+    # --- ops ----------------------------------------------------------------------------------
+
+    def _hello(self, body: Any, _tensors: dict) -> tuple[HelloReply, None]:
+        reply = HelloReply(
+            protocol=codec.PROTOCOL_VERSION,
+            version=__version__,
+            device=str(self.device),
+            pid=os.getpid(),
+            hostname=socket.gethostname(),
+            state=self.state,
+        )
+        return reply, None
+
+    def _init(self, body: InitRequest, _tensors: dict) -> tuple[InitReply, None]:
+        if self.state != "idle":
+            raise ProtocolError(ErrorCode.BAD_STATE, f"worker is {self.state}; send shutdown before init")
+        if body.rank >= body.world_size:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"rank {body.rank} is not below world_size {body.world_size}")
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if body.world_size > 1:
+            if not body.dist_addr.startswith("tcp://"):
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"dist_addr must be tcp://HOST:PORT, got {body.dist_addr!r}")
+            log.info("joining %s group at %s as rank %d/%d", backend, body.dist_addr, body.rank, body.world_size)
+            try:
+                dist.init_process_group(
+                    backend,
+                    init_method=body.dist_addr,
+                    rank=body.rank,
+                    world_size=body.world_size,
+                    timeout=timedelta(seconds=body.timeout_s),
+                    device_id=self.device if self.device.type == "cuda" else None,
+                )
+            except Exception as exc:  # a peer that never came, a port in use
+                raise ProtocolError(ErrorCode.BAD_STATE, f"could not join the process group: {exc}") from None
+        self.tp = TPGroup(body.rank, body.world_size)
+        self.state = "initialized"
+        return InitReply(rank=body.rank, world_size=body.world_size, backend=backend), None
+
+    def _load(self, body: LoadRequest, _tensors: dict) -> tuple[LoadReply, None]:
+        if self.state != "initialized":
+            raise ProtocolError(ErrorCode.BAD_STATE, f"worker is {self.state}; load needs an initialized worker")
+        try:
+            dtype = resolve_dtype(body.dtype, body.model, self.device)
+        except ValueError as exc:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc)) from None
+        started = time.perf_counter()
+        log.info("loading %s as %s (rank %d of %d)", body.model, dtype, self.tp.rank, self.tp.size)
+        last_report = [0.0]
+
+        def progress(done: int, total: int) -> None:
+            if time.perf_counter() - last_report[0] > 2 or done == total:
+                last_report[0] = time.perf_counter()
+                log.info("loaded %d/%d tensors", done, total)
+
+        try:
+            model = load_model(body.model, self.tp, dtype, self.device, progress=progress)
+        except (ConfigError, OSError) as exc:
+            raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
+        self.weight_bytes = sum(p.nbytes for p in model.parameters())
+        config = model.config
+        max_seq_len = min(body.max_seq_len, config.max_position_embeddings)
+        self.runner = ModelRunner(model, self.device, body.max_slots, max_seq_len, body.prefill_chunk)
+        self.state = "loaded"
+        load_s = time.perf_counter() - started
+        log.info("loaded %.1f MB of weights, %.1f MB of cache in %.1fs", self.weight_bytes / 1e6,
+                 self.runner.cache_bytes / 1e6, load_s)
+        reply = LoadReply(
+            weight_bytes=self.weight_bytes,
+            cache_bytes=self.runner.cache_bytes,
+            dtype=str(dtype).removeprefix("torch."),
+            vocab_size=config.vocab_size,
+            num_layers=config.num_hidden_layers,
+            has_mtp=model.mtp is not None,
+            max_seq_len=max_seq_len,
+            eos_token_ids=config.eos_token_ids,
+            load_s=load_s,
+            rss_bytes=memory_stats()["rss_bytes"],
+        )
+        return reply, None
+
+    def _step(self, body: StepRequest, tensors: dict) -> tuple[StepReply, dict]:
+        runner = self._loaded()
+        if set(tensors) - {"prompt_ids"}:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"step takes one tensor 'prompt_ids', got {sorted(tensors)}")
+        prompt_ids = tensors.get("prompt_ids", torch.empty(0, dtype=torch.int64))
+        started = time.perf_counter()
+        result = runner.step(body, prompt_ids)
+        self.steps += 1
+        reply = StepReply(seqs=result.seqs, tokens=result.tokens, step_s=time.perf_counter() - started)
+        return reply, ({"logits": result.logits} if result.logits is not None else {})
+
+    def _release(self, body: ReleaseRequest, _tensors: dict) -> tuple[ReleaseReply, None]:
+        runner = self._loaded()
+        released = runner.release(body.seqs)
+        return ReleaseReply(released=released, free_slots=len(runner.slots.free)), None
+
+    def _stats(self, _body: Any, _tensors: dict) -> tuple[StatsReply, None]:
+        mem = memory_stats()
+        runner = self.runner
+        reply = StatsReply(
+            state=self.state,
+            device=str(self.device),
+            rank=self.tp.rank if self.tp else -1,
+            world_size=self.tp.size if self.tp else 0,
+            rss_bytes=mem["rss_bytes"],
+            rss_anon_bytes=mem["rss_anon_bytes"],
+            device_bytes=torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0,
+            weight_bytes=self.weight_bytes,
+            cache_bytes=runner.cache_bytes if runner else 0,
+            slots_total=runner.slots.total if runner else 0,
+            slots_free=len(runner.slots.free) if runner else 0,
+            live_sequences=sorted(runner.sequences) if runner else [],
+            steps=self.steps,
+            errors=self.errors,
+        )
+        return reply, None
+
+    def _shutdown(self, _body: Any, _tensors: dict) -> tuple[ShutdownReply, None]:
+        self._reset("orchestrator said goodbye")
+        return ShutdownReply(), None
+
+    def _loaded(self) -> ModelRunner:
+        if self.runner is None:
+            raise ProtocolError(ErrorCode.BAD_STATE, f"worker is {self.state}; load a model first")
+        return self.runner
+
+
+def _error(request_id: int, code: ErrorCode, message: str) -> Message:
+    return Message(op="error", id=request_id, meta=to_meta(ErrorReply(code=str(code), message=message)))

@@ -1,0 +1,77 @@
+"""Small helpers shared by the worker, the orchestrator and the CLI."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+_ADDRESS = re.compile(r"^(tcp://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):\d{1,5}|ipc://.+)$")
+
+
+def parse_device(spec: str) -> torch.device:
+    """'cpu', 'cuda' or 'cuda:N', checked against what this machine has."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", spec):
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {spec!r}")
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {spec!r} asked for, but this machine has no CUDA GPU")
+        index = device.index or 0
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {spec!r} asked for, but this machine has {torch.cuda.device_count()} GPUs")
+        device = torch.device("cuda", index)
+    return device
+
+
+def check_address(address: str) -> str:
+    """A ZeroMQ endpoint shardspec accepts: tcp://HOST:PORT or ipc://PATH."""
+    if not _ADDRESS.match(address):
+        raise ValueError(f"address must be tcp://HOST:PORT or ipc://PATH, got {address!r}")
+    if address.startswith("tcp://") and not 0 < int(address.rsplit(":", 1)[1]) < 65536:
+        raise ValueError(f"port out of range in {address!r}")
+    return address
+
+
+def resolve_dtype(name: str, model_dir: str | Path, device: torch.device) -> torch.dtype:
+    """'auto' is the checkpoint's dtype on CPU and bfloat16 on a GPU."""
+    if name not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {name!r}")
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda":
+        return torch.bfloat16
+    try:
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return torch.float32
+    text = raw.get("text_config") or raw
+    found = text.get("dtype") or text.get("torch_dtype") or raw.get("torch_dtype") or "float32"
+    return getattr(torch, found) if found in DTYPE_CHOICES else torch.float32
+
+
+def memory_stats() -> dict[str, int]:
+    """Resident memory of this process (Linux /proc), in bytes; zeros where unavailable."""
+    stats = {"rss_bytes": 0, "rss_anon_bytes": 0}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon"):
+                stats["rss_bytes" if key == "VmRSS" else "rss_anon_bytes"] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return stats
+
+
+def setup_logging(name: str, level: str = "INFO") -> None:
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=level.upper(),
+        format=f"%(asctime)s.%(msecs)03d %(levelname)s {name} %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+    )
