@@ -1,0 +1,68 @@
+"""The `shardspec` command line, run as a user would run it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def shardspec(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardspec", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_help_lists_the_commands():
+    result = shardspec("--help")
+    assert result.returncode == 0
+    assert "worker" in result.stdout and "generate" in result.stdout
+
+
+def test_generate_json_reports_tokens_reason_and_stats(tiny_model):
+    result = shardspec("generate", "--model", str(tiny_model), "--prompt-ids", "1,2,3", "--max-tokens", "9",
+                       "--local", "2", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert len(out["token_ids"]) == 9 and out["finish_reason"] == "length"
+    assert set(out["stats"]) == {"prompt_tokens", "generated_tokens", "tokens_per_s", "time_to_first_token_s"}
+    assert out["stats"]["prompt_tokens"] == 3 and out["stats"]["generated_tokens"] == 9
+    assert "text" not in out  # this checkpoint has no tokenizer
+
+    again = shardspec("generate", "--model", str(tiny_model), "--prompt-ids", "1,2,3", "--max-tokens", "9",
+                      "--local", "1", "--json")
+    assert json.loads(again.stdout)["token_ids"] == out["token_ids"]  # TP = 1 gives the same greedy output
+
+
+def test_generate_streams_token_ids_and_a_summary_without_json(tiny_model):
+    result = shardspec("generate", "--model", str(tiny_model), "--prompt-ids", "4,5", "--max-tokens", "5")
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.split()) == 5
+    assert "5 tokens" in result.stderr and "tokens/s" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "exactly one"),
+        (["hello", "--prompt-ids", "1"], "exactly one"),
+        (["--prompt-ids", "1,x"], "comma-separated integers"),
+        (["--prompt-ids", "1", "--max-tokens", "0"], "--max-tokens"),
+        (["--prompt-ids", "1,99999"], "[0, 512)"),
+        (["--prompt-ids", "1", "--max-tokens", "5000"], "exceeds the context"),
+        (["hello"], "tokenizer"),
+        (["--prompt-ids", "1", "--tp", "2", "--local", "1"], "tp must equal"),
+        (["--prompt-ids", "1", "--workers", "nonsense"], "tcp://HOST:PORT"),
+    ],
+)
+def test_generate_rejects_bad_input_with_exit_code_2_and_no_traceback(tiny_model, args, message):
+    result = shardspec("generate", "--model", str(tiny_model), *args)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_generate_on_a_folder_without_a_model_says_so(tmp_path):
+    result = shardspec("generate", "--model", str(tmp_path), "--prompt-ids", "1")
+    assert result.returncode == 2 and "not a model folder" in result.stderr
+    assert "Traceback" not in result.stderr

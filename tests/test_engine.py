@@ -1,0 +1,138 @@
+"""The asyncio engine: sampling, bad input, cancellation, cleanup, reusing running workers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections import Counter
+
+import pytest
+import torch
+
+import shardspec
+from shardspec.layers.sampling import filtered_logits
+from shardspec.protocol.messages import SamplingParams
+
+PROMPT = [5, 17, 300, 42]
+
+
+async def collect(engine, prompt=PROMPT, **kwargs) -> list[int]:
+    tokens = []
+    async for chunk in engine.generate(prompt, **kwargs):
+        tokens += chunk.token_ids
+    return tokens
+
+
+def test_top_k_keeps_exactly_the_k_most_likely_tokens():
+    logits = torch.randn(100)
+    kept = filtered_logits(logits, SamplingParams(temperature=1.0, top_k=7)).isfinite()
+    assert kept.sum() == 7 and set(kept.nonzero().flatten().tolist()) == set(logits.topk(7).indices.tolist())
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    kept = filtered_logits(logits, SamplingParams(temperature=1.0, top_p=0.75)).isfinite()
+    assert kept.tolist() == [True, True, False, False]
+    kept = filtered_logits(logits, SamplingParams(temperature=1.0, top_p=0.8)).isfinite()
+    assert kept.tolist() == [True, True, False, False]  # 0.5 + 0.3 reaches 0.8
+    kept = filtered_logits(logits, SamplingParams(temperature=1.0, top_p=0.81)).isfinite()
+    assert kept.tolist() == [True, True, True, False]
+
+
+def test_sampling_is_reproducible_with_a_seed_and_respects_top_k(tiny_model):
+    async def run():
+        async with shardspec.connect(model=str(tiny_model), local=2) as engine:
+            a = await collect(engine, max_tokens=24, temperature=1.0, seed=3)
+            b = await collect(engine, max_tokens=24, temperature=1.0, seed=3)
+            c = await collect(engine, max_tokens=24, temperature=1.0, seed=4)
+            greedy = await collect(engine, max_tokens=24)
+            top1 = await collect(engine, max_tokens=24, temperature=0.8, top_k=1, seed=9)
+            return a, b, c, greedy, top1
+
+    a, b, c, greedy, top1 = asyncio.run(run())
+    assert a == b and a != c
+    assert top1 == greedy  # top-k 1 leaves only the argmax
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"prompt": []}, "empty"),
+        ({"prompt": [1, 512]}, "[0, 512)"),
+        ({"prompt": [1, -1]}, "[0, 512)"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 10_000}, "exceeds the context"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"prompt": "text"}, "tokenizer"),
+    ],
+)
+def test_bad_requests_raise_clear_errors_and_the_engine_keeps_serving(tiny_model, kwargs, message):
+    async def run():
+        async with shardspec.connect(model=str(tiny_model), local=1, max_seq_len=256) as engine:
+            with pytest.raises(ValueError) as info:
+                await collect(engine, **{"max_tokens": 4, **kwargs})
+            assert message in str(info.value)
+            return await collect(engine, max_tokens=4)
+
+    assert len(asyncio.run(run())) == 4
+
+
+def test_cancelled_generations_free_their_slots(tiny_model):
+    async def run():
+        async with shardspec.connect(model=str(tiny_model), local=2, max_slots=4) as engine:
+            for n in range(6):  # more than max_slots: leaked slots would block later requests
+                stream = engine.generate(PROMPT, max_tokens=50)
+                for _ in range(n % 3 + 1):
+                    await anext(stream)
+                await stream.aclose()
+            task = asyncio.create_task(collect(engine, max_tokens=50))
+            await asyncio.sleep(0.2)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await collect(engine, max_tokens=3)  # a release rides before this step
+            return await engine.stats()
+
+    for stats in asyncio.run(run()):
+        assert stats.slots_free == stats.slots_total == 4 and stats.live_sequences == []
+
+
+def test_closing_the_engine_leaves_no_process_or_socket_behind(tiny_model):
+    async def run():
+        async with shardspec.connect(model=str(tiny_model), local=2) as engine:
+            await collect(engine, max_tokens=2)
+            return engine.local.procs, engine.local.dir
+
+    procs, folder = asyncio.run(run())
+    assert all(p.poll() is not None for p in procs)
+    assert not folder.exists()
+    assert all(not os.path.exists(f"/proc/{p.pid}") or open(f"/proc/{p.pid}/stat").read().split()[2] == "Z"
+               for p in procs)
+
+
+def test_an_orchestrator_uses_running_workers_and_the_next_one_reuses_them(tiny_model, spawn_worker):
+    workers = [spawn_worker(), spawn_worker()]
+    addresses = [w.address for w in workers]
+
+    async def one_session():
+        async with shardspec.connect(model=str(tiny_model), workers=addresses) as engine:
+            return await collect(engine, max_tokens=12)
+
+    first, second = asyncio.run(one_session()), asyncio.run(one_session())
+    assert first == second and len(first) == 12
+    assert all(w.proc.poll() is None for w in workers)  # daemons outlive their orchestrators
+
+
+def test_connect_rejects_inconsistent_arguments(tiny_model, tmp_path):
+    async def attempt(**kwargs):
+        async with shardspec.connect(**kwargs):
+            pass
+
+    with pytest.raises(ValueError, match="not both"):
+        asyncio.run(attempt(model=str(tiny_model), workers=["ipc:///tmp/x"], local=1))
+    with pytest.raises(ValueError, match="tp must equal"):
+        asyncio.run(attempt(model=str(tiny_model), workers=["ipc:///tmp/x"], tp=2))
+    with pytest.raises(ValueError, match="not a model folder"):
+        asyncio.run(attempt(model=str(tmp_path), local=1))
+    with pytest.raises(ValueError, match="tcp://HOST:PORT"):
+        asyncio.run(attempt(model=str(tiny_model), workers=["localhost:7000"]))
