@@ -409,3 +409,28 @@ def write_random_checkpoint(
 
     _write(path, config, entries, tensor_of, layout, shards)
     return {n: kept[n] for n in shapes} if keep else {}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m shardspec.models.random_checkpoint DIR`: write a random-weight checkpoint."""
+    import argparse
+
+    sizes = {"tiny": tiny_config, "9b": nine_b_config, "27b": twenty_seven_b_config}
+    parser = argparse.ArgumentParser(description="Write a random-weight Qwen3.5 checkpoint folder.")
+    parser.add_argument("path", type=Path)
+    parser.add_argument("--size", choices=sizes, default="tiny")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                        help="default: float32 for tiny, bfloat16 otherwise")
+    parser.add_argument("--layout", choices=LAYOUTS, default="model")
+    parser.add_argument("--shards", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-mtp", action="store_true", help="leave out the mtp.* weights")
+    args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype or ("float32" if args.size == "tiny" else "bfloat16"))
+    write_random_checkpoint(args.path, sizes[args.size](), seed=args.seed, dtype=dtype, layout=args.layout,
+                            shards=args.shards, mtp=not args.no_mtp, keep=False)
+    print(f"wrote a random {args.size} checkpoint to {args.path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
