@@ -136,3 +136,11 @@ def test_connect_rejects_inconsistent_arguments(tiny_model, tmp_path):
         asyncio.run(attempt(model=str(tmp_path), local=1))
     with pytest.raises(ValueError, match="tcp://HOST:PORT"):
         asyncio.run(attempt(model=str(tiny_model), workers=["localhost:7000"]))
+
+
+def test_filters_apply_per_row_of_a_batch_of_distributions():
+    logits = torch.randn(4, 50)
+    params = SamplingParams(temperature=1.0, top_k=3, top_p=0.9)
+    batched = filtered_logits(logits, params)
+    assert torch.equal(batched, torch.stack([filtered_logits(row, params) for row in logits]))
+    assert (batched.isfinite().sum(-1) <= 3).all()

@@ -128,7 +128,7 @@ def test_every_op_round_trips_through_its_typed_definition():
         m.ReleaseRequest(seqs=[1]),
         m.StatsRequest(),
         m.ShutdownRequest(),
-        m.StepReply(seqs=[1], tokens=[[4, 5]], step_s=0.5),
+        m.StepReply(seqs=[1], tokens=[[4, 5]], accepted=[1], drafts=[[6]], finished=[''], step_s=0.5),
         m.ErrorReply(code="busy", message="no"),
     ]
     for sample in samples:

@@ -8,6 +8,8 @@ import json
 import sys
 from typing import Any
 
+from shardspec.orchestrator.engine import DEFAULT_DRAFT_TOKENS, FORCED_ACCEPTANCE_ENV
+
 EXAMPLES = """\
 examples:
   shardspec generate "def fibonacci(n):" --model DIR --local 2
@@ -62,6 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, metavar="P")
     gen.add_argument("--seed", type=int, default=None, metavar="S")
     gen.add_argument("--max-seq-len", type=int, default=4096, metavar="N", help="cache length per sequence")
+    gen.add_argument("--no-mtp", action="store_true",
+                     help="plain decoding (default: speculative decoding with the model's MTP head, if it has one)")
+    gen.add_argument("--draft-tokens", type=int, default=None, metavar="K",
+                     help=f"MTP drafts verified per step (default {DEFAULT_DRAFT_TOKENS})")
+    gen.add_argument("--no-pipeline", action="store_true", help="wait for each step's reply before sending the next")
+    gen.add_argument("--forced-acceptance", type=float, default=None, metavar="P",
+                     help=f"BENCHMARKS ONLY: accept each draft with probability P whatever the model says; "
+                          f"changes the output; needs {FORCED_ACCEPTANCE_ENV}=1")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
@@ -115,7 +125,9 @@ def _generate_inputs(args: argparse.Namespace) -> tuple[Any, list[str] | None]:
         except ValueError:
             raise UsageError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
     workers = [w.strip() for w in args.workers.split(",") if w.strip()] if args.workers else None
-    for name in ("max_tokens", "local", "tp", "max_seq_len"):
+    if args.no_mtp and args.draft_tokens is not None:
+        raise UsageError("--draft-tokens sets MTP drafts; it cannot go with --no-mtp")
+    for name in ("max_tokens", "local", "tp", "max_seq_len", "draft_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -134,7 +146,10 @@ async def run_generate(args: argparse.Namespace) -> int:
     final = None
     try:
         async with connect(args.model, workers=workers, local=args.local, device=args.device, tp=args.tp,
-                           dtype=args.dtype, max_slots=1, max_seq_len=args.max_seq_len) as engine:
+                           dtype=args.dtype, max_slots=1, max_seq_len=args.max_seq_len,
+                           mtp=False if args.no_mtp else None,
+                           draft_tokens=args.draft_tokens or DEFAULT_DRAFT_TOKENS, pipeline=not args.no_pipeline,
+                           forced_acceptance=args.forced_acceptance) as engine:
             async for chunk in engine.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                                                top_k=args.top_k, top_p=args.top_p, seed=args.seed):
                 token_ids += chunk.token_ids
@@ -155,7 +170,18 @@ async def run_generate(args: argparse.Namespace) -> int:
             out["text"] = text
         print(json.dumps(out))
     else:
-        s = final.stats
-        print(f"\n[{s['generated_tokens']} tokens, {s['tokens_per_s']:.1f} tokens/s, "
-              f"first token {s['time_to_first_token_s']:.2f}s, finish: {final.finish_reason}]", file=sys.stderr)
+        print("\n" + summary_line(final.finish_reason, final.stats), file=sys.stderr)
     return 0
+
+
+def summary_line(finish_reason: str | None, s: dict[str, Any]) -> str:
+    """One line after a streamed completion: tokens, speed, MTP acceptance."""
+    parts = [f"{s['generated_tokens']} tokens", f"{s['tokens_per_s']:.1f} tokens/s",
+             f"first token {s['time_to_first_token_s']:.2f}s"]
+    if "mean_acceptance_length" in s:
+        parts.append(f"mean acceptance length {s['mean_acceptance_length']:.2f}")
+    else:
+        parts.append("MTP off")
+    if "forced_acceptance" in s:
+        parts.append(f"FORCED ACCEPTANCE {s['forced_acceptance']} (benchmark: not the model's output)")
+    return "[" + ", ".join(parts) + f", finish: {finish_reason}]"

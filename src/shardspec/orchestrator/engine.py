@@ -1,8 +1,10 @@
 """The asyncio engine: connects to the workers, loads the model and runs the step loop.
 
-Requests enter a queue; one scheduler task admits them into free cache slots, sends one `step`
-to every worker (the same command to each rank), and routes the new tokens back to each request's
-stream. Workers keep all sequence state, so a step command carries only ids.
+Requests enter a queue; one scheduler task admits them into free cache slots and sends `step`
+commands to every worker (the same command to each rank). Workers keep all sequence state — the
+pending token and the MTP drafts — so a step command carries only sequence ids, and the loop keeps
+the next step on the wire before the current step's reply is read (pipelining): a worker finishing
+step N finds step N+1 already queued on its socket.
 """
 
 from __future__ import annotations
@@ -10,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +28,7 @@ import zmq.asyncio
 from shardspec.orchestrator.tokenizer import Detokenizer, Tokenizer
 from shardspec.orchestrator.workers import LocalWorkers, WorkerClient, WorkerLost, free_port, wait_ready
 from shardspec.protocol.messages import (
+    MAX_DRAFT_TOKENS,
     InitRequest,
     LoadRequest,
     PrefillSpec,
@@ -37,6 +41,9 @@ from shardspec.protocol.messages import (
 from shardspec.utils import DTYPE_CHOICES, check_address
 
 log = logging.getLogger("shardspec.orchestrator")
+
+FORCED_ACCEPTANCE_ENV = "SHARDSPEC_BENCHMARK_FORCED_ACCEPTANCE"
+DEFAULT_DRAFT_TOKENS = 3
 
 
 class EngineError(RuntimeError):
@@ -59,13 +66,23 @@ class _Request:
     prompt: list[int]
     max_tokens: int
     sampling: SamplingParams
-    stop_ids: frozenset[int]
+    stop_ids: list[int]
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     generated: int = 0
     cancelled: bool = False
     finished: bool = False
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    drafts: int = 0  # verify steps with drafts
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Step:
+    """A step on the wire: one future per worker."""
+
+    futures: list[asyncio.Future]
 
 
 class Engine:
@@ -83,31 +100,35 @@ class Engine:
         self.loop_task: asyncio.Task | None = None
         self.load_info: Any = None
         self.max_slots = 0
+        self.pipeline_depth = 2
+        self.forced_acceptance: float | None = None
         self.closed = False
+
+    @property
+    def draft_tokens(self) -> int:
+        """MTP drafts per step; 0 when MTP is off."""
+        return self.load_info.draft_tokens
 
     # --- start and stop -------------------------------------------------------------------------
 
-    async def _start(
-        self,
-        model: str,
-        workers: list[str] | None,
-        local: int | None,
-        device: str,
-        tp: int | None,
-        dtype: str,
-        max_slots: int,
-        max_seq_len: int,
-        prefill_chunk: int,
-        dist_port: int | None,
-        connect_timeout: float,
-    ) -> None:
+    async def _start(self, model: str, workers: list[str] | None, local: int | None, device: str, tp: int | None,
+                     dtype: str, max_slots: int, max_seq_len: int, prefill_chunk: int, mtp: bool | None,
+                     draft_tokens: int, pipeline: bool, forced_acceptance: float | None, dist_port: int | None,
+                     connect_timeout: float) -> None:
         addresses = _worker_addresses(workers, local, tp)
         if dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {dtype!r}")
+        if type(draft_tokens) is not int or not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], got {draft_tokens!r}")
+        _check_forced_acceptance(forced_acceptance, mtp)
         model_dir = Path(model)
         if workers is None and not (model_dir / "config.json").is_file():
             raise ValueError(f"{model} is not a model folder (no config.json)")
+        if mtp and model_dir.is_dir() and not _has_mtp(model_dir):
+            raise ValueError(f"MTP asked for, but {model} has no MTP weights (mtp.*); use mtp=False / --no-mtp")
         self.tokenizer = Tokenizer.from_folder(model_dir) if model_dir.is_dir() else None
+        self.pipeline_depth = 2 if pipeline else 1
+        self.forced_acceptance = forced_acceptance
         if addresses is None:
             self.local = LocalWorkers(local or tp or 1, device)
             addresses = self.local.addresses
@@ -117,15 +138,18 @@ class Engine:
             log.info("worker %s: pid %d on %s, device %s", worker.address, hello.pid, hello.hostname, hello.device)
 
         dist_addr = _rendezvous(addresses[0], dist_port)
-        await self._all(
-            lambda rank: InitRequest(rank=rank, world_size=len(addresses), dist_addr=dist_addr), timeout=None
+        await self._all(lambda rank: InitRequest(rank=rank, world_size=len(addresses), dist_addr=dist_addr))
+        load = LoadRequest(
+            model=str(model_dir.resolve()) if model_dir.exists() else model,
+            dtype=dtype,
+            max_slots=max_slots,
+            max_seq_len=max_seq_len,
+            prefill_chunk=prefill_chunk,
+            mtp={None: "auto", True: "on", False: "off"}[mtp],
+            draft_tokens=draft_tokens,
+            forced_acceptance=-1.0 if forced_acceptance is None else forced_acceptance,
         )
-        replies = await self._all(
-            lambda rank: LoadRequest(str(model_dir.resolve()) if model_dir.exists() else model, dtype,
-                                     max_slots, max_seq_len, prefill_chunk),
-            timeout=None,
-        )
-        self.load_info = replies[0][0]
+        self.load_info = (await self._all(lambda rank: load))[0][0]
         self.max_slots = max_slots
         self.loop_task = asyncio.create_task(self._step_loop())
 
@@ -134,7 +158,7 @@ class Engine:
         if self.closed:
             return
         self.closed = True
-        if self.loop_task is not None:  # let a step or release in flight finish, then stop the loop
+        if self.loop_task is not None:  # let the steps in flight finish, then stop the loop
             self.wakeup.set()
             try:
                 await asyncio.wait_for(self.loop_task, 30)
@@ -185,7 +209,7 @@ class Engine:
         """Every worker's StatsReply, in rank order."""
         return [reply for reply, _ in await self._all(lambda rank: StatsRequest(), timeout=30)]
 
-    # --- the step loop --------------------------------------------------------------------------
+    # --- requests -------------------------------------------------------------------------------
 
     def _new_request(self, prompt, max_tokens, temperature, top_k, top_p, seed, stop_at_eos) -> _Request:
         if self.closed or self.loop_task is None:
@@ -216,77 +240,88 @@ class Engine:
             raise ValueError(f"bad sampling parameters: {exc}") from None
         if not 0 <= sampling.temperature <= 100 or sampling.top_k < 0 or not 0 <= sampling.seed < 2**63:
             raise ValueError("temperature must be in [0, 100], top_k >= 0, seed in [0, 2**63)")
-        stop_ids = frozenset(self.load_info.eos_token_ids) if stop_at_eos else frozenset()
-        return _Request(next(self.seq_ids), ids, max_tokens, sampling, stop_ids)
+        stop_ids = list(self.load_info.eos_token_ids) if stop_at_eos else []
+        return _Request(next(self.seq_ids), ids, max_tokens, sampling, stop_ids,
+                        accepted_per_position=[0] * self.draft_tokens)
+
+    # --- the step loop --------------------------------------------------------------------------
 
     async def _step_loop(self) -> None:
-        while not self.closed:
-            await self._release([r for r in self.running.values() if r.cancelled])
-            self.waiting = deque(r for r in self.waiting if not r.cancelled)
-            if not self.waiting and not self.running:
+        inflight: deque[_Step] = deque()
+        while not self.closed or inflight:
+            self._drop_cancelled()
+            while not self.closed and len(inflight) < self.pipeline_depth and self._has_work():
+                inflight.append(self._send_step())
+            if not inflight:
                 self.wakeup.clear()
-                await self.wakeup.wait()
+                if not self.closed:
+                    await self.wakeup.wait()
                 continue
-            admitted = []
-            while self.waiting and len(self.running) + len(admitted) < self.max_slots:
-                admitted.append(self.waiting.popleft())
-            decoding = list(self.running.values())
-            for request in admitted:
-                self.running[request.seq] = request
             try:
-                results = await self._step(admitted, decoding)
+                replies = await self._gather(inflight.popleft().futures)
+                self._deliver(replies)
             except Exception as exc:
+                for step in inflight:  # later steps built on the failed one: drop them too
+                    await asyncio.gather(*step.futures, return_exceptions=True)
+                inflight.clear()
                 await self._fail_running(exc)
-                continue
-            await self._deliver(results)
 
-    async def _step(self, admitted: list[_Request], decoding: list[_Request]) -> dict[int, list[int]]:
+    def _has_work(self) -> bool:
+        return bool(self.running) or (bool(self.waiting) and len(self.running) < self.max_slots)
+
+    def _send_step(self) -> _Step:
+        decode = list(self.running)
+        admitted = []
+        while self.waiting and len(self.running) < self.max_slots:
+            request = self.waiting.popleft()
+            self.running[request.seq] = request
+            admitted.append(request)
         step = StepRequest(
-            prefill=[PrefillSpec(r.seq, len(r.prompt), r.sampling) for r in admitted],
-            decode=[r.seq for r in decoding],
+            prefill=[PrefillSpec(r.seq, len(r.prompt), r.sampling, r.max_tokens, r.stop_ids) for r in admitted],
+            decode=decode,
         )
         tensors = {"prompt_ids": torch.tensor([t for r in admitted for t in r.prompt], dtype=torch.int64)}
-        replies = await self._all(lambda rank: step, tensors=tensors)
+        return _Step([w.submit(step, tensors) for w in self.workers])
+
+    def _deliver(self, replies: list[tuple]) -> None:
         first = replies[0][0]
         for reply, _ in replies[1:]:
-            if reply.tokens != first.tokens:  # ranks sampled differently: never go on from that
+            if reply.tokens != first.tokens or reply.accepted != first.accepted:
                 raise EngineError("workers disagree on the sampled tokens; the group is inconsistent")
-        return dict(zip(first.seqs, first.tokens))
-
-    async def _deliver(self, results: dict[int, list[int]]) -> None:
-        done = []
         now = time.perf_counter()
-        for seq, tokens in results.items():
-            request = self.running[seq]
-            if request.cancelled:
+        finished = []
+        for seq, tokens, accepted, finish in zip(first.seqs, first.tokens, first.accepted, first.finished):
+            request = self.running.get(seq)
+            if request is None:  # cancelled while this step was in flight
                 continue
             request.first_token_at = request.first_token_at or now
-            tokens = tokens[: request.max_tokens - request.generated]
-            finish = None
-            for i, token in enumerate(tokens):
-                if token in request.stop_ids:
-                    tokens, finish = tokens[: i + 1], "stop"
-                    break
             request.generated += len(tokens)
-            if finish is None and request.generated >= request.max_tokens:
-                finish = "length"
+            if accepted >= 0 and self.draft_tokens:
+                request.drafts += 1
+                request.accepted_tokens += accepted
+                for j in range(accepted):
+                    request.accepted_per_position[j] += 1
             chunk = Chunk(tokens)
-            if finish is not None:
-                chunk.finish_reason, chunk.stats = finish, _request_stats(request, now)
+            if finish:
+                chunk.finish_reason, chunk.stats = finish, self._request_stats(request, now)
                 request.finished = True
-                done.append(request)
+                finished.append(request)
             request.queue.put_nowait(chunk)
-        await self._release(done)
+        self._release(finished)
 
-    async def _release(self, requests: list[_Request]) -> None:
+    def _drop_cancelled(self) -> None:
+        self.waiting = deque(r for r in self.waiting if not r.cancelled)
+        self._release([r for r in self.running.values() if r.cancelled])
+
+    def _release(self, requests: list[_Request]) -> None:
+        """Free the slots: the release goes on the wire behind the steps already sent."""
         if not requests:
             return
         for request in requests:
             self.running.pop(request.seq, None)
-        try:
-            await self._all(lambda rank: ReleaseRequest([r.seq for r in requests]), timeout=60)
-        except Exception as exc:
-            await self._fail_running(exc)
+        release = ReleaseRequest([r.seq for r in requests])
+        futures = [w.submit(release) for w in self.workers]
+        asyncio.ensure_future(asyncio.gather(*futures, return_exceptions=True))  # failures surface in the next step
 
     async def _fail_running(self, exc: Exception) -> None:
         log.error("step failed: %s", exc)
@@ -301,9 +336,33 @@ class Engine:
                 return_exceptions=True,
             )
 
-    async def _all(self, make_request, tensors: dict | None = None, timeout: float | None = None) -> list[tuple]:
-        """Send one request to every worker (rank order) and wait for all replies; the first error raises."""
-        futures = [w.submit(make_request(rank), tensors) for rank, w in enumerate(self.workers)]
+    def _request_stats(self, request: _Request, now: float) -> dict[str, Any]:
+        elapsed = now - request.started
+        first = request.first_token_at or now
+        stats = {
+            "prompt_tokens": len(request.prompt),
+            "generated_tokens": request.generated,
+            "tokens_per_s": request.generated / elapsed if elapsed > 0 else 0.0,
+            "decode_tokens_per_s": (request.generated - 1) / (now - first) if now > first else 0.0,
+            "time_to_first_token_s": first - request.started,
+        }
+        if self.draft_tokens:
+            stats |= spec_decode_metrics(request.drafts, self.draft_tokens, request.accepted_tokens,
+                                         request.accepted_per_position)
+        if self.forced_acceptance is not None:
+            stats["forced_acceptance"] = self.forced_acceptance
+        return stats
+
+    # --- talking to all workers -----------------------------------------------------------------
+
+    async def _all(self, make_request: Callable[[int], Any], tensors: dict | None = None,
+                   timeout: float | None = None) -> list[tuple]:
+        """Send one request to every worker (rank order) and wait for all replies."""
+        return await self._gather([w.submit(make_request(rank), tensors) for rank, w in enumerate(self.workers)],
+                                  timeout)
+
+    async def _gather(self, futures: list[asyncio.Future], timeout: float | None = None) -> list[tuple]:
+        """All replies, in order; the first error raises and the remaining futures are cancelled."""
         try:
             done, pending = await asyncio.wait(futures, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
             for future in futures:
@@ -317,14 +376,38 @@ class Engine:
                 future.cancel()
 
 
-def _request_stats(request: _Request, now: float) -> dict[str, Any]:
-    elapsed = now - request.started
+def spec_decode_metrics(drafts: int, k: int, accepted: int, per_position: list[int]) -> dict[str, Any]:
+    """The speculative-decoding figures of a request or a worker, from its counters."""
     return {
-        "prompt_tokens": len(request.prompt),
-        "generated_tokens": request.generated,
-        "tokens_per_s": request.generated / elapsed if elapsed > 0 else 0.0,
-        "time_to_first_token_s": (request.first_token_at or now) - request.started,
+        "drafts": drafts,
+        "draft_tokens": drafts * k,
+        "accepted_tokens": accepted,
+        "acceptance_per_position": [n / drafts if drafts else 0.0 for n in per_position],
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
     }
+
+
+def _check_forced_acceptance(rate: float | None, mtp: bool | None) -> None:
+    if rate is None:
+        return
+    if os.environ.get(FORCED_ACCEPTANCE_ENV) != "1":
+        raise ValueError(
+            f"forced acceptance is a benchmarking switch that changes the output; set {FORCED_ACCEPTANCE_ENV}=1 "
+            "to enable it"
+        )
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"forced acceptance must be a probability in [0, 1], got {rate}")
+    if mtp is False:
+        raise ValueError("forced acceptance needs MTP on")
+
+
+def _has_mtp(model_dir: Path) -> bool:
+    from shardspec.models.loader import has_mtp  # safetensors headers only
+
+    try:
+        return has_mtp(model_dir)
+    except Exception:
+        return True  # unreadable here: let the workers say what is wrong
 
 
 def _worker_addresses(workers: list[str] | None, local: int | None, tp: int | None) -> list[str] | None:
@@ -365,14 +448,23 @@ async def connect(
     max_slots: int = 8,
     max_seq_len: int = 4096,
     prefill_chunk: int = 512,
+    mtp: bool | None = None,
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+    pipeline: bool = True,
+    forced_acceptance: float | None = None,
     dist_port: int | None = None,
     connect_timeout: float = 120.0,
 ) -> AsyncIterator[Engine]:
-    """Connect to (or spawn) workers, load `model` on them, and yield a ready Engine."""
+    """Connect to (or spawn) workers, load `model` on them, and yield a ready Engine.
+
+    mtp: None = speculative decoding with the checkpoint's MTP head when it has one; True = require
+    it; False = plain decoding. draft_tokens: MTP drafts per step. pipeline: keep the next step on
+    the wire while the current one runs. forced_acceptance: benchmarks only (see FORCED_ACCEPTANCE_ENV).
+    """
     engine = Engine()
     try:
-        await engine._start(model, workers, local, device, tp, dtype, max_slots, max_seq_len, prefill_chunk,
-                            dist_port, connect_timeout)
+        await engine._start(model, workers, local, device, tp, dtype, max_slots, max_seq_len, prefill_chunk, mtp,
+                            draft_tokens, pipeline, forced_acceptance, dist_port, connect_timeout)
         yield engine
     finally:
         await engine.close()

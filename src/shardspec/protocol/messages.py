@@ -19,6 +19,7 @@ from typing import Any, ClassVar, TypeVar
 from shardspec.protocol.errors import ErrorCode, ProtocolError
 
 MAX_STR = 4096
+MAX_DRAFT_TOKENS = 8
 MAX_LIST = 1 << 20
 INT64 = (-(2**63), 2**63 - 1)
 
@@ -98,6 +99,13 @@ class LoadRequest:
     max_slots: int = bounded(1, 4096, 8)
     max_seq_len: int = bounded(1, 1 << 22, 4096)
     prefill_chunk: int = bounded(1, 1 << 20, 512)
+    mtp: str = "auto"  # "auto": on when the checkpoint has mtp.*; "on": required; "off"
+    draft_tokens: int = bounded(1, MAX_DRAFT_TOKENS, 3)
+    forced_acceptance: float = bounded(-1.0, 1.0, -1.0)  # benchmarks only; < 0 = off
+
+    def __post_init__(self) -> None:
+        if self.mtp not in ("auto", "on", "off"):
+            raise ValueError(f"mtp must be 'auto', 'on' or 'off', got {self.mtp!r}")
 
 
 @dataclass(frozen=True)
@@ -109,6 +117,7 @@ class LoadReply:
     vocab_size: int
     num_layers: int
     has_mtp: bool
+    draft_tokens: int  # 0: MTP off
     max_seq_len: int
     eos_token_ids: list[int]
     load_s: float
@@ -122,11 +131,14 @@ class PrefillSpec:
     seq: int = bounded(0, 2**63 - 1)
     length: int = bounded(1, 1 << 22)
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int = bounded(1, 1 << 22, 1 << 22)  # the worker stops the sequence after this many
+    stop_ids: list[int] = field(default_factory=list)  # ... or after emitting one of these
 
 
 @dataclass(frozen=True)
 class StepRequest:
-    """Prefill new sequences and decode one token for running ones; all ranks do the same."""
+    """Prefill new sequences, then advance running ones: one token each, or with MTP verify the
+    pending drafts, accept, and draft again. Finished sequences in `decode` are skipped."""
 
     OP: ClassVar[str] = "step"
     prefill: list[PrefillSpec] = field(default_factory=list)
@@ -136,11 +148,16 @@ class StepRequest:
 
 @dataclass(frozen=True)
 class StepReply:
-    """Per sequence (prefills first, then decodes, in request order) the new token ids."""
+    """Per sequence that produced tokens (prefills first, then decodes, in request order): the new
+    token ids, the drafts accepted this step (-1 for a prefill), the next drafts, and whether the
+    sequence finished ("stop", "length" or "")."""
 
     OP: ClassVar[str] = "step"
     seqs: list[int]
     tokens: list[list[int]]
+    accepted: list[int]
+    drafts: list[list[int]]
+    finished: list[str]
     step_s: float
 
 
@@ -179,6 +196,13 @@ class StatsReply:
     live_sequences: list[int]
     steps: int
     errors: int
+    draft_len: int  # drafts per verify step; 0: MTP off
+    drafts: int  # verify steps that checked drafts, summed over sequences
+    draft_tokens: int
+    accepted_tokens: int
+    accepted_per_position: list[int]  # how often draft i was accepted
+    step_gaps: int  # idle gaps measured between consecutive steps
+    step_gap_total_s: float
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,8 @@ class ShardWorker:
         self.weight_bytes = 0
         self.steps = 0
         self.errors = 0
+        self.gap_count, self.gap_total = 0, 0.0  # idle time between a step's reply and the next step
+        self.last_step_sent: float | None = None
         self.stopping = False
         self.handlers = {
             "hello": self._hello,
@@ -137,10 +139,14 @@ class ShardWorker:
 
     def _serve_one(self, sock: zmq.Socket, monitor: zmq.Socket) -> None:
         parts = sock.recv_multipart(copy=False)
+        received = time.perf_counter()
         peer, frames = parts[0], parts[1:]
         self._drain_monitor(monitor)  # a stale disconnect must not outlive a new hello
         try:
             request = codec.decode(frames)
+            if request.op == "step" and self.last_step_sent is not None:
+                self.gap_count, self.gap_total = self.gap_count + 1, self.gap_total + received - self.last_step_sent
+            self.last_step_sent = None
             reply = self._dispatch(peer.bytes, frames[0].get(zmq.SRCFD) if frames else None, request)
         except ProtocolError as exc:
             self.errors += 1
@@ -151,6 +157,8 @@ class ShardWorker:
             log.error("internal error: %s", traceback.format_exc())
             reply = _error(codec.peek_id(frames), ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
         transport.send(sock, reply, envelope=[peer.bytes])
+        if reply.op == "step":
+            self.last_step_sent = time.perf_counter()
 
     def _dispatch(self, peer: bytes, fd: int | None, request: Message) -> Message:
         if request.op not in REQUESTS:
@@ -221,18 +229,25 @@ class ShardWorker:
                 last_report[0] = time.perf_counter()
                 log.info("loaded %d/%d tensors", done, total)
 
+        with_mtp = {"auto": None, "on": True, "off": False}[body.mtp]
         try:
-            model = load_model(body.model, self.tp, dtype, self.device, progress=progress)
+            model = load_model(body.model, self.tp, dtype, self.device, with_mtp=with_mtp, progress=progress)
         except (ConfigError, OSError) as exc:
             raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
         self.weight_bytes = sum(p.nbytes for p in model.parameters())
         config = model.config
+        draft_len = body.draft_tokens if model.mtp is not None else 0
+        forced = body.forced_acceptance if body.forced_acceptance >= 0 else None
+        if forced is not None:
+            log.warning("FORCED ACCEPTANCE %.2f: benchmark mode, the output is not the model's", forced)
         max_seq_len = min(body.max_seq_len, config.max_position_embeddings)
-        self.runner = ModelRunner(model, self.device, body.max_slots, max_seq_len, body.prefill_chunk)
+        self.runner = ModelRunner(model, self.device, body.max_slots, max_seq_len, body.prefill_chunk,
+                                  draft_len, forced)
         self.state = "loaded"
+        self.gap_count, self.gap_total, self.steps = 0, 0.0, 0
         load_s = time.perf_counter() - started
-        log.info("loaded %.1f MB of weights, %.1f MB of cache in %.1fs", self.weight_bytes / 1e6,
-                 self.runner.cache_bytes / 1e6, load_s)
+        log.info("loaded %.1f MB of weights, %.1f MB of cache in %.1fs; MTP drafts per step: %d",
+                 self.weight_bytes / 1e6, self.runner.cache_bytes / 1e6, load_s, draft_len)
         reply = LoadReply(
             weight_bytes=self.weight_bytes,
             cache_bytes=self.runner.cache_bytes,
@@ -240,6 +255,7 @@ class ShardWorker:
             vocab_size=config.vocab_size,
             num_layers=config.num_hidden_layers,
             has_mtp=model.mtp is not None,
+            draft_tokens=draft_len,
             max_seq_len=max_seq_len,
             eos_token_ids=config.eos_token_ids,
             load_s=load_s,
@@ -255,8 +271,9 @@ class ShardWorker:
         started = time.perf_counter()
         result = runner.step(body, prompt_ids)
         self.steps += 1
-        reply = StepReply(seqs=result.seqs, tokens=result.tokens, step_s=time.perf_counter() - started)
-        return reply, ({"logits": result.logits} if result.logits is not None else {})
+        reply = StepReply(seqs=result.seqs, tokens=result.tokens, accepted=result.accepted, drafts=result.drafts,
+                          finished=result.finished, step_s=time.perf_counter() - started)
+        return reply, ({"logits": torch.cat(result.logits).cpu()} if result.logits else {})
 
     def _release(self, body: ReleaseRequest, _tensors: dict) -> tuple[ReleaseReply, None]:
         runner = self._loaded()
@@ -266,6 +283,7 @@ class ShardWorker:
     def _stats(self, _body: Any, _tensors: dict) -> tuple[StatsReply, None]:
         mem = memory_stats()
         runner = self.runner
+        counters = runner.counters if runner else None
         reply = StatsReply(
             state=self.state,
             device=str(self.device),
@@ -281,6 +299,13 @@ class ShardWorker:
             live_sequences=sorted(runner.sequences) if runner else [],
             steps=self.steps,
             errors=self.errors,
+            draft_len=runner.draft_len if runner else 0,
+            drafts=counters.drafts if runner else 0,
+            draft_tokens=counters.draft_tokens if runner else 0,
+            accepted_tokens=counters.accepted_tokens if runner else 0,
+            accepted_per_position=list(counters.accepted_per_position) if runner else [],
+            step_gaps=self.gap_count,
+            step_gap_total_s=self.gap_total,
         )
         return reply, None
 

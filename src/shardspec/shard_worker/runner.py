@@ -2,16 +2,30 @@
 
 Every rank holds the same sequence table and receives the same commands, so every check here has
 the same outcome on every rank and the collectives inside the model always line up.
+
+With MTP (draft_len k > 0) a sequence always carries k drafts for the positions after its pending
+token. One step verifies them with the target model ([pending, d1..dk] in one pass), accepts a
+prefix, rolls the recurrent state back to the last accepted token, re-runs the MTP layer over the
+accepted positions with the target's true hidden states, and chains the MTP head k times to draft
+again. Nothing but token ids leaves the worker.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from shardspec.layers.batch import Batch
-from shardspec.layers.sampling import sample
+from shardspec.layers.gdn import GatedDeltaNet
+from shardspec.layers.sampling import (
+    accept_greedy,
+    accept_sampled,
+    forced_accepts,
+    resample,
+    sample,
+    target_probs,
+)
 from shardspec.models.qwen3_5 import Qwen3_5Model
 from shardspec.protocol.errors import ErrorCode, ProtocolError
 from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepRequest
@@ -21,10 +35,26 @@ from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepRequest
 class Sequence:
     seq: int
     slot: int
-    length: int  # tokens whose state is in the cache
+    length: int  # tokens whose state is in the target cache
     next_token: int  # sampled but not yet fed through the model
     sampling: SamplingParams
     generator: torch.Generator | None
+    remaining: int  # tokens it may still emit
+    stop_ids: frozenset[int]
+    drafts: list[int] = field(default_factory=list)
+    finished: str = ""  # "", "stop" or "length"
+
+    def emit(self, tokens: list[int]) -> list[int]:
+        """Cut `tokens` at a stop id or the token budget, and mark the sequence finished there."""
+        for i, token in enumerate(tokens):
+            if token in self.stop_ids:
+                tokens, self.finished = tokens[: i + 1], "stop"
+                break
+        tokens = tokens[: self.remaining]
+        self.remaining -= len(tokens)
+        if not self.finished and self.remaining == 0:
+            self.finished = "length"
+        return tokens
 
 
 class SlotAllocator:
@@ -41,37 +71,67 @@ class SlotAllocator:
 
 @dataclass
 class StepResult:
-    seqs: list[int]
-    tokens: list[list[int]]
-    logits: torch.Tensor | None  # [tokens processed this step, vocab] when asked for
+    seqs: list[int] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)  # per pass, when asked for
+
+    def add(self, seq: Sequence, tokens: list[int], accepted: int) -> None:
+        self.seqs.append(seq.seq)
+        self.tokens.append(tokens)
+        self.accepted.append(accepted)
+        self.drafts.append(list(seq.drafts))
+        self.finished.append(seq.finished)
+
+
+@dataclass
+class SpecCounters:
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3_5Model, device: torch.device, max_slots: int, max_seq_len: int, prefill_chunk: int):
+    def __init__(
+        self,
+        model: Qwen3_5Model,
+        device: torch.device,
+        max_slots: int,
+        max_seq_len: int,
+        prefill_chunk: int,
+        draft_len: int = 0,
+        forced_acceptance: float | None = None,
+    ):
+        if draft_len and model.mtp is None:
+            raise ValueError("draft_len > 0 needs a model with an MTP head")
         self.model = model
         self.device = device
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
+        self.draft_len = draft_len
+        self.forced = forced_acceptance
         self.slots = SlotAllocator(max_slots)
         self.sequences: dict[int, Sequence] = {}
+        self.counters = SpecCounters(accepted_per_position=[0] * draft_len)
         dtype = next(model.parameters()).dtype
-        self.cache_bytes = model.allocate_caches(max_slots, max_seq_len, dtype, device)
+        # verification writes k cache positions past the accepted ones: room for them
+        self.cache_bytes = model.allocate_caches(max_slots, max_seq_len + draft_len, dtype, device)
+
+    # --- the step -------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self, request: StepRequest, prompt_ids: torch.Tensor) -> StepResult:
         prompts = self._check(request, prompt_ids)
-        seqs, tokens, logits = [], [], []
+        result = StepResult()
         for spec, prompt in zip(request.prefill, prompts):
-            token, step_logits = self._prefill(spec, prompt, request.return_logits)
-            seqs.append(spec.seq)
-            tokens.append([token])
-            logits.append(step_logits)
-        if request.decode:
-            decoded, step_logits = self._decode(request.decode, request.return_logits)
-            seqs += request.decode
-            tokens += [[t] for t in decoded]
-            logits.append(step_logits)
-        return StepResult(seqs, tokens, torch.cat(logits).cpu() if request.return_logits else None)
+            self._prefill(spec, prompt, result, request.return_logits)
+        running = [self.sequences[s] for s in request.decode if not self.sequences[s].finished]
+        if running:
+            self._verify(running, result, request.return_logits)
+        return result
 
     def release(self, seqs: list[int]) -> list[int]:
         released = [s for s in dict.fromkeys(seqs) if s in self.sequences]
@@ -89,8 +149,6 @@ class ModelRunner:
         for seq in request.decode:
             if seq not in self.sequences:
                 raise ProtocolError(ErrorCode.NOT_FOUND, f"sequence {seq} is not live on this worker")
-            if self.sequences[seq].length + 1 > self.max_seq_len:
-                raise ProtocolError(ErrorCode.CAPACITY, f"sequence {seq} reached max_seq_len {self.max_seq_len}")
         if len(new) > len(self.slots.free):
             raise ProtocolError(ErrorCode.CAPACITY, f"{len(new)} new sequences but {len(self.slots.free)} free slots")
         lengths = [spec.length for spec in request.prefill]
@@ -103,44 +161,149 @@ class ModelRunner:
         vocab = self.model.config.vocab_size
         if prompt_ids.numel() and (int(prompt_ids.min()) < 0 or int(prompt_ids.max()) >= vocab):
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"prompt token ids must lie in [0, {vocab})")
-        too_long = [spec.seq for spec in request.prefill if spec.length >= self.max_seq_len]
+        too_long = [s.seq for s in request.prefill if s.length >= self.max_seq_len]
         if too_long:
             raise ProtocolError(ErrorCode.CAPACITY, f"prompts of {too_long} do not fit max_seq_len {self.max_seq_len}")
         return list(prompt_ids.long().split(lengths)) if lengths else []
 
-    def _prefill(self, spec: PrefillSpec, prompt: torch.Tensor, want_logits: bool) -> tuple[int, torch.Tensor | None]:
+    # --- prefill --------------------------------------------------------------------------------
+
+    def _prefill(self, spec: PrefillSpec, prompt: torch.Tensor, result: StepResult, want_logits: bool) -> None:
         slot = self.slots.take()
+        try:
+            seq = self._prefill_slot(spec, slot, prompt.to(self.device), result, want_logits)
+        except BaseException:
+            self.slots.give_back(slot)
+            raise
+        self.sequences[spec.seq] = seq
+        result.add(seq, [seq.next_token], -1)
+
+    def _prefill_slot(
+        self, spec: PrefillSpec, slot: int, prompt: torch.Tensor, result: StepResult, want_logits: bool
+    ) -> Sequence:
         slots = torch.tensor([slot], device=self.device)
         self.model.reset_slots(slots)
-        prompt = prompt.to(self.device)
-        chunk_logits = []
+        hidden_before = None  # the target's hidden state just before the current chunk (for MTP)
         for start in range(0, len(prompt), self.prefill_chunk):
             ids = prompt[start : start + self.prefill_chunk]
-            positions = torch.arange(start, start + len(ids), device=self.device)[None]
-            hidden = self.model(ids[None], Batch(slots, positions, start + len(ids)))
+            positions = torch.arange(start, start + len(ids), device=self.device)
+            hidden = self.model(ids[None], Batch(slots, positions[None], start + len(ids)))
             if want_logits:
-                chunk_logits.append(self.model.lm_head.logits(hidden[0]))
-        last = self.model.lm_head.logits(hidden[0, -1:])[0]
+                result.logits.append(self.model.lm_head.logits(hidden[0]))
+            if self.draft_len:  # MTP entry i pairs hidden i with token i+1: one position behind
+                pairs = hidden[:, :-1] if hidden_before is None else torch.cat([hidden_before, hidden[:, :-1]], 1)
+                if pairs.shape[1]:
+                    self._mtp(ids[None, -pairs.shape[1] :], pairs, slots, positions[None, -pairs.shape[1] :] - 1)
+                hidden_before = hidden[:, -1:]
         generator = None
-        if not spec.sampling.greedy:
+        if not spec.sampling.greedy or self.forced is not None:
             generator = torch.Generator(self.device).manual_seed(spec.sampling.seed)
-        token = sample(last, spec.sampling, generator)
-        self.sequences[spec.seq] = Sequence(spec.seq, slot, len(prompt), token, spec.sampling, generator)
-        return token, torch.cat(chunk_logits) if want_logits else None
+        token = sample(self.model.lm_head.logits(hidden[0, -1]), spec.sampling, generator)
+        budget = min(spec.max_tokens, self.max_seq_len - len(prompt))
+        seq = Sequence(spec.seq, slot, len(prompt), token, spec.sampling, generator, budget, frozenset(spec.stop_ids))
+        seq.emit([token])
+        if self.draft_len and not seq.finished:
+            last = torch.tensor([[token]], device=self.device)
+            position = torch.tensor([[len(prompt) - 1]], device=self.device)
+            head = self._mtp(last, hidden_before, slots, position)[:, 0]
+            seq.drafts = self._draft(head, slots, [len(prompt)])[0]
+        return seq
 
-    def _decode(self, seq_ids: list[int], want_logits: bool) -> tuple[list[int], torch.Tensor | None]:
-        seqs = [self.sequences[s] for s in seq_ids]
-        ids = torch.tensor([[s.next_token] for s in seqs], device=self.device)
-        positions = torch.tensor([[s.length] for s in seqs], device=self.device)
+    # --- verify, accept, draft ------------------------------------------------------------------
+
+    def _verify(self, seqs: list[Sequence], result: StepResult, want_logits: bool) -> None:
+        k = self.draft_len
+        ids = torch.tensor([[s.next_token, *s.drafts] for s in seqs], device=self.device)
+        starts = torch.tensor([s.length for s in seqs], device=self.device)
+        positions = starts[:, None] + torch.arange(k + 1, device=self.device)
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
-        hidden = self.model(ids, Batch(slots, positions, max(s.length for s in seqs) + 1))[:, 0]
-        if not want_logits and all(s.sampling.greedy for s in seqs):
-            tokens = self.model.lm_head.argmax(hidden).tolist()
-            logits = None
-        else:
-            logits = self.model.lm_head.logits(hidden)
-            tokens = [sample(row, s.sampling, s.generator) for row, s in zip(logits, seqs)]
-        for s, token in zip(seqs, tokens):
-            s.length += 1
+        batch = Batch(slots, positions, max(s.length for s in seqs) + k + 1, keep_states=k > 0)
+        hidden = self.model(ids, batch)  # [B, k+1, H]
+
+        accepted, tokens = self._accept(seqs, hidden, result if want_logits else None)
+        if k:
+            index = torch.tensor(accepted, device=self.device)
+            for layer in self.model.layers:
+                if isinstance(layer.mixer, GatedDeltaNet):
+                    layer.mixer.commit(slots, index)
+            self._count(accepted)
+        emitted = []
+        for s, n, token in zip(seqs, accepted, tokens):
+            emitted.append(s.emit([*s.drafts[:n], token]))
+            s.length += n + 1
             s.next_token = token
-        return tokens, logits
+            s.drafts = []
+        if k:
+            self._redraft(seqs, hidden, ids, positions, slots, accepted, tokens)
+        for s, n, new in zip(seqs, accepted, emitted):
+            result.add(s, new, n if k else -1)
+
+    def _accept(self, seqs: list[Sequence], hidden: torch.Tensor, logits_out: StepResult | None):
+        """Per sequence: (drafts accepted, the token after them)."""
+        lm_head = self.model.lm_head
+        sampled = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
+        if logits_out is not None or sampled:
+            logits = lm_head.logits(hidden)  # [B, k+1, V]
+            argmax = logits.argmax(-1)
+            if logits_out is not None:
+                logits_out.logits.append(logits.reshape(-1, logits.shape[-1]))
+        else:
+            argmax = lm_head.argmax(hidden)
+        argmax = argmax.tolist()
+        accepted, tokens = [], []
+        for i, s in enumerate(seqs):
+            probs = None if s.sampling.greedy else target_probs(logits[i], s.sampling)
+            if self.forced is not None:
+                n = forced_accepts(len(s.drafts), self.forced, s.generator)
+            elif probs is None:
+                n = accept_greedy(argmax[i], s.drafts)
+            else:
+                n = accept_sampled(probs, s.drafts, s.generator)
+            if probs is None:
+                token = argmax[i][n]
+            else:
+                token = resample(probs, s.drafts, n, s.generator)
+            accepted.append(n)
+            tokens.append(token)
+        return accepted, tokens
+
+    def _redraft(self, seqs, hidden, ids, positions, slots, accepted, tokens) -> None:
+        """MTP over the accepted positions with true hidden states, then chain k new drafts."""
+        rows = torch.arange(len(seqs), device=self.device)
+        index = torch.tensor(accepted, device=self.device)
+        # entry j pairs hidden j with token j+1: the accepted drafts, then the new token
+        following = torch.cat([ids[:, 1:], ids[:, -1:]], 1)
+        following[rows, index] = torch.tensor(tokens, device=self.device)
+        heads = self._mtp(following, hidden, slots, positions)[rows, index]
+        live = [i for i, s in enumerate(seqs) if not s.finished]
+        if not live:
+            return
+        keep = torch.tensor(live, device=self.device)
+        drafts = self._draft(heads[keep], slots[keep], [seqs[i].length for i in live])
+        for i, d in zip(live, drafts):
+            seqs[i].drafts = d
+
+    def _mtp(self, next_ids: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor):
+        """MTP layer over (token t+1, target hidden t) pairs at positions t; -> its normed output."""
+        batch = Batch(slots, positions, int(positions.max()) + 1)
+        return self.model.mtp(self.model.embed_tokens(next_ids), hidden, batch)
+
+    def _draft(self, head: torch.Tensor, slots: torch.Tensor, lengths: list[int]) -> list[list[int]]:
+        """Chain the MTP head: draft i is its argmax; its output and draft i feed draft i+1."""
+        drafts = []
+        for i in range(self.draft_len):
+            token = self.model.lm_head.argmax(head)  # vocabulary-parallel: (max, index) per rank
+            drafts.append(token)
+            if i + 1 < self.draft_len:
+                position = torch.tensor(lengths, device=self.device)[:, None] + i
+                head = self._mtp(token[:, None], head[:, None], slots, position)[:, 0]
+        return torch.stack(drafts, 1).tolist()
+
+    def _count(self, accepted: list[int]) -> None:
+        c = self.counters
+        c.drafts += len(accepted)
+        c.draft_tokens += len(accepted) * self.draft_len
+        c.accepted_tokens += sum(accepted)
+        for n in accepted:
+            for j in range(n):
+                c.accepted_per_position[j] += 1
