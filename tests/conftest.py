@@ -31,6 +31,15 @@ def tiny_model_vl(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def small_vocab_model(tmp_path_factory) -> Path:
+    """A 16-token vocabulary: random MTP drafts then match the target often enough to exercise
+    acceptance of 0..k drafts, and sampled distributions are cheap to estimate."""
+    path = tmp_path_factory.mktemp("small-vocab-model")
+    write_random_checkpoint(path, tiny_config(vocab_size=16), seed=5, layout="model")
+    return path
+
+
 class WorkerProcess:
     """A `shardspec worker` daemon on an ipc:// socket, stopped (and checked stopped) at teardown."""
 

@@ -46,6 +46,7 @@ def recurrent_delta_rule(q, k, v, g, beta, state, keep_states: bool = False):
 def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     """The same recurrence, a chunk at a time: within a chunk the updates are a triangular solve."""
     B, H, T, Dk = k.shape
+    chunk = min(chunk, T)  # short inputs: one exact-size chunk, no padding
     pad = -T % chunk  # padded tokens have g = 0 and beta = 0, so they change nothing
     if pad:
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))

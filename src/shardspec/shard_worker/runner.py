@@ -126,8 +126,12 @@ class ModelRunner:
     def step(self, request: StepRequest, prompt_ids: torch.Tensor) -> StepResult:
         prompts = self._check(request, prompt_ids)
         result = StepResult()
-        for spec, prompt in zip(request.prefill, prompts):
-            self._prefill(spec, prompt, result, request.return_logits)
+        by_length: dict[int, list[int]] = {}  # prompts of one length prefill together, as one batch
+        for i, spec in enumerate(request.prefill):
+            by_length.setdefault(spec.length, []).append(i)
+        for group in by_length.values():
+            self._prefill([request.prefill[i] for i in group], torch.stack([prompts[i] for i in group]), result,
+                          request.return_logits)
         running = [self.sequences[s] for s in request.decode if not self.sequences[s].finished]
         if running:
             self._verify(running, result, request.return_logits)
@@ -168,46 +172,53 @@ class ModelRunner:
 
     # --- prefill --------------------------------------------------------------------------------
 
-    def _prefill(self, spec: PrefillSpec, prompt: torch.Tensor, result: StepResult, want_logits: bool) -> None:
-        slot = self.slots.take()
+    def _prefill(self, specs: list[PrefillSpec], prompts: torch.Tensor, result: StepResult, want_logits: bool) -> None:
+        """Prefill same-length prompts [B, L] together, sample their first tokens, draft."""
+        slot_ids = [self.slots.take() for _ in specs]
         try:
-            seq = self._prefill_slot(spec, slot, prompt.to(self.device), result, want_logits)
+            seqs = self._prefill_slots(specs, slot_ids, prompts.to(self.device), result, want_logits)
         except BaseException:
-            self.slots.give_back(slot)
+            for slot in slot_ids:
+                self.slots.give_back(slot)
             raise
-        self.sequences[spec.seq] = seq
-        result.add(seq, [seq.next_token], -1)
+        for seq in seqs:
+            self.sequences[seq.seq] = seq
+            result.add(seq, [seq.next_token], -1)
 
-    def _prefill_slot(
-        self, spec: PrefillSpec, slot: int, prompt: torch.Tensor, result: StepResult, want_logits: bool
-    ) -> Sequence:
-        slots = torch.tensor([slot], device=self.device)
+    def _prefill_slots(self, specs, slot_ids, prompts, result: StepResult, want_logits: bool) -> list[Sequence]:
+        slots = torch.tensor(slot_ids, device=self.device)
         self.model.reset_slots(slots)
+        length = prompts.shape[1]
         hidden_before = None  # the target's hidden state just before the current chunk (for MTP)
-        for start in range(0, len(prompt), self.prefill_chunk):
-            ids = prompt[start : start + self.prefill_chunk]
-            positions = torch.arange(start, start + len(ids), device=self.device)
-            hidden = self.model(ids[None], Batch(slots, positions[None], start + len(ids)))
+        for start in range(0, length, self.prefill_chunk):
+            ids = prompts[:, start : start + self.prefill_chunk]
+            positions = torch.arange(start, start + ids.shape[1], device=self.device).expand(len(specs), -1)
+            hidden = self.model(ids, Batch(slots, positions, start + ids.shape[1]))
             if want_logits:
-                result.logits.append(self.model.lm_head.logits(hidden[0]))
+                result.logits.append(self.model.lm_head.logits(hidden).reshape(-1, self.model.config.vocab_size))
             if self.draft_len:  # MTP entry i pairs hidden i with token i+1: one position behind
                 pairs = hidden[:, :-1] if hidden_before is None else torch.cat([hidden_before, hidden[:, :-1]], 1)
                 if pairs.shape[1]:
-                    self._mtp(ids[None, -pairs.shape[1] :], pairs, slots, positions[None, -pairs.shape[1] :] - 1)
+                    n = pairs.shape[1]
+                    self._mtp(ids[:, -n:], pairs, slots, positions[:, -n:] - 1)
                 hidden_before = hidden[:, -1:]
-        generator = None
-        if not spec.sampling.greedy or self.forced is not None:
-            generator = torch.Generator(self.device).manual_seed(spec.sampling.seed)
-        token = sample(self.model.lm_head.logits(hidden[0, -1]), spec.sampling, generator)
-        budget = min(spec.max_tokens, self.max_seq_len - len(prompt))
-        seq = Sequence(spec.seq, slot, len(prompt), token, spec.sampling, generator, budget, frozenset(spec.stop_ids))
-        seq.emit([token])
-        if self.draft_len and not seq.finished:
-            last = torch.tensor([[token]], device=self.device)
-            position = torch.tensor([[len(prompt) - 1]], device=self.device)
-            head = self._mtp(last, hidden_before, slots, position)[:, 0]
-            seq.drafts = self._draft(head, slots, [len(prompt)])[0]
-        return seq
+        last_logits = self.model.lm_head.logits(hidden[:, -1])
+        seqs = []
+        for spec, slot, logits in zip(specs, slot_ids, last_logits):
+            generator = None
+            if not spec.sampling.greedy or self.forced is not None:
+                generator = torch.Generator(self.device).manual_seed(spec.sampling.seed)
+            token = sample(logits, spec.sampling, generator)
+            budget = min(spec.max_tokens, self.max_seq_len - length)
+            seq = Sequence(spec.seq, slot, length, token, spec.sampling, generator, budget, frozenset(spec.stop_ids))
+            seq.emit([token])
+            seqs.append(seq)
+        if self.draft_len:
+            first = torch.tensor([[s.next_token] for s in seqs], device=self.device)
+            heads = self._mtp(first, hidden_before, slots, torch.full_like(first, length - 1))[:, 0]
+            for seq, drafts in zip(seqs, self._draft(heads, slots, [length] * len(seqs))):
+                seq.drafts = [] if seq.finished else drafts
+        return seqs
 
     # --- verify, accept, draft ------------------------------------------------------------------
 

@@ -1,0 +1,204 @@
+"""MTP speculative decoding: output identical to plain decoding, distributions preserved."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chi2_contingency
+
+import shardspec
+from shardspec.orchestrator.engine import FORCED_ACCEPTANCE_ENV
+from shardspec.protocol.messages import PrefillSpec, ReleaseRequest, StepRequest
+
+P_VALUE_FLOOR = 1e-3  # a correct sampler fails this test one run in a thousand per comparison
+
+
+async def generate_all(engine, prompts, **kwargs) -> list[list[int]]:
+    async def one(prompt):
+        tokens, stats = [], None
+        async for chunk in engine.generate(prompt, **kwargs):
+            tokens += chunk.token_ids
+        return tokens
+
+    return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def greedy_outputs(model, prompts, tp, mtp, max_tokens=64, draft_tokens=3):
+    async def run():
+        async with shardspec.connect(model=str(model), local=tp, mtp=mtp, draft_tokens=draft_tokens,
+                                     max_slots=8) as engine:
+            return await generate_all(engine, prompts, max_tokens=max_tokens)
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("model_name", ["tiny_model", "small_vocab_model"])
+def test_greedy_output_with_mtp_equals_output_without(model_name, tp, request):
+    model = request.getfixturevalue(model_name)
+    vocab = 512 if model_name == "tiny_model" else 16
+    rng = random.Random(tp)
+    prompts = [rng.choices(range(vocab), k=rng.randint(1, 30)) for _ in range(20)]
+    plain = greedy_outputs(model, prompts, tp, mtp=False)
+    assert all(len(t) == 64 for t in plain)
+    assert greedy_outputs(model, prompts, tp, mtp=True) == plain
+
+
+@pytest.mark.parametrize("draft_tokens", [1, 2, 4])
+def test_greedy_output_is_the_same_for_every_draft_length(small_vocab_model, draft_tokens):
+    prompts = [[1, 2, 3], [7], [4, 4, 4, 4, 9]]
+    assert greedy_outputs(small_vocab_model, prompts, 1, mtp=True, draft_tokens=draft_tokens) == \
+        greedy_outputs(small_vocab_model, prompts, 1, mtp=False)
+
+
+def test_sequences_accepting_different_draft_counts_in_one_step_stay_correct(small_vocab_model):
+    prompts = [[i, (3 * i) % 16, 5] for i in range(8)]
+    solo = greedy_outputs(small_vocab_model, prompts, 2, mtp=False, max_tokens=40)
+
+    async def run():
+        async with shardspec.connect(model=str(small_vocab_model), local=2, mtp=True, max_slots=8) as engine:
+            step = StepRequest(prefill=[PrefillSpec(seq=i, length=3, max_tokens=40) for i in range(8)])
+            tensors = {"prompt_ids": torch.tensor([t for p in prompts for t in p])}
+            replies = await engine._all(lambda rank: step, tensors=tensors)
+            outputs = {i: list(t) for i, t in zip(replies[0][0].seqs, replies[0][0].tokens)}
+            mixed_steps = 0
+            while True:
+                step = StepRequest(decode=list(range(8)))
+                reply = (await engine._all(lambda rank: step))[0][0]
+                if not reply.seqs:
+                    break
+                mixed_steps += len(set(reply.accepted)) > 1
+                for seq, tokens in zip(reply.seqs, reply.tokens):
+                    outputs[seq] += tokens
+            await engine._all(lambda rank: ReleaseRequest(list(range(8))))
+            return [outputs[i] for i in range(8)], mixed_steps
+
+    batched, mixed_steps = asyncio.run(run())
+    assert mixed_steps > 0  # the property under test really happened
+    assert batched == solo
+
+
+def sample_counts(model, mtp: bool, n: int, **sampling) -> tuple[Counter, Counter]:
+    """Counts of the 2nd and 4th generated tokens over n independent seeded generations."""
+    async def run():
+        async with shardspec.connect(model=str(model), local=1, mtp=mtp, max_slots=64) as engine:
+            outs = await generate_all_seeded(engine, n, sampling)
+            return Counter(o[1] for o in outs), Counter(o[3] for o in outs)
+
+    return asyncio.run(run())
+
+
+async def generate_all_seeded(engine, n, sampling) -> list[list[int]]:
+    semaphore = asyncio.Semaphore(64)
+
+    async def one(seed):
+        async with semaphore:
+            tokens = []
+            async for chunk in engine.generate([3, 1, 4], max_tokens=4, seed=seed, **sampling):
+                tokens += chunk.token_ids
+            return tokens
+
+    return await asyncio.gather(*(one(seed) for seed in range(n)))
+
+
+@pytest.mark.parametrize(
+    "sampling", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 6, "top_p": 0.9}], ids=["t1", "t0.7-k6-p0.9"]
+)
+def test_sampled_distribution_with_mtp_matches_without(small_vocab_model, sampling):
+    n = 20_000
+    on = sample_counts(small_vocab_model, True, n, **sampling)
+    off = sample_counts(small_vocab_model, False, n, **sampling)
+    for with_mtp, without in zip(on, off):
+        tokens = sorted(set(with_mtp) | set(without))
+        table = [[with_mtp[t] for t in tokens], [without[t] for t in tokens]]
+        assert sum(table[0]) == sum(table[1]) == n
+        assert chi2_contingency(table).pvalue > P_VALUE_FLOOR
+
+
+def test_sampling_with_mtp_is_reproducible_with_a_seed(small_vocab_model):
+    async def run():
+        async with shardspec.connect(model=str(small_vocab_model), local=2, mtp=True) as engine:
+            kwargs = {"max_tokens": 32, "temperature": 0.9, "top_p": 0.95}
+            return [await generate_all(engine, [[1, 2]], seed=s, **kwargs) for s in (11, 11, 12)]
+
+    a, b, c = asyncio.run(run())
+    assert a == b and a != c
+
+
+def test_slots_and_states_are_all_free_after_200_generations_with_cancellations(small_vocab_model):
+    rng = random.Random(0)
+
+    async def run():
+        async with shardspec.connect(model=str(small_vocab_model), local=2, mtp=True, max_slots=6) as engine:
+            async def one(i):
+                stream = engine.generate(rng.choices(range(16), k=rng.randint(1, 12)),
+                                         max_tokens=rng.randint(1, 40), temperature=rng.choice([0.0, 1.0]), seed=i)
+                cancel_after = rng.choice([None, 0, 1, 3])
+                chunks = 0
+                async for _ in stream:
+                    chunks += 1
+                    if cancel_after is not None and chunks > cancel_after:
+                        break
+                await stream.aclose()
+
+            tasks = [asyncio.create_task(one(i)) for i in range(200)]
+            for task in tasks[::7]:  # and some cancelled from outside, at random moments
+                await asyncio.sleep(rng.random() * 0.01)
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await generate_all(engine, [[1]], max_tokens=2)  # pending releases ride before this
+            return await engine.stats()
+
+    for stats in asyncio.run(run()):
+        assert stats.slots_free == stats.slots_total == 6
+        assert stats.live_sequences == []
+
+
+def test_pipelined_and_unpipelined_loops_give_the_same_output(small_vocab_model):
+    prompts = [[1, 2, 3], [9, 9], [15]]
+
+    async def run(pipeline):
+        async with shardspec.connect(model=str(small_vocab_model), local=2, pipeline=pipeline) as engine:
+            return await generate_all(engine, prompts, max_tokens=30)
+
+    assert asyncio.run(run(True)) == asyncio.run(run(False))
+
+
+def test_asking_for_mtp_on_a_checkpoint_without_it_is_a_clear_error(tmp_path):
+    from shardspec.models.random_checkpoint import tiny_config, write_random_checkpoint
+
+    write_random_checkpoint(tmp_path, tiny_config(), seed=2, mtp=False)
+
+    async def attempt():
+        async with shardspec.connect(model=str(tmp_path), local=1, mtp=True):
+            pass
+
+    with pytest.raises(ValueError, match="no MTP weights"):
+        asyncio.run(attempt())
+
+    async def default_is_plain():
+        async with shardspec.connect(model=str(tmp_path), local=1) as engine:
+            return engine.draft_tokens, await generate_all(engine, [[1]], max_tokens=3)
+
+    assert asyncio.run(default_is_plain())[0] == 0
+
+
+def test_forced_acceptance_is_refused_unless_enabled_and_marked_when_used(small_vocab_model, monkeypatch):
+    async def run():
+        async with shardspec.connect(model=str(small_vocab_model), local=1, forced_acceptance=1.0) as engine:
+            async for chunk in engine.generate([1, 2], max_tokens=12):
+                final = chunk
+            return final.stats
+
+    monkeypatch.delenv(FORCED_ACCEPTANCE_ENV, raising=False)
+    with pytest.raises(ValueError, match=FORCED_ACCEPTANCE_ENV):
+        asyncio.run(run())
+    monkeypatch.setenv(FORCED_ACCEPTANCE_ENV, "1")
+    stats = asyncio.run(run())
+    assert stats["forced_acceptance"] == 1.0
+    assert stats["acceptance_per_position"] == [1.0, 1.0, 1.0]  # every draft kept, as forced
