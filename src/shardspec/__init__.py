@@ -1,7 +1,15 @@
 """shardspec: tensor-parallel MTP language models on shard-worker daemons."""
 
+from typing import Any
+
 __version__ = "0.1.0"
-
-from shardspec.orchestrator.engine import Chunk, Engine, EngineError, connect  # noqa: E402
-
 __all__ = ["Chunk", "Engine", "EngineError", "__version__", "connect"]
+
+
+def __getattr__(name: str) -> Any:
+    # the engine (and ZeroMQ) load on first use: a worker or a training script does not need them
+    if name in ("Chunk", "Engine", "EngineError", "connect"):
+        from shardspec.orchestrator import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'shardspec' has no attribute {name!r}")

@@ -55,14 +55,19 @@ class GatedAttention(nn.Module):
         k = self.rotary(self.k_norm(self.k_proj(x).view(B, T, self.kv_heads, self.head_dim)), batch.positions)
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim)
 
-        rows = batch.slots[:, None]
-        self.k_cache[rows, batch.positions] = k
-        self.v_cache[rows, batch.positions] = v
-        keys = self.k_cache[batch.slots, : batch.kv_len].transpose(1, 2)
-        values = self.v_cache[batch.slots, : batch.kv_len].transpose(1, 2)
-        visible = torch.arange(batch.kv_len, device=x.device) <= batch.positions[..., None]  # [B, T, L]
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=visible[:, None], enable_gqa=True
-        )
+        if batch.slots is None:
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+            )
+        else:
+            rows = batch.slots[:, None]
+            self.k_cache[rows, batch.positions] = k
+            self.v_cache[rows, batch.positions] = v
+            keys = self.k_cache[batch.slots, : batch.kv_len].transpose(1, 2)
+            values = self.v_cache[batch.slots, : batch.kv_len].transpose(1, 2)
+            visible = torch.arange(batch.kv_len, device=x.device) <= batch.positions[..., None]  # [B, T, L]
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, values, attn_mask=visible[:, None], enable_gqa=True
+            )
         out = out.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate)
         return self.o_proj(out)

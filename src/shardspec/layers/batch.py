@@ -11,7 +11,14 @@ import torch
 class Batch:
     """Where the T new tokens of each of B sequences go: cache slot and absolute positions."""
 
-    slots: torch.Tensor  # [B] long
+    slots: torch.Tensor | None  # [B] long; None: no cache at all (training, scoring whole texts)
     positions: torch.Tensor  # [B, T] long
     kv_len: int  # keys to attend over: max(positions) + 1
     keep_states: bool = False  # recurrent layers keep the state after every token (for rollback)
+
+    @classmethod
+    def uncached(cls, batch_size: int, length: int, device: torch.device) -> Batch:
+        """Whole sequences from position 0 with no cache: attention stays within the input,
+        recurrent layers start from zero state and nothing is written anywhere."""
+        positions = torch.arange(length, device=device).expand(batch_size, -1)
+        return cls(None, positions, length)

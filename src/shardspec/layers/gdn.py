@@ -114,8 +114,13 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         B, T, _ = x.shape
-        window = torch.cat([self.conv_state[batch.slots], self.in_proj_qkv(x).transpose(1, 2)], dim=-1)
-        self.conv_state[batch.slots] = window[..., 1 - self.kernel :]
+        cached = batch.slots is not None
+        qkv = self.in_proj_qkv(x).transpose(1, 2)
+        if cached:
+            window = torch.cat([self.conv_state[batch.slots], qkv], dim=-1)
+            self.conv_state[batch.slots] = window[..., 1 - self.kernel :]
+        else:
+            window = F.pad(qkv, (self.kernel - 1, 0))
         qkv = F.silu(F.conv1d(window, self.conv1d_weight, groups=self.conv_dim)).transpose(1, 2)
         key_dim = self.k_heads * self.dk
         q, k, v = qkv.split([key_dim, key_dim, self.v_heads * self.dv], -1)
@@ -128,12 +133,16 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
         q, k, v, g, beta = (t.transpose(1, 2) for t in (q, k, v, g, beta))
 
-        state = self.recurrent_state[batch.slots]
+        if cached:
+            state = self.recurrent_state[batch.slots]
+        else:
+            state = q.new_zeros(B, self.v_heads, self.dk, self.dv)
         if T == 1 or batch.keep_states:
             out, state, kept = recurrent_delta_rule(q, k, v, g, beta, state, batch.keep_states)
         else:
             out, state = chunked_delta_rule(q, k, v, g, beta, state)
-        self.recurrent_state[batch.slots] = state
+        if cached:
+            self.recurrent_state[batch.slots] = state
         if batch.keep_states:  # conv state after token t is the window's K-1 inputs ending at t
             self.kept = (window.unfold(-1, self.kernel - 1, 1)[:, :, 1:].transpose(1, 2), kept)
 
