@@ -6,9 +6,12 @@ import argparse
 import asyncio
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from shardspec.orchestrator.engine import DEFAULT_DRAFT_TOKENS, FORCED_ACCEPTANCE_ENV
+
+BUNDLED_MODEL = Path(__file__).parent / "bundled"
 
 EXAMPLES = """\
 examples:
@@ -49,19 +52,24 @@ def build_parser() -> argparse.ArgumentParser:
         description="Load a model on local or remote workers and stream the completion of one prompt.",
     )
     gen.add_argument("prompt", nargs="?", help="prompt text (needs the model's tokenizer.json)")
-    gen.add_argument("--model", metavar="DIR", required=True, help="Hugging Face-style model folder")
+    gen.add_argument("--model", metavar="DIR", default=str(BUNDLED_MODEL),
+                     help="Hugging Face-style model folder (default: the bundled tiny Python-code model)")
     gen.add_argument("--prompt-ids", metavar="IDS", help="comma-separated token ids instead of text")
     where = gen.add_mutually_exclusive_group()
-    where.add_argument("--local", type=int, metavar="N", help="spawn N workers on this machine")
+    where.add_argument("--local", type=int, metavar="N",
+                       help="spawn N workers on this machine (default: 2; on a GPU machine, one per GPU up to 2)")
     where.add_argument("--workers", metavar="A,B,...", help="addresses of running workers, rank order")
     gen.add_argument("--tp", type=int, metavar="N", help="tensor-parallel degree (= number of workers)")
-    gen.add_argument("--device", default="cpu", help="device of spawned local workers: cpu or cuda")
+    gen.add_argument("--device", default=None, help="device of spawned local workers: cpu or cuda "
+                     "(default: cuda when this machine has a GPU)")
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                      help="auto: the checkpoint's dtype on CPU, bfloat16 on GPU")
     gen.add_argument("--max-tokens", type=int, default=128, metavar="N")
-    gen.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
-    gen.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = no top-k filter")
-    gen.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    gen.add_argument("--temperature", type=float, default=0.8, metavar="T",
+                     help="sampling temperature (default 0.8); 0 = greedy, deterministic")
+    gen.add_argument("--top-k", type=int, default=40, metavar="K", help="keep the K most likely tokens (default 40; "
+                     "0 = all)")
+    gen.add_argument("--top-p", type=float, default=0.95, metavar="P", help="nucleus sampling mass (default 0.95)")
     gen.add_argument("--seed", type=int, default=None, metavar="S")
     gen.add_argument("--max-seq-len", type=int, default=4096, metavar="N", help="cache length per sequence")
     gen.add_argument("--no-mtp", action="store_true",
@@ -89,6 +97,22 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"shardspec {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def progress(message: str) -> None:
+    print(f"[shardspec] {message}", file=sys.stderr, flush=True)
+
+
+def _local_defaults(args: argparse.Namespace, workers: list[str] | None) -> tuple[str, int | None]:
+    """Device and worker count for spawned workers: the GPUs when there are some, else 2 CPU workers."""
+    if workers is not None:
+        return args.device or "cpu", None
+    import torch
+
+    gpus = torch.cuda.device_count() if args.device in (None, "cuda") else 0
+    device = args.device or ("cuda" if gpus else "cpu")
+    local = args.local or args.tp or (min(gpus, 2) if device == "cuda" else 2)
+    return device, local
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -142,14 +166,19 @@ async def run_generate(args: argparse.Namespace) -> int:
 
     setup_logging("orchestrator", args.log_level)
     prompt, workers = _generate_inputs(args)
+    device, local = _local_defaults(args, workers)
     token_ids: list[int] = []
     final = None
     try:
-        async with connect(args.model, workers=workers, local=args.local, device=args.device, tp=args.tp,
+        progress(f"starting {'workers' if workers is None else 'connection'} and loading {args.model}")
+        async with connect(args.model, workers=workers, local=local, device=device, tp=args.tp,
                            dtype=args.dtype, max_slots=1, max_seq_len=args.max_seq_len,
                            mtp=False if args.no_mtp else None,
                            draft_tokens=args.draft_tokens or DEFAULT_DRAFT_TOKENS, pipeline=not args.no_pipeline,
                            forced_acceptance=args.forced_acceptance) as engine:
+            info = engine.load_info
+            progress(f"ready: {len(engine.workers)} workers, {info.weight_bytes * len(engine.workers) / 1e6:.0f} MB "
+                     f"of {info.dtype} weights, MTP drafts per step: {info.draft_tokens or 'off'}")
             async for chunk in engine.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                                                top_k=args.top_k, top_p=args.top_p, seed=args.seed):
                 token_ids += chunk.token_ids

@@ -1,0 +1,82 @@
+"""The main job's speed: `shardspec generate` on the bundled model with and without MTP, against
+Hugging Face transformers' `generate` on the same checkpoint, in one run on this machine's CPU.
+
+    python bench/main_job.py [--tokens 128] [--repeats 3] [--dtype bfloat16 float32]
+
+Greedy decoding of the same prompt everywhere (so every row produces the same tokens); tokens/s
+is generated tokens ÷ the time from request to last token, median of --repeats runs after a
+warm-up. transformers runs in this process with all cores; shardspec runs its workers as the main
+job does (2 local CPU workers, TP = 2) and also with one worker (TP = 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+
+import torch
+
+import shardspec
+from shardspec.cli import BUNDLED_MODEL
+
+PROMPT = "def fibonacci(n):"
+
+
+async def shardspec_rate(tp: int, mtp: bool, dtype: str, tokens: int, repeats: int) -> tuple[float, list[int], float]:
+    async with shardspec.connect(model=str(BUNDLED_MODEL), local=tp, mtp=mtp, dtype=dtype, max_slots=1) as engine:
+        async def once():
+            out, final = [], None
+            async for chunk in engine.generate(PROMPT, max_tokens=tokens, stop_at_eos=False):
+                out += chunk.token_ids
+                final = chunk
+            return final.stats, out
+
+        await once()
+        runs = [await once() for _ in range(repeats)]
+    rate = statistics.median(s["tokens_per_s"] for s, _ in runs)
+    mal = runs[0][0].get("mean_acceptance_length", 1.0)
+    return rate, runs[0][1], mal
+
+
+def transformers_rate(dtype: str, tokens: int, repeats: int) -> tuple[float, list[int]]:
+    from transformers import AutoTokenizer, GenerationConfig, Qwen3_5ForCausalLM
+
+    model = Qwen3_5ForCausalLM.from_pretrained(BUNDLED_MODEL, dtype=getattr(torch, dtype)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(BUNDLED_MODEL)
+    ids = torch.tensor([tokenizer.encode(PROMPT, add_special_tokens=False)])
+    config = GenerationConfig(do_sample=False, max_new_tokens=tokens, min_new_tokens=tokens, eos_token_id=None,
+                              pad_token_id=0)
+
+    def once():
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        return tokens / (time.perf_counter() - started), out[0, ids.shape[1]:].tolist()
+
+    once()
+    runs = [once() for _ in range(repeats)]
+    return statistics.median(r for r, _ in runs), runs[0][1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
+    args = parser.parse_args()
+    print(f"prompt {PROMPT!r}, {args.tokens} greedy tokens, {torch.get_num_threads()} CPU threads")
+    print("| dtype | engine | tokens/s | vs transformers | mean acceptance length | same tokens as transformers |")
+    print("|---|---|---|---|---|---|")
+    for dtype in args.dtype:
+        hf, hf_tokens = transformers_rate(dtype, args.tokens, args.repeats)
+        print(f"| {dtype} | transformers generate (1 process) | {hf:.1f} | 1.00× | – | – |", flush=True)
+        for tp, mtp in ((2, False), (2, True), (1, False), (1, True)):
+            rate, out, mal = asyncio.run(shardspec_rate(tp, mtp, dtype, args.tokens, args.repeats))
+            name = f"shardspec TP={tp}, MTP {'on (k=3)' if mtp else 'off'}" + (" — the main job" if tp == 2 and mtp else "")
+            print(f"| {dtype} | {name} | {rate:.1f} | {rate / hf:.2f}× | {mal:.2f} | {out == hf_tokens} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

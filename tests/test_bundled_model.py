@@ -1,0 +1,74 @@
+"""The bundled model: the main job a new user runs, and MTP measured on real text."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import shardspec
+from shardspec.cli import BUNDLED_MODEL
+from shardspec.models.config import ModelConfig
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n\n\ndef main():\n",
+    "class Stack:\n    def __init__(self):\n",
+    "for i in range(10):\n",
+    "    def __repr__(self):\n        return ",
+]
+
+
+def test_bundled_model_is_a_small_bf16_qwen3_5_folder_with_mtp():
+    files = {p.name for p in BUNDLED_MODEL.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md"} <= files
+    assert sum(p.stat().st_size for p in BUNDLED_MODEL.iterdir()) <= 25 * 2**20
+    config = ModelConfig.from_folder(BUNDLED_MODEL)
+    assert config.dtype == "bfloat16" and config.mtp_num_hidden_layers == 1
+    assert set(config.layer_types) == {"linear_attention", "full_attention"}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_greedy_output_with_mtp_equals_output_without_on_the_bundled_model(tp):
+    async def run(mtp):
+        async with shardspec.connect(model=str(BUNDLED_MODEL), local=tp, mtp=mtp, max_slots=8) as engine:
+            async def one(prompt):
+                tokens, final = [], None
+                async for chunk in engine.generate(prompt, max_tokens=64, stop_at_eos=False):
+                    tokens += chunk.token_ids
+                    final = chunk
+                return tokens, final.stats
+
+            return await asyncio.gather(*(one(p) for p in PROMPTS))
+
+    with_mtp, without = asyncio.run(run(True)), asyncio.run(run(False))
+    assert [t for t, _ in with_mtp] == [t for t, _ in without]
+    drafts = sum(s["drafts"] for _, s in with_mtp)
+    accepted = sum(s["accepted_tokens"] for _, s in with_mtp)
+    assert 1 + accepted / drafts > 1.5  # the trained MTP head really drafts, and drafts are really used
+
+
+def generate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardspec", "generate", *args], capture_output=True, text=True,
+                          timeout=180)
+
+
+def test_main_job_streams_python_and_a_summary_and_is_deterministic_at_temperature_0():
+    first = generate("def fibonacci(n):", "--temperature", "0", "--max-tokens", "48")
+    second = generate("def fibonacci(n):", "--temperature", "0", "--max-tokens", "48")
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout and first.stdout.strip()
+    summary = first.stderr.strip().splitlines()[-1]
+    assert "48 tokens" in summary and "tokens/s" in summary and "mean acceptance length" in summary
+    assert "2 workers" in first.stderr  # the main job runs tensor-parallel on two local workers
+
+
+def test_main_job_json_has_the_text_and_the_spec_decode_stats():
+    result = generate("class Stack:", "--max-tokens", "16", "--json", "--seed", "3")
+    out = json.loads(result.stdout)
+    assert len(out["token_ids"]) == 16 and isinstance(out["text"], str)
+    assert out["stats"]["mean_acceptance_length"] >= 1.0
