@@ -22,7 +22,7 @@ def test_help_lists_the_commands():
 
 def test_generate_json_reports_tokens_reason_and_stats(tiny_model):
     result = shardspec("generate", "--model", str(tiny_model), "--prompt-ids", "1,2,3", "--max-tokens", "9",
-                       "--local", "2", "--json")
+                       "--local", "2", "--json", "--temperature", "0")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert len(out["token_ids"]) == 9 and out["finish_reason"] == "length"
@@ -32,7 +32,7 @@ def test_generate_json_reports_tokens_reason_and_stats(tiny_model):
     assert "text" not in out  # this checkpoint has no tokenizer
 
     again = shardspec("generate", "--model", str(tiny_model), "--prompt-ids", "1,2,3", "--max-tokens", "9",
-                      "--local", "1", "--json")
+                      "--local", "1", "--json", "--temperature", "0")
     assert json.loads(again.stdout)["token_ids"] == out["token_ids"]  # TP = 1 gives the same greedy output
 
 
