@@ -26,6 +26,7 @@ from shardspec import __version__
 from shardspec.layers.parallel import TPGroup
 from shardspec.models.config import ConfigError
 from shardspec.models.loader import load_model
+from shardspec.models.qwen3_5 import Qwen3_5Model
 from shardspec.protocol import codec, transport
 from shardspec.protocol.codec import Message
 from shardspec.protocol.errors import ErrorCode, ProtocolError
@@ -61,6 +62,8 @@ class ShardWorker:
         self.owner_fd: int | None = None
         self.tp: TPGroup | None = None
         self.runner: ModelRunner | None = None
+        self.model: Qwen3_5Model | None = None
+        self.model_key: tuple | None = None  # (path, dtype) of the loaded weights
         self.weight_bytes = 0
         self.steps = 0
         self.errors = 0
@@ -125,14 +128,12 @@ class ShardWorker:
         if self.state == "idle" and self.owner is None:
             return
         log.info("%s: releasing model and group, back to idle", why)
-        self.runner = None
+        self.runner = self.model = self.model_key = None
         self.weight_bytes = 0
         if dist.is_initialized():
             dist.destroy_process_group()
         self.tp = None
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self._free_memory()
         self.state, self.owner, self.owner_fd = "idle", None, None
 
     # --- one request ----------------------------------------------------------------------------
@@ -214,29 +215,28 @@ class ShardWorker:
         return InitReply(rank=body.rank, world_size=body.world_size, backend=backend), None
 
     def _load(self, body: LoadRequest, _tensors: dict) -> tuple[LoadReply, None]:
-        if self.state != "initialized":
-            raise ProtocolError(ErrorCode.BAD_STATE, f"worker is {self.state}; load needs an initialized worker")
+        """Load the model (or keep the one loaded, if it is the same) and build fresh caches."""
+        if self.state == "idle":
+            raise ProtocolError(ErrorCode.BAD_STATE, "worker is idle; load needs an initialized worker")
         try:
             dtype = resolve_dtype(body.dtype, body.model, self.device)
         except ValueError as exc:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc)) from None
         started = time.perf_counter()
-        log.info("loading %s as %s (rank %d of %d)", body.model, dtype, self.tp.rank, self.tp.size)
-        last_report = [0.0]
-
-        def progress(done: int, total: int) -> None:
-            if time.perf_counter() - last_report[0] > 2 or done == total:
-                last_report[0] = time.perf_counter()
-                log.info("loaded %d/%d tensors", done, total)
-
-        with_mtp = {"auto": None, "on": True, "off": False}[body.mtp]
-        try:
-            model = load_model(body.model, self.tp, dtype, self.device, with_mtp=with_mtp, progress=progress)
-        except (ConfigError, OSError) as exc:
-            raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
+        self.runner = None  # a load replaces every sequence and cache
+        self._free_memory()
+        key = (body.model, dtype)
+        if self.model is not None and self.model_key == key and (body.mtp == "off" or self.model.mtp is not None):
+            log.info("keeping the loaded weights of %s; new caches", body.model)
+        else:
+            self.model = self.model_key = None
+            self._free_memory()
+            self.model = self._read_model(body, dtype)
+            self.model_key = key
+        model = self.model
         self.weight_bytes = sum(p.nbytes for p in model.parameters())
         config = model.config
-        draft_len = body.draft_tokens if model.mtp is not None else 0
+        draft_len = body.draft_tokens if model.mtp is not None and body.mtp != "off" else 0
         forced = body.forced_acceptance if body.forced_acceptance >= 0 else None
         if forced is not None:
             log.warning("FORCED ACCEPTANCE %.2f: benchmark mode, the output is not the model's", forced)
@@ -262,6 +262,26 @@ class ShardWorker:
             rss_bytes=memory_stats()["rss_bytes"],
         )
         return reply, None
+
+    def _read_model(self, body: LoadRequest, dtype: torch.dtype) -> Qwen3_5Model:
+        log.info("loading %s as %s (rank %d of %d)", body.model, dtype, self.tp.rank, self.tp.size)
+        last_report = [0.0]
+
+        def progress(done: int, total: int) -> None:
+            if time.perf_counter() - last_report[0] > 2 or done == total:
+                last_report[0] = time.perf_counter()
+                log.info("loaded %d/%d tensors", done, total)
+
+        with_mtp = {"auto": None, "on": True, "off": False}[body.mtp]
+        try:
+            return load_model(body.model, self.tp, dtype, self.device, with_mtp=with_mtp, progress=progress)
+        except (ConfigError, OSError) as exc:
+            raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
+
+    def _free_memory(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _step(self, body: StepRequest, tensors: dict) -> tuple[StepReply, dict]:
         runner = self._loaded()

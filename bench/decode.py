@@ -1,0 +1,219 @@
+"""Decode and prefill speed on GPUs, against the memory-bandwidth floor and against transformers.
+
+    python bench/decode.py --size 9b --tp 1 --batch 1 8 32 --k 1 2 3 4 --forced 0.6 0.8 \
+        --prefill 2048 8192 --hf --out results.json
+
+Writes a random-weight Qwen3.5 checkpoint of the chosen class (bf16) unless one is there, measures
+the device's copy bandwidth (bytes read + written by a large device-to-device copy), then through
+the real engine (local workers, NCCL): decode tokens/s without MTP at each batch size, with MTP at
+k drafts under forced acceptance (benchmark mode: each draft kept with probability P — random
+weights never draft right), and prefill tokens/s at the given prompt lengths. Every decode figure
+is set against its floor: (this rank's weight bytes + the cache bytes a step reads and writes) ÷
+the measured copy bandwidth. With --hf, transformers' `generate` runs on the same checkpoint and
+GPU in the same run. Results go to stdout as tables and to --out as JSON, row by row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import shardspec
+from shardspec.models.config import ModelConfig
+from shardspec.models.random_checkpoint import (
+    nine_b_config,
+    tiny_config,
+    twenty_seven_b_config,
+    write_random_checkpoint,
+)
+from shardspec.orchestrator.engine import FORCED_ACCEPTANCE_ENV
+from shardspec.protocol.messages import LoadRequest
+
+SIZES = {"tiny": tiny_config, "9b": nine_b_config, "27b": twenty_seven_b_config}
+PROMPT_LEN = 128
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Bytes per second moved (read + written) by a device-to-device copy, median of 10."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(13):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= 3:
+            times.append(time.perf_counter() - started)
+    return 2 * src.nbytes / statistics.median(times)
+
+
+def step_bytes(config: ModelConfig, tp: int, weight_bytes: int, batch: int, context: int, k: int) -> int:
+    """Bytes one rank must move in one decode (k = 0) or verify step: its weights once, plus
+    the KV it attends over and the recurrent state it reads and writes."""
+    kv_heads = max(1, config.num_key_value_heads // tp)
+    attention_layers = config.layer_types.count("full_attention")
+    kv = batch * context * attention_layers * 2 * kv_heads * config.head_dim * 2
+    gdn_layers = config.layer_types.count("linear_attention")
+    state = gdn_layers * (config.linear_num_value_heads // tp) * config.linear_key_head_dim
+    state *= config.linear_value_head_dim * 4 * 2 * batch * (k + 1)  # fp32, read + written per kept token
+    return weight_bytes + kv + state
+
+
+class Bench:
+    def __init__(self, engine, model: str, config: ModelConfig, bandwidth: float, max_seq_len: int):
+        self.engine, self.model, self.config = engine, model, config
+        self.bandwidth, self.max_seq_len = bandwidth, max_seq_len
+
+    async def reload(self, slots: int, k: int | None, forced: float | None) -> None:
+        """New caches and MTP settings on the loaded weights (the workers keep them)."""
+        load = LoadRequest(model=self.model, dtype="auto", max_slots=slots, max_seq_len=self.max_seq_len,
+                           mtp="on" if k else "off", draft_tokens=k or 1,
+                           forced_acceptance=-1.0 if forced is None else forced)
+        self.engine.load_info = (await self.engine._all(lambda rank: load))[0][0]
+        self.engine.max_slots = slots
+        self.engine.forced_acceptance = forced
+
+    async def decode(self, batch: int, new_tokens: int, prompt_len: int = PROMPT_LEN) -> dict:
+        rng = random.Random(batch)
+        prompts = [rng.choices(range(self.config.vocab_size), k=prompt_len) for _ in range(batch)]
+
+        async def one(prompt, n):
+            async for chunk in self.engine.generate(prompt, max_tokens=n, stop_at_eos=False):
+                final = chunk
+            return final.stats
+
+        await asyncio.gather(*(one(p, 4) for p in prompts))  # warm-up
+        before = (await self.engine.stats())[0]
+        started = time.perf_counter()
+        stats = await asyncio.gather(*(one(p, new_tokens) for p in prompts))
+        wall = time.perf_counter() - started
+        after = (await self.engine.stats())[0]
+        steps = after.steps - before.steps
+        ttft = max(s["time_to_first_token_s"] for s in stats)
+        decode_s = wall - ttft
+        tokens = sum(s["generated_tokens"] - 1 for s in stats)
+        result = {"batch": batch, "tokens_per_s": tokens / decode_s, "step_ms": 1000 * decode_s / max(1, steps - 1),
+                  "steps": steps, "idle_gap_ms": 1000 * (after.step_gap_total_s - before.step_gap_total_s)
+                  / max(1, after.step_gaps - before.step_gaps)}
+        drafts = after.drafts - before.drafts
+        if drafts:
+            result["mean_acceptance_length"] = 1 + (after.accepted_tokens - before.accepted_tokens) / drafts
+        return result
+
+    async def prefill(self, length: int) -> dict:
+        prompt = random.Random(length).choices(range(self.config.vocab_size), k=length)
+        for _ in range(2):  # the first run warms up kernels for this shape
+            async for chunk in self.engine.generate(prompt, max_tokens=1, stop_at_eos=False):
+                final = chunk
+        return {"prompt_tokens": length, "tokens_per_s": length / final.stats["time_to_first_token_s"]}
+
+    def floor_ms(self, weight_bytes: int, tp: int, batch: int, k: int) -> float:
+        context = PROMPT_LEN + 32
+        return 1000 * step_bytes(self.config, tp, weight_bytes, batch, context, k) / self.bandwidth
+
+
+def transformers_decode(model: str, batch: int, new_tokens: int, vocab: int) -> float:
+    from transformers import GenerationConfig, Qwen3_5ForCausalLM
+
+    hf = Qwen3_5ForCausalLM.from_pretrained(model, dtype=torch.bfloat16, device_map="cuda").eval()
+    config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              eos_token_id=None, pad_token_id=0)
+    ids = torch.tensor([random.Random(batch).choices(range(vocab), k=PROMPT_LEN) for _ in range(batch)],
+                       device="cuda")
+    with torch.inference_mode():
+        hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=GenerationConfig(
+            do_sample=False, max_new_tokens=2, min_new_tokens=2, eos_token_id=None, pad_token_id=0))
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        torch.cuda.synchronize()
+    rate = batch * new_tokens / (time.perf_counter() - started)
+    del hf
+    torch.cuda.empty_cache()
+    return rate
+
+
+async def run(args: argparse.Namespace, out: dict, save) -> None:
+    config = ModelConfig.from_folder(args.ckpt)
+    device = torch.device("cuda" if args.device == "cuda" else "cpu")
+    out["bandwidth_GBps"] = copy_bandwidth(device) / 1e9
+    print(f"copy bandwidth {out['bandwidth_GBps']:.0f} GB/s", flush=True)
+    max_seq_len = max([PROMPT_LEN + args.new_tokens + 64, *(p + 8 for p in args.prefill)])
+    async with shardspec.connect(model=str(args.ckpt), local=args.tp, device=args.device, mtp=None,
+                                 max_slots=max(args.batch), max_seq_len=max_seq_len,
+                                 connect_timeout=600) as engine:
+        bench = Bench(engine, str(Path(args.ckpt).resolve()), config, out["bandwidth_GBps"] * 1e9, max_seq_len)
+        weight_bytes = engine.load_info.weight_bytes
+        out["weight_bytes_per_rank"] = weight_bytes
+        out["decode"] = []
+        print("| batch | MTP | tokens/s | step ms | floor ms | of floor | MAL | idle gap ms |", flush=True)
+        print("|---|---|---|---|---|---|---|---|", flush=True)
+        for batch in args.batch:
+            configs = [(None, None)] + [(k, f) for f in args.forced for k in args.k]
+            for k, forced in configs:
+                await bench.reload(max(args.batch), k, forced)
+                row = await bench.decode(batch, args.new_tokens)
+                floor = bench.floor_ms(weight_bytes, args.tp, batch, k or 0)
+                row |= {"k": k or 0, "forced": forced, "floor_ms": floor, "of_floor": floor / row["step_ms"]}
+                out["decode"].append(row)
+                save()
+                label = "off" if not k else f"k={k} @{forced}"
+                print(f"| {batch} | {label} | {row['tokens_per_s']:.1f} | {row['step_ms']:.2f} | {floor:.2f} "
+                      f"| {row['of_floor']:.0%} | {row.get('mean_acceptance_length', 1):.2f} "
+                      f"| {row['idle_gap_ms']:.3f} |", flush=True)
+        await bench.reload(1, None, None)
+        out["prefill"] = [await bench.prefill(length) for length in args.prefill]
+        save()
+        for row in out["prefill"]:
+            print(f"prefill {row['prompt_tokens']} tokens: {row['tokens_per_s']:.0f} tokens/s", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=SIZES, default="9b")
+    parser.add_argument("--ckpt", type=Path, default=None, help="checkpoint folder (written if missing)")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--k", type=int, nargs="*", default=[1, 2, 3, 4])
+    parser.add_argument("--forced", type=float, nargs="*", default=[0.6, 0.8])
+    parser.add_argument("--prefill", type=int, nargs="*", default=[2048, 8192])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--hf", action="store_true", help="also time transformers' generate (batch sizes ≤ 8)")
+    parser.add_argument("--out", type=Path, default=Path("decode-results.json"))
+    args = parser.parse_args()
+    os.environ[FORCED_ACCEPTANCE_ENV] = "1"  # a benchmark: forced acceptance is meant here
+    args.ckpt = args.ckpt or Path(f"/tmp/shardspec-{args.size}")
+    if not (args.ckpt / "config.json").exists():
+        dtype = torch.float32 if args.size == "tiny" else torch.bfloat16
+        write_random_checkpoint(args.ckpt, SIZES[args.size](), seed=0, dtype=dtype, keep=False)
+    out: dict = {"size": args.size, "tp": args.tp, "device": torch.cuda.get_device_name() if
+                 torch.cuda.is_available() else "cpu"}
+
+    def save() -> None:
+        args.out.write_text(json.dumps(out, indent=1))
+
+    asyncio.run(run(args, out, save))
+    if args.hf:
+        vocab = ModelConfig.from_folder(args.ckpt).vocab_size
+        out["transformers"] = []
+        for batch in [b for b in args.batch if b <= 8]:
+            rate = transformers_decode(str(args.ckpt), batch, min(args.new_tokens, 32), vocab)
+            out["transformers"].append({"batch": batch, "tokens_per_s": rate})
+            save()
+            print(f"transformers generate, batch {batch}: {rate:.1f} tokens/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""The CUDA path (NCCL, bf16): skipped where there is no GPU; run on the GPU machine."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardspec
+from shardspec.cli import BUNDLED_MODEL
+from shardspec.layers.batch import Batch
+from shardspec.layers.parallel import TPGroup
+from shardspec.models.loader import load_model
+from shardspec.orchestrator.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef main():\n"]
+
+
+def held_out_ids(count: int) -> list[int]:
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
+    from train_tiny import is_held_out, stdlib_files
+
+    text = "".join(p.read_text(errors="replace") for rel, p in stdlib_files() if is_held_out(rel))
+    return Tokenizer.from_folder(BUNDLED_MODEL).encode(text)[:count]
+
+
+def greedy(device: str, dtype: str, tp: int, mtp: bool) -> list[list[int]]:
+    async def run():
+        async with shardspec.connect(model=str(BUNDLED_MODEL), local=tp, device=device, dtype=dtype, mtp=mtp) as e:
+            async def one(prompt):
+                out = []
+                async for chunk in e.generate(prompt, max_tokens=64, stop_at_eos=False):
+                    out += chunk.token_ids
+                return out
+
+            return await asyncio.gather(*(one(p) for p in PROMPTS))
+
+    return asyncio.run(run())
+
+
+def test_fp32_greedy_output_on_the_gpu_equals_the_cpu_output():
+    assert greedy("cuda", "float32", 1, mtp=False) == greedy("cpu", "float32", 1, mtp=False)
+
+
+@torch.inference_mode()
+def test_bf16_logits_agree_with_the_fp32_reference_on_held_out_text():
+    ids = torch.tensor(held_out_ids(257))
+    logits = {}
+    for device, dtype in (("cpu", torch.float32), ("cuda", torch.bfloat16)):
+        model = load_model(BUNDLED_MODEL, TPGroup(), dtype, torch.device(device), with_mtp=False)
+        x = ids[None, :-1].to(device)
+        logits[device] = model.lm_head.logits(model(x, Batch.uncached(1, 256, x.device)))[0].float().cpu()
+    agreement = (logits["cpu"].argmax(-1) == logits["cuda"].argmax(-1)).float().mean().item()
+    assert agreement >= 0.98
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_bf16_greedy_with_mtp_equals_without_on_the_gpu(tp):
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    assert greedy("cuda", "bfloat16", tp, mtp=True) == greedy("cuda", "bfloat16", tp, mtp=False)
