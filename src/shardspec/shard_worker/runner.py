@@ -29,6 +29,7 @@ from shardspec.layers.sampling import (
 from shardspec.models.qwen3_5 import Qwen3_5Model
 from shardspec.protocol.errors import ErrorCode, ProtocolError
 from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepRequest
+from shardspec.shard_worker.graphs import GraphedForward
 
 
 @dataclass
@@ -104,6 +105,7 @@ class ModelRunner:
         prefill_chunk: int,
         draft_len: int = 0,
         forced_acceptance: float | None = None,
+        cuda_graphs: bool = True,
     ):
         if draft_len and model.mtp is None:
             raise ValueError("draft_len > 0 needs a model with an MTP head")
@@ -117,8 +119,13 @@ class ModelRunner:
         self.sequences: dict[int, Sequence] = {}
         self.counters = SpecCounters(accepted_per_position=[0] * draft_len)
         dtype = next(model.parameters()).dtype
-        # verification writes k cache positions past the accepted ones: room for them
-        self.cache_bytes = model.allocate_caches(max_slots, max_seq_len + draft_len, dtype, device)
+        # verification writes k cache positions past the accepted ones: room for them; one more
+        # slot is scratch space for the padding rows of graphed batches
+        context = max_seq_len + draft_len
+        self.cache_bytes = model.allocate_caches(max_slots + 1, context, dtype, device)
+        self.graphed = None
+        if cuda_graphs and device.type == "cuda":
+            self.graphed = GraphedForward(model, device, scratch_slot=max_slots, max_context=context)
 
     # --- the step -------------------------------------------------------------------------------
 
@@ -200,7 +207,7 @@ class ModelRunner:
                 pairs = hidden[:, :-1] if hidden_before is None else torch.cat([hidden_before, hidden[:, :-1]], 1)
                 if pairs.shape[1]:
                     n = pairs.shape[1]
-                    self._mtp(ids[:, -n:], pairs, slots, positions[:, -n:] - 1)
+                    self._mtp(ids[:, -n:], pairs, slots, positions[:, -n:] - 1, start + ids.shape[1] - 1)
                 hidden_before = hidden[:, -1:]
         last_logits = self.model.lm_head.logits(hidden[:, -1])
         seqs = []
@@ -215,7 +222,7 @@ class ModelRunner:
             seqs.append(seq)
         if self.draft_len:
             first = torch.tensor([[s.next_token] for s in seqs], device=self.device)
-            heads = self._mtp(first, hidden_before, slots, torch.full_like(first, length - 1))[:, 0]
+            heads = self._mtp(first, hidden_before, slots, torch.full_like(first, length - 1), length)[:, 0]
             for seq, drafts in zip(seqs, self._draft(heads, slots, [length] * len(seqs))):
                 seq.drafts = [] if seq.finished else drafts
         return seqs
@@ -228,8 +235,11 @@ class ModelRunner:
         starts = torch.tensor([s.length for s in seqs], device=self.device)
         positions = starts[:, None] + torch.arange(k + 1, device=self.device)
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
-        batch = Batch(slots, positions, max(s.length for s in seqs) + k + 1, keep_states=k > 0)
-        hidden = self.model(ids, batch)  # [B, k+1, H]
+        context = max(s.length for s in seqs) + k + 1
+        if self.graphed is not None:
+            hidden = self.graphed(ids, positions, slots, context, keep_states=k > 0)  # [B, k+1, H]
+        else:
+            hidden = self.model(ids, Batch(slots, positions, context, keep_states=k > 0))
 
         accepted, tokens = self._accept(seqs, hidden, result if want_logits else None)
         if k:
@@ -245,7 +255,7 @@ class ModelRunner:
             s.next_token = token
             s.drafts = []
         if k:
-            self._redraft(seqs, hidden, ids, positions, slots, accepted, tokens)
+            self._redraft(seqs, hidden, ids, positions, context, slots, accepted, tokens)
         for s, n, new in zip(seqs, accepted, emitted):
             result.add(s, new, n if k else -1)
 
@@ -278,14 +288,14 @@ class ModelRunner:
             tokens.append(token)
         return accepted, tokens
 
-    def _redraft(self, seqs, hidden, ids, positions, slots, accepted, tokens) -> None:
+    def _redraft(self, seqs, hidden, ids, positions, context, slots, accepted, tokens) -> None:
         """MTP over the accepted positions with true hidden states, then chain k new drafts."""
         rows = torch.arange(len(seqs), device=self.device)
         index = torch.tensor(accepted, device=self.device)
         # entry j pairs hidden j with token j+1: the accepted drafts, then the new token
         following = torch.cat([ids[:, 1:], ids[:, -1:]], 1)
         following[rows, index] = torch.tensor(tokens, device=self.device)
-        heads = self._mtp(following, hidden, slots, positions)[rows, index]
+        heads = self._mtp(following, hidden, slots, positions, context)[rows, index]
         live = [i for i, s in enumerate(seqs) if not s.finished]
         if not live:
             return
@@ -294,9 +304,10 @@ class ModelRunner:
         for i, d in zip(live, drafts):
             seqs[i].drafts = d
 
-    def _mtp(self, next_ids: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor):
-        """MTP layer over (token t+1, target hidden t) pairs at positions t; -> its normed output."""
-        batch = Batch(slots, positions, int(positions.max()) + 1)
+    def _mtp(self, next_ids: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+             context: int):
+        """MTP layer over (token t+1, target hidden t) pairs at positions t < context; -> its normed output."""
+        batch = Batch(slots, positions, context)
         return self.model.mtp(self.model.embed_tokens(next_ids), hidden, batch)
 
     def _draft(self, head: torch.Tensor, slots: torch.Tensor, lengths: list[int]) -> list[list[int]]:
@@ -307,7 +318,7 @@ class ModelRunner:
             drafts.append(token)
             if i + 1 < self.draft_len:
                 position = torch.tensor(lengths, device=self.device)[:, None] + i
-                head = self._mtp(token[:, None], head[:, None], slots, position)[:, 0]
+                head = self._mtp(token[:, None], head[:, None], slots, position, max(lengths) + i + 1)[:, 0]
         return torch.stack(drafts, 1).tolist()
 
     def _count(self, accepted: list[int]) -> None:
