@@ -57,6 +57,12 @@ class ShardWorker:
     def __init__(self, listen: str, device: str):
         self.listen = listen
         self.device = parse_device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            # cuDNN attention plans each new shape on the host (~50 ms); decode shapes change every step
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        else:
+            torch.set_flush_denormal(True)  # subnormal floats slow CPU kernels ~10x; they carry no signal here
         self.state = "idle"
         self.owner: bytes | None = None
         self.owner_fd: int | None = None

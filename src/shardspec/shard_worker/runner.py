@@ -231,10 +231,10 @@ class ModelRunner:
 
     def _verify(self, seqs: list[Sequence], result: StepResult, want_logits: bool) -> None:
         k = self.draft_len
-        ids = torch.tensor([[s.next_token, *s.drafts] for s in seqs], device=self.device)
-        starts = torch.tensor([s.length for s in seqs], device=self.device)
+        rows = [[s.next_token, *s.drafts, s.length, s.slot] for s in seqs]
+        packed = self._upload(rows)  # one host-to-device copy for the step's inputs
+        ids, starts, slots = packed[:, : k + 1], packed[:, k + 1], packed[:, k + 2]
         positions = starts[:, None] + torch.arange(k + 1, device=self.device)
-        slots = torch.tensor([s.slot for s in seqs], device=self.device)
         context = max(s.length for s in seqs) + k + 1
         if self.graphed is not None:
             hidden = self.graphed(ids, positions, slots, context, keep_states=k > 0)  # [B, k+1, H]
@@ -243,7 +243,7 @@ class ModelRunner:
 
         accepted, tokens = self._accept(seqs, hidden, result if want_logits else None)
         if k:
-            index = torch.tensor(accepted, device=self.device)
+            index = self._upload(accepted)
             for layer in self.model.layers:
                 if isinstance(layer.mixer, GatedDeltaNet):
                     layer.mixer.commit(slots, index)
@@ -291,10 +291,10 @@ class ModelRunner:
     def _redraft(self, seqs, hidden, ids, positions, context, slots, accepted, tokens) -> None:
         """MTP over the accepted positions with true hidden states, then chain k new drafts."""
         rows = torch.arange(len(seqs), device=self.device)
-        index = torch.tensor(accepted, device=self.device)
+        index, new_tokens = self._upload([accepted, tokens])
         # entry j pairs hidden j with token j+1: the accepted drafts, then the new token
         following = torch.cat([ids[:, 1:], ids[:, -1:]], 1)
-        following[rows, index] = torch.tensor(tokens, device=self.device)
+        following[rows, index] = new_tokens
         heads = self._mtp(following, hidden, slots, positions, context)[rows, index]
         live = [i for i, s in enumerate(seqs) if not s.finished]
         if not live:
@@ -320,6 +320,13 @@ class ModelRunner:
                 position = torch.tensor(lengths, device=self.device)[:, None] + i
                 head = self._mtp(token[:, None], head[:, None], slots, position, max(lengths) + i + 1)[:, 0]
         return torch.stack(drafts, 1).tolist()
+
+    def _upload(self, values: list) -> torch.Tensor:
+        """Host ints to a device int64 tensor in one copy (pinned, asynchronous, on a GPU)."""
+        host = torch.tensor(values, dtype=torch.long)
+        if self.device.type == "cpu":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _count(self, accepted: list[int]) -> None:
         c = self.counters

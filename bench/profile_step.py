@@ -1,0 +1,87 @@
+"""Profile one rank's decode and verify steps in-process (no workers, no wire), by section.
+
+    python bench/profile_step.py [--size 9b] [--batch 1] [--k 0 1 3] [--forced 0.8]
+
+Builds the model with random weights directly on the device (no checkpoint on disk), runs the
+ModelRunner's steps, and prints the median step time per k plus PyTorch's profiler table of the
+most expensive operators for the last configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from shardspec.layers.parallel import TPGroup
+from shardspec.models.config import ModelConfig
+from shardspec.models.qwen3_5 import Qwen3_5Model
+from shardspec.models.random_checkpoint import nine_b_config, tiny_config, twenty_seven_b_config
+from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepRequest
+from shardspec.shard_worker.runner import ModelRunner
+
+SIZES = {"tiny": tiny_config, "9b": nine_b_config, "27b": twenty_seven_b_config}
+
+
+def random_model(size: str, device: torch.device, dtype: torch.dtype) -> Qwen3_5Model:
+    config = ModelConfig.from_dict(SIZES[size]())
+    with torch.device("meta"):
+        model = Qwen3_5Model(config, TPGroup(), with_mtp=True)
+    model = model.to(dtype).to_empty(device=device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.02) if p.dim() > 1 else p.normal_(0, 0.1)
+    return model
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=SIZES, default="9b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--k", type=int, nargs="+", default=[0, 1, 3])
+    parser.add_argument("--forced", type=float, default=0.8)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--no-graphs", action="store_true")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda":  # as the worker daemon sets them
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    else:
+        torch.set_flush_denormal(True)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = random_model(args.size, device, dtype)
+    for k in args.k:
+        runner = ModelRunner(model, device, args.batch, 1024, 512, k, args.forced if k else None,
+                             cuda_graphs=not args.no_graphs)
+        seqs = list(range(args.batch))
+        prefill = [PrefillSpec(seq=s, length=64, sampling=SamplingParams(seed=s), max_tokens=500) for s in seqs]
+        runner.step(StepRequest(prefill=prefill), torch.randint(0, model.config.vocab_size, (64 * args.batch,)))
+        times = []
+        for i in range(args.steps):
+            sync(device)
+            started = time.perf_counter()
+            runner.step(StepRequest(decode=seqs), torch.empty(0, dtype=torch.long))
+            sync(device)
+            times.append(time.perf_counter() - started)
+        print(f"k={k} batch={args.batch}: median step {1000 * statistics.median(times[3:]):.2f} ms", flush=True)
+        if k == args.k[-1]:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    runner.step(StepRequest(decode=seqs), torch.empty(0, dtype=torch.long))
+                sync(device)
+            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
+        runner.release(seqs)
+        del runner
+
+
+if __name__ == "__main__":
+    main()
