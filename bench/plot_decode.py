@@ -1,0 +1,49 @@
+"""Plots of bench/decode.py results: tokens/s vs batch size, and vs MTP draft length.
+
+    python bench/plot_decode.py docs/data/decode-9b-tp1.json docs/data/decode-9b-tp2.json --out docs/decode.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", type=Path, nargs="+")
+    parser.add_argument("--out", type=Path, default=Path("docs/decode.png"))
+    args = parser.parse_args()
+    fig, (by_batch, by_k) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for path in args.results:
+        data = json.loads(path.read_text())
+        label = f"{data['size']} TP={data['tp']}"
+        rows = data["decode"]
+        plain = [r for r in rows if r["k"] == 0]
+        by_batch.plot([r["batch"] for r in plain], [r["tokens_per_s"] for r in plain], "o-", label=f"{label}, MTP off")
+        for k in sorted({r["k"] for r in rows if r["k"]}):
+            mtp = [r for r in rows if r["k"] == k]
+            by_batch.plot([r["batch"] for r in mtp], [r["tokens_per_s"] for r in mtp], "s--",
+                          label=f"{label}, MTP k={k} (forced {mtp[0]['forced']})")
+        for batch in sorted({r["batch"] for r in rows}):
+            series = sorted((r for r in rows if r["batch"] == batch), key=lambda r: r["k"])
+            by_k.plot([r["k"] for r in series], [r["tokens_per_s"] for r in series], "o-", label=f"{label}, batch {batch}")
+        for hf in data.get("transformers", []):
+            by_batch.plot([hf["batch"]], [hf["tokens_per_s"]], "kx", markersize=9)
+    by_batch.plot([], [], "kx", label="transformers generate")
+    by_batch.set(xscale="log", yscale="log", xlabel="batch size", ylabel="decode tokens/s", title="tokens/s vs batch")
+    by_k.set(yscale="log", xlabel="MTP drafts per step (k; 0 = off)", ylabel="decode tokens/s", title="tokens/s vs k")
+    by_batch.legend(fontsize=7)
+    by_k.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
