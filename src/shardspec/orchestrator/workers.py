@@ -20,10 +20,12 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from shardspec import security
 from shardspec.protocol import codec, transport
 from shardspec.protocol.codec import Message
 from shardspec.protocol.errors import RemoteError
 from shardspec.protocol.messages import REPLIES, HelloRequest, parse, to_meta
+from shardspec.security import KeyPair
 
 log = logging.getLogger("shardspec.orchestrator")
 
@@ -35,11 +37,17 @@ class WorkerLost(ConnectionError):
 class WorkerClient:
     """One DEALER socket to one worker; requests are matched to replies by id."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, address: str):
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, keys: KeyPair | None = None,
+                 server_key: bytes | None = None):
         self.address = address
         self.sock = ctx.socket(zmq.DEALER)
         transport.configure(self.sock)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        if keys is not None and server_key is not None:
+            security.make_client(self.sock, keys, server_key)
+        self.monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        )
         self.sock.connect(address)
         self.pending: dict[int, asyncio.Future] = {}
         self.next_id = 1
@@ -103,6 +111,12 @@ class WorkerClient:
             elif event["event"] == zmq.EVENT_DISCONNECTED and self.connected:
                 self.connected = False
                 self.fail(WorkerLost(f"lost the connection to worker {self.address}"))
+            elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self.fail(WorkerLost(f"worker {self.address} refused this orchestrator's key: add its public key "
+                                     "to the worker's --allow"))
+            elif event["event"] & (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+                self.fail(WorkerLost(f"security handshake with worker {self.address} failed: check --keys and "
+                                     "--server-keys (CURVE on one side only, or the wrong server key)"))
 
     async def close(self) -> None:
         for task in self.tasks:

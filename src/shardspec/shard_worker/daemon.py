@@ -20,9 +20,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-from shardspec import __version__
+from shardspec import __version__, security
 from shardspec.layers.parallel import TPGroup
 from shardspec.models.config import ConfigError
 from shardspec.models.loader import load_model
@@ -30,6 +31,7 @@ from shardspec.models.qwen3_5 import Qwen3_5Model
 from shardspec.protocol import codec, transport
 from shardspec.protocol.codec import Message
 from shardspec.protocol.errors import ErrorCode, ProtocolError
+from shardspec.security import KeyPair
 from shardspec.protocol.messages import (
     REQUESTS,
     ErrorReply,
@@ -53,9 +55,26 @@ from shardspec.utils import memory_stats, parse_device, resolve_dtype
 log = logging.getLogger("shardspec.worker")
 
 
+class _AllowList:
+    """ZAP credentials provider: a client may connect only with one of these public keys."""
+
+    def __init__(self, keys: list[bytes]):
+        self.keys = set(keys)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        allowed = key in self.keys
+        if not allowed:
+            log.warning("refused a client with an unknown CURVE key")
+        return allowed
+
+
 class ShardWorker:
-    def __init__(self, listen: str, device: str):
+    def __init__(self, listen: str, device: str, keys: KeyPair | None = None, allow: list[bytes] | None = None):
+        if keys is not None and not allow:
+            raise ValueError("a worker with CURVE keys needs at least one allowed client key (--allow)")
         self.listen = listen
+        self.keys = keys
+        self.allow = allow or []
         self.device = parse_device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -90,14 +109,23 @@ class ShardWorker:
 
     def serve_forever(self) -> None:
         ctx = zmq.Context()
+        authenticator = None
+        if self.keys is not None:  # ZAP handler: only the allowed client keys get in
+            authenticator = ThreadAuthenticator(ctx)
+            authenticator.start()
+            authenticator.configure_curve_callback(domain="*", credentials_provider=_AllowList(self.allow))
         sock = ctx.socket(zmq.ROUTER)
         transport.configure(sock)
+        if self.keys is not None:
+            security.make_server(sock, self.keys)
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         try:
             sock.bind(self.listen)
-            log.info("listening on %s, device %s, pid %d", self.listen, self.device, os.getpid())
+            log.info("listening on %s (%s), device %s, pid %d", self.listen,
+                     "CURVE, %d allowed client keys" % len(self.allow) if self.keys else "no encryption",
+                     self.device, os.getpid())
             poller = zmq.Poller()
             poller.register(sock, zmq.POLLIN)
             poller.register(monitor, zmq.POLLIN)
@@ -112,6 +140,8 @@ class ShardWorker:
             sock.disable_monitor()
             monitor.close(linger=0)
             sock.close(linger=0)
+            if authenticator is not None:
+                authenticator.stop()
             ctx.term()
             if self.listen.startswith("ipc://"):
                 Path(self.listen[len("ipc://") :]).unlink(missing_ok=True)
