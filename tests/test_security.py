@@ -1,0 +1,129 @@
+"""CURVE authentication and encryption between orchestrators and workers on tcp://."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import zmq.auth
+
+import shardspec
+from shardspec.orchestrator.workers import WorkerLost, free_port
+
+
+def shardspec_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardspec", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("keys")
+    for name in ("worker", "orchestrator", "stranger"):
+        assert shardspec_cli("keys", "generate", str(root / name), "--name", name).returncode == 0
+    return {name: root / name for name in ("worker", "orchestrator", "stranger")}
+
+
+@pytest.fixture
+def secure_worker(keys, tmp_path):
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    log = open(tmp_path / "worker.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardspec", "worker", "--listen", address, "--threads", "1",
+         "--keys", str(keys["worker"]), "--allow", str(keys["orchestrator"] / "orchestrator.key")],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    yield address
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(20) == 0
+    log.close()
+
+
+def test_keys_generate_writes_a_zeromq_certificate_pair_and_never_overwrites_it(tmp_path):
+    assert shardspec_cli("keys", "generate", str(tmp_path), "--name", "node").returncode == 0
+    public, secret = zmq.auth.load_certificate(str(tmp_path / "node.key_secret"))
+    assert len(public) == len(secret) == 40 and (tmp_path / "node.key").is_file()
+    assert (tmp_path / "node.key_secret").stat().st_mode & 0o077 == 0
+    again = shardspec_cli("keys", "generate", str(tmp_path), "--name", "node")
+    assert again.returncode == 2 and "not overwriting" in again.stderr
+    assert zmq.auth.load_certificate(str(tmp_path / "node.key_secret"))[1] == secret
+
+
+def generate(model, address, **security) -> list[int]:
+    async def run():
+        async with shardspec.connect(model=str(model), workers=[address], connect_timeout=10, **security) as engine:
+            out = []
+            async for chunk in engine.generate([1, 2, 3], max_tokens=6):
+                out += chunk.token_ids
+            return out
+
+    return asyncio.run(run())
+
+
+def test_only_a_client_with_an_allowed_key_and_the_right_server_key_gets_in(tiny_model, keys, secure_worker):
+    right = {"keys": str(keys["orchestrator"]), "server_keys": str(keys["worker"] / "worker.key")}
+    assert len(generate(tiny_model, secure_worker, **right)) == 6
+    with pytest.raises(WorkerLost, match="refused this orchestrator's key"):
+        generate(tiny_model, secure_worker, keys=str(keys["stranger"]), server_keys=right["server_keys"])
+    with pytest.raises(WorkerLost, match="handshake"):
+        generate(tiny_model, secure_worker, keys=right["keys"], server_keys=str(keys["stranger"] / "stranger.key"))
+    with pytest.raises(WorkerLost, match="handshake"):
+        generate(tiny_model, secure_worker)
+    assert len(generate(tiny_model, secure_worker, **right)) == 6  # the worker kept serving
+
+
+def test_worker_refuses_a_network_address_without_keys_unless_insecure(tmp_path):
+    address = f"tcp://0.0.0.0:{free_port()}"
+    refused = shardspec_cli("worker", "--listen", address)
+    assert refused.returncode == 2
+    assert "shardspec keys generate" in refused.stderr and "--insecure" in refused.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "shardspec", "worker", "--listen", address, "--insecure"],
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(3)
+    assert proc.poll() is None  # it runs, as asked
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(20) == 0
+    assert "INSECURE" in proc.stderr.read()
+
+
+@pytest.mark.skipif(shutil.which("tcpdump") is None, reason="needs tcpdump (apt-get install tcpdump) and root")
+def test_captured_traffic_carries_the_prompt_in_clear_only_without_curve(tiny_model, keys, secure_worker, tmp_path):
+    import struct
+
+    prompt = [411, 97, 263, 305, 171, 444, 58, 310]  # as it travels: one int64 frame
+    needle = b"".join(struct.pack("<q", t) for t in prompt)
+
+    def captured(address, **security) -> bytes:
+        port = address.rsplit(":", 1)[1]
+        pcap = tmp_path / f"{port}.pcap"
+        dump = subprocess.Popen(["tcpdump", "-i", "lo", "-w", str(pcap), "-U", f"tcp port {port}"],
+                                stderr=subprocess.DEVNULL)
+        time.sleep(1)
+
+        async def run():
+            async with shardspec.connect(model=str(tiny_model), workers=[address], **security) as engine:
+                async for _ in engine.generate(prompt, max_tokens=4):
+                    pass
+
+        asyncio.run(run())
+        time.sleep(1)
+        dump.send_signal(signal.SIGINT)
+        dump.wait(10)
+        return pcap.read_bytes()
+
+    plain_port = free_port()
+    plain = subprocess.Popen([sys.executable, "-m", "shardspec", "worker", "--listen",
+                              f"tcp://127.0.0.1:{plain_port}", "--threads", "1"], stderr=subprocess.DEVNULL)
+    try:
+        assert needle in captured(f"tcp://127.0.0.1:{plain_port}")  # the capture sees frames in clear
+    finally:
+        plain.terminate()
+        plain.wait(20)
+    secured = captured(secure_worker, keys=str(keys["orchestrator"]), server_keys=str(keys["worker"] / "worker.key"))
+    assert needle not in secured and b"prefill" not in secured
