@@ -52,6 +52,7 @@ class WorkerClient:
         self.pending: dict[int, asyncio.Future] = {}
         self.next_id = 1
         self.connected = False
+        self.answered = False  # a reply came: the connection (and any CURVE handshake) works
         self.failure: Exception | None = None
         self.tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
 
@@ -93,6 +94,7 @@ class WorkerClient:
                 if future is not None and not future.done():
                     future.set_exception(WorkerLost(f"worker {self.address}: {exc}"))
                 continue
+            self.answered = True
             future = self.pending.pop(reply.id, None)
             if future is None:
                 log.warning("reply %d from %s matches no request", reply.id, self.address)
@@ -110,7 +112,11 @@ class WorkerClient:
                 self.connected = True
             elif event["event"] == zmq.EVENT_DISCONNECTED and self.connected:
                 self.connected = False
-                self.fail(WorkerLost(f"lost the connection to worker {self.address}"))
+                if self.answered:
+                    self.fail(WorkerLost(f"lost the connection to worker {self.address}"))
+                else:  # dropped before any reply: most often a security mismatch
+                    self.fail(WorkerLost(f"worker {self.address} closed the connection during the handshake: check "
+                                         "--keys and --server-keys (the worker may require CURVE keys)"))
             elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self.fail(WorkerLost(f"worker {self.address} refused this orchestrator's key: add its public key "
                                      "to the worker's --allow"))
