@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import zmq.asyncio
@@ -58,6 +58,13 @@ class Chunk:
     text: str = ""
     finish_reason: str | None = None
     stats: dict[str, Any] | None = None
+
+
+class StepObserver(Protocol):
+    """Told about every step's reply (e.g. serving metrics); must not block."""
+
+    def on_step(self, step_s: float, accepted: list[int]) -> None:
+        """step_s: the slowest rank's step time; accepted: drafts accepted per sequence (-1: prefill)."""
 
 
 @dataclass
@@ -103,11 +110,33 @@ class Engine:
         self.pipeline_depth = 2
         self.forced_acceptance: float | None = None
         self.closed = False
+        self.observer: StepObserver | None = None
 
     @property
     def draft_tokens(self) -> int:
         """MTP drafts per step; 0 when MTP is off."""
         return self.load_info.draft_tokens
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot serve requests now, or None when it can."""
+        if self.closed or self.loop_task is None:
+            return "the engine is not running"
+        if self.loop_task.done():
+            return "the engine's step loop stopped"
+        for worker in self.workers:
+            if worker.failure is not None:
+                return f"worker {worker.address} is down: {worker.failure}"
+        try:
+            if self.local is not None:
+                self.local.check_alive()
+        except WorkerLost as exc:
+            return str(exc)
+        return None
+
+    @property
+    def healthy(self) -> bool:
+        return self.failure is None
 
     # --- start and stop -------------------------------------------------------------------------
 
@@ -288,6 +317,8 @@ class Engine:
         for reply, _ in replies[1:]:
             if reply.tokens != first.tokens or reply.accepted != first.accepted:
                 raise EngineError("workers disagree on the sampled tokens; the group is inconsistent")
+        if self.observer is not None:
+            self.observer.on_step(max(reply.step_s for reply, _ in replies), first.accepted)
         now = time.perf_counter()
         finished = []
         for seq, tokens, accepted, finish in zip(first.seqs, first.tokens, first.accepted, first.finished):

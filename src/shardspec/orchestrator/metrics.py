@@ -1,0 +1,98 @@
+"""Prometheus metrics of a serving engine: requests, tokens, speculative decoding, latencies, slots.
+
+Each `ServingMetrics` has its own registry, so several engines (or tests) in one process never
+share counters. The engine feeds `on_step` (as its StepObserver); the server counts requests and
+tokens; `refresh` copies the engine's queues and the workers' slot usage into gauges before a
+scrape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   10.0, 30.0, 60.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class ServingMetrics:
+    def __init__(self, draft_tokens: int) -> None:
+        self.registry = CollectorRegistry()
+        self._counters()
+        self._histograms()
+        self._gauges()
+        for position in range(1, draft_tokens + 1):  # every position shows up, at 0 before any step
+            self.accepted_per_position.labels(position=str(position))
+        self.draft_tokens_per_step = draft_tokens
+
+    def _counters(self) -> None:
+        r = self.registry
+        self.requests = Counter("shardspec_requests", "Generation requests by endpoint and outcome "
+                                "(finished, cancelled, failed, rejected)", ["endpoint", "outcome"], registry=r)
+        self.prompt_tokens = Counter("shardspec_prompt_tokens", "Prompt tokens of the requests sent to the "
+                                     "engine", registry=r)
+        self.generated_tokens = Counter("shardspec_generation_tokens", "Tokens generated for requests",
+                                        registry=r)
+        self.drafts = Counter("shardspec_spec_decode_drafts", "Verify steps of one sequence that checked MTP "
+                              "drafts", registry=r)
+        self.draft_tokens = Counter("shardspec_spec_decode_draft_tokens", "MTP draft tokens verified",
+                                    registry=r)
+        self.accepted_tokens = Counter("shardspec_spec_decode_accepted_tokens", "MTP draft tokens accepted",
+                                       registry=r)
+        self.accepted_per_position = Counter("shardspec_spec_decode_accepted_per_position",
+                                             "Acceptances of the draft at each position (1 = first draft)",
+                                             ["position"], registry=r)
+
+    def _histograms(self) -> None:
+        r = self.registry
+        self.step_seconds = Histogram("shardspec_step_seconds", "Time of one batched step on the workers "
+                                      "(slowest rank)", buckets=LATENCY_BUCKETS, registry=r)
+        self.step_sequences = Histogram("shardspec_step_sequences", "Sequences that advanced in one step",
+                                        buckets=BATCH_BUCKETS, registry=r)
+        self.time_to_first_token = Histogram("shardspec_time_to_first_token_seconds", "From a request's "
+                                             "arrival to its first generated token", buckets=LATENCY_BUCKETS,
+                                             registry=r)
+        self.request_seconds = Histogram("shardspec_request_seconds", "From a request's arrival to its last "
+                                         "token", buckets=LATENCY_BUCKETS, registry=r)
+
+    def _gauges(self) -> None:
+        r = self.registry
+        self.running = Gauge("shardspec_requests_running", "Sequences holding a cache slot", registry=r)
+        self.waiting = Gauge("shardspec_requests_waiting", "Requests queued for a free cache slot", registry=r)
+        self.healthy = Gauge("shardspec_workers_healthy", "1 when every worker is connected, else 0", registry=r)
+        self.slots_total = Gauge("shardspec_worker_slots_total", "Cache slots of each worker", ["rank"],
+                                 registry=r)
+        self.slots_free = Gauge("shardspec_worker_slots_free", "Free cache slots of each worker", ["rank"],
+                                registry=r)
+        self.live_sequences = Gauge("shardspec_worker_live_sequences", "Sequences live on each worker",
+                                    ["rank"], registry=r)
+
+    def on_step(self, step_s: float, accepted: list[int]) -> None:
+        """The engine's StepObserver hook: one call per step reply."""
+        self.step_seconds.observe(step_s)
+        self.step_sequences.observe(len(accepted))
+        verified = [n for n in accepted if n >= 0]
+        if not verified or not self.draft_tokens_per_step:
+            return
+        self.drafts.inc(len(verified))
+        self.draft_tokens.inc(len(verified) * self.draft_tokens_per_step)
+        self.accepted_tokens.inc(sum(verified))
+        for position in range(1, max(verified) + 1):
+            self.accepted_per_position.labels(position=str(position)).inc(sum(n >= position for n in verified))
+
+    def refresh(self, running: int, waiting: int, healthy: bool, worker_stats: list[Any]) -> None:
+        """Gauges from the engine's queues and the workers' StatsReplies (rank order)."""
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.healthy.set(1 if healthy else 0)
+        for rank, stats in enumerate(worker_stats):
+            self.slots_total.labels(rank=str(rank)).set(stats.slots_total)
+            self.slots_free.labels(rank=str(rank)).set(stats.slots_free)
+            self.live_sequences.labels(rank=str(rank)).set(len(stats.live_sequences))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
