@@ -1,4 +1,5 @@
-"""The `shardspec` command: `worker` runs a shard-worker daemon, `generate` runs one prompt."""
+"""The `shardspec` command: `worker` runs a shard-worker daemon, `generate` runs one prompt, `serve`
+runs an OpenAI-compatible HTTP server."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ examples:
   shardspec generate --model DIR --prompt-ids 1,2,3 --max-tokens 16 --json
   shardspec worker --listen tcp://0.0.0.0:7000 --device cuda:0
   shardspec generate "Hello" --model DIR --workers tcp://hostA:7000,tcp://hostB:7000
+  shardspec serve --model DIR --port 8000
 """
 
 
@@ -52,18 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Load a model on local or remote workers and stream the completion of one prompt.",
     )
     gen.add_argument("prompt", nargs="?", help="prompt text (needs the model's tokenizer.json)")
-    gen.add_argument("--model", metavar="DIR", default=str(BUNDLED_MODEL),
-                     help="Hugging Face-style model folder (default: the bundled tiny Python-code model)")
     gen.add_argument("--prompt-ids", metavar="IDS", help="comma-separated token ids instead of text")
-    where = gen.add_mutually_exclusive_group()
-    where.add_argument("--local", type=int, metavar="N",
-                       help="spawn N workers on this machine (default: 2; on a GPU machine, one per GPU up to 2)")
-    where.add_argument("--workers", metavar="A,B,...", help="addresses of running workers, rank order")
-    gen.add_argument("--tp", type=int, metavar="N", help="tensor-parallel degree (= number of workers)")
-    gen.add_argument("--device", default=None, help="device of spawned local workers: cpu or cuda "
-                     "(default: cuda when this machine has a GPU)")
-    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                     help="auto: the checkpoint's dtype on CPU, bfloat16 on GPU")
+    _add_model_options(gen)
     gen.add_argument("--max-tokens", type=int, default=128, metavar="N")
     gen.add_argument("--temperature", type=float, default=0.8, metavar="T",
                      help="sampling temperature (default 0.8); 0 = greedy, deterministic")
@@ -71,18 +63,61 @@ def build_parser() -> argparse.ArgumentParser:
                      "0 = all)")
     gen.add_argument("--top-p", type=float, default=0.95, metavar="P", help="nucleus sampling mass (default 0.95)")
     gen.add_argument("--seed", type=int, default=None, metavar="S")
-    gen.add_argument("--max-seq-len", type=int, default=4096, metavar="N", help="cache length per sequence")
-    gen.add_argument("--no-mtp", action="store_true",
-                     help="plain decoding (default: speculative decoding with the model's MTP head, if it has one)")
-    gen.add_argument("--draft-tokens", type=int, default=None, metavar="K",
-                     help=f"MTP drafts verified per step (default {DEFAULT_DRAFT_TOKENS})")
+    _add_decoding_options(gen)
     gen.add_argument("--no-pipeline", action="store_true", help="wait for each step's reply before sending the next")
     gen.add_argument("--forced-acceptance", type=float, default=None, metavar="P",
                      help=f"BENCHMARKS ONLY: accept each draft with probability P whatever the model says; "
                           f"changes the output; needs {FORCED_ACCEPTANCE_ENV}=1")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    _add_serve_parser(commands)
     return parser
+
+
+def _add_model_options(parser: argparse.ArgumentParser,
+                       dtype_help: str = "auto: the checkpoint's dtype on CPU, bfloat16 on GPU") -> None:
+    """Which model, on which workers, in which dtype: shared by generate and serve."""
+    parser.add_argument("--model", metavar="DIR", default=str(BUNDLED_MODEL),
+                        help="Hugging Face-style model folder (default: the bundled tiny Python-code model)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--local", type=int, metavar="N",
+                       help="spawn N workers on this machine (default: 2; on a GPU machine, one per GPU up to 2)")
+    where.add_argument("--workers", metavar="A,B,...", help="addresses of running workers, rank order")
+    parser.add_argument("--tp", type=int, metavar="N", help="tensor-parallel degree (= number of workers)")
+    parser.add_argument("--device", default=None, help="device of spawned local workers: cpu or cuda "
+                        "(default: cuda when this machine has a GPU)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help=dtype_help)
+
+
+def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-seq-len", type=int, default=4096, metavar="N", help="cache length per sequence")
+    parser.add_argument("--no-mtp", action="store_true",
+                        help="plain decoding (default: speculative decoding with the model's MTP head, if it has one)")
+    parser.add_argument("--draft-tokens", type=int, default=None, metavar="K",
+                        help=f"MTP drafts verified per step (default {DEFAULT_DRAFT_TOKENS})")
+
+
+def _add_serve_parser(commands: Any) -> None:
+    serve = commands.add_parser(
+        "serve",
+        help="serve the model over an OpenAI-compatible HTTP API",
+        description="Load a model on local or remote workers and serve /v1/completions, /v1/chat/completions "
+        "(streamed as server-sent events or not), /v1/models, /health and /metrics. Concurrent requests share "
+        "the steps (continuous batching). SIGINT/SIGTERM stop the server and shut the workers down.",
+    )
+    _add_model_options(serve, "default: float32 for local CPU workers (a request's greedy output then does not "
+                       "depend on what else is in the batch, and on CPU it is not slower than bfloat16), else auto "
+                       "(the checkpoint's dtype on CPU, bfloat16 on GPU)")
+    serve.set_defaults(dtype=None)
+    _add_decoding_options(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
+    serve.add_argument("--max-slots", type=int, default=64, metavar="N",
+                       help="sequences generated at once (default 64); more requests wait for a free slot")
+    serve.add_argument("--served-model-name", metavar="NAME", default=None,
+                       help="the model id clients send (default: the model folder's name)")
+    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,11 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "worker":
             return run_worker(args)
+        if args.command == "serve":
+            return run_serve(args)
         return asyncio.run(run_generate(args))
     except UsageError as exc:
         print(f"shardspec {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):
         print(f"shardspec {args.command}: interrupted", file=sys.stderr)
         return 130
 
@@ -148,14 +185,18 @@ def _generate_inputs(args: argparse.Namespace) -> tuple[Any, list[str] | None]:
             prompt = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
         except ValueError:
             raise UsageError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
-    workers = [w.strip() for w in args.workers.split(",") if w.strip()] if args.workers else None
+    return prompt, _check_model_options(args, ("max_tokens",))
+
+
+def _check_model_options(args: argparse.Namespace, positive: tuple[str, ...] = ()) -> list[str] | None:
+    """The worker addresses (None: spawn local ones), after checking the shared options."""
     if args.no_mtp and args.draft_tokens is not None:
         raise UsageError("--draft-tokens sets MTP drafts; it cannot go with --no-mtp")
-    for name in ("max_tokens", "local", "tp", "max_seq_len", "draft_tokens"):
+    for name in (*positive, "local", "tp", "max_seq_len", "draft_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    return prompt, workers
+    return [w.strip() for w in args.workers.split(",") if w.strip()] if args.workers else None
 
 
 async def run_generate(args: argparse.Namespace) -> int:
@@ -214,3 +255,62 @@ def summary_line(finish_reason: str | None, s: dict[str, Any]) -> str:
     if "forced_acceptance" in s:
         parts.append(f"FORCED ACCEPTANCE {s['forced_acceptance']} (benchmark: not the model's output)")
     return "[" + ", ".join(parts) + f", finish: {finish_reason}]"
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from shardspec.orchestrator.engine import EngineError
+    from shardspec.orchestrator.workers import WorkerLost
+    from shardspec.protocol.errors import RemoteError
+    from shardspec.server.run import bind, serve
+    from shardspec.utils import setup_logging
+
+    options = _serve_options(args)
+    setup_logging("server", args.log_level)
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as exc:
+        print(f"shardspec serve: error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 1
+    progress(f"starting {'workers' if options.workers is None else 'connection'} and loading {args.model}")
+    try:
+        asyncio.run(serve(options, sock, _serving_line(options.model_name)))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    except (EngineError, WorkerLost, RemoteError) as exc:
+        print(f"shardspec serve: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        sock.close()
+    progress("stopped")
+    return 0
+
+
+def _serve_options(args: argparse.Namespace) -> Any:
+    from shardspec.protocol.messages import LoadRequest
+    from shardspec.server.run import ServeOptions, default_model_name
+
+    workers = _check_model_options(args, ("max_slots",))
+    max_slots_limit = LoadRequest.__dataclass_fields__["max_slots"].metadata["range"][1]
+    if args.max_slots > max_slots_limit:
+        raise UsageError(f"--max-slots must be at most {max_slots_limit}, got {args.max_slots}")
+    if not 0 <= args.port < 65536:
+        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    device, local = _local_defaults(args, workers)
+    dtype = args.dtype or ("float32" if workers is None and device == "cpu" else "auto")
+    return ServeOptions(
+        model=args.model, workers=workers, local=local, device=device, tp=args.tp, dtype=dtype,
+        max_slots=args.max_slots, max_seq_len=args.max_seq_len, mtp=False if args.no_mtp else None,
+        draft_tokens=args.draft_tokens or DEFAULT_DRAFT_TOKENS, host=args.host, port=args.port,
+        model_name=args.served_model_name or default_model_name(args.model, BUNDLED_MODEL),
+        log_level=args.log_level.lower(),
+    )
+
+
+def _serving_line(name: str) -> Any:
+    def ready(url: str, engine: Any) -> None:
+        info = engine.load_info
+        progress(f"serving {name} at {url} ({len(engine.workers)} workers, {info.dtype}, MTP drafts per step: "
+                 f"{info.draft_tokens or 'off'}, {engine.max_slots} slots of {info.max_seq_len} tokens)")
+
+    return ready

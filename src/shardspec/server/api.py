@@ -1,0 +1,217 @@
+"""The OpenAI API's shapes: request bodies (validated with pydantic), responses, chunks and errors."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_STOP_STRINGS = 4
+Body = TypeVar("Body", bound=BaseModel)
+
+
+class ApiError(Exception):
+    """An error the client gets as {"error": {message, type, param, code}} with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class GenerationBody(BaseModel):
+    """The fields both endpoints share; unknown fields are ignored, as by OpenAI's own server."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)  # not OpenAI's; vLLM and others take it
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    n: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = False  # not OpenAI's: generate max_tokens tokens (benchmarks)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, why) for a feature this server does not have, asked for with a non-default value."""
+        checks = [
+            ("n", self.n not in (None, 1), "only n=1 is supported; send several requests instead (they are batched)"),
+            ("presence_penalty", bool(self.presence_penalty), "presence_penalty is not supported"),
+            ("frequency_penalty", bool(self.frequency_penalty), "frequency_penalty is not supported"),
+            ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
+            ("stop", isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS,
+             f"at most {MAX_STOP_STRINGS} stop sequences"),
+        ]
+        return next(((param, why) for param, bad, why in checks if bad), None)
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]
+
+
+class CompletionBody(GenerationBody):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool | None = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        checks = [
+            ("echo", bool(self.echo), "echo is not supported"),
+            ("logprobs", self.logprobs is not None, "logprobs are not supported"),
+            ("best_of", self.best_of not in (None, 1), "only best_of=1 is supported"),
+            ("suffix", bool(self.suffix), "suffix is not supported"),
+        ]
+        return next(((p, why) for p, bad, why in checks if bad), None) or super().unsupported()
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt: text or token ids (a list holding exactly one of those is accepted too)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ApiError(400, "one prompt per request is supported; send several requests instead "
+                               "(they are batched)", "prompt")
+            prompt = prompt[0]
+        return prompt
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")  # e.g. `name`: passed on to the template
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def for_template(self, index: int) -> dict[str, Any]:
+        message = self.model_dump(exclude_none=True)
+        message["content"] = _text_content(self.content, index)
+        return message
+
+
+class ChatBody(GenerationBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    tools: list[Any] | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        checks = [
+            ("logprobs", bool(self.logprobs), "logprobs are not supported"),
+            ("tools", bool(self.tools), "tool calls are not supported"),
+        ]
+        return next(((p, why) for p, bad, why in checks if bad), None) or super().unsupported()
+
+
+def _text_content(content: str | list[dict[str, Any]] | None, index: int) -> str:
+    """A message's text: a string, or text parts ([{"type": "text", "text": ...}]) joined."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ApiError(400, "only text content parts ({\"type\": \"text\", \"text\": ...}) are supported",
+                           f"messages[{index}].content")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def parse_body(raw: bytes, model: type[Body]) -> Body:
+    """The validated body, or an ApiError 400 naming the offending field."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
+def _validation_error(exc: ValidationError) -> ApiError:
+    error = exc.errors(include_url=False)[0]
+    if error["type"] == "json_invalid":
+        return ApiError(400, f"the request body is not valid JSON: {error['ctx'].get('error', '')}".rstrip(": "))
+    if not error["loc"]:
+        return ApiError(400, f"the request body must be a JSON object: {error['msg']}")
+    path = [str(part) for part in error["loc"] if not _is_union_tag(part)]
+    param = ".".join(path)
+    if path[0] == "prompt":
+        return ApiError(400, "prompt must be a string, a list of token ids, or a list holding one of those",
+                        "prompt")
+    return ApiError(400, f"{param}: {error['msg']}", param)
+
+
+def _is_union_tag(part: Any) -> bool:
+    """pydantic names the union member that failed in the error location ('list[int]'): not a field."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
+
+
+# --- responses ----------------------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Shape:
+    """The response and chunk shapes of one endpoint (text completions here; chat below)."""
+
+    object = "text_completion"
+    chunk_object = "text_completion"
+    id_prefix = "cmpl-"
+
+    def __init__(self, model: str):
+        self.model = model
+        self.id = self.id_prefix + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": None, "choices": choices}
+
+    def choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    def delta(self, text: str, finish_reason: str | None, first: bool) -> dict[str, Any]:
+        return self.choice(text, finish_reason)
+
+    def response(self, text: str, finish_reason: str | None, use: dict[str, int]) -> dict[str, Any]:
+        return self.envelope(self.object, [self.choice(text, finish_reason)]) | {"usage": use}
+
+    def chunk(self, text: str, finish_reason: str | None, first: bool) -> dict[str, Any]:
+        return self.envelope(self.chunk_object, [self.delta(text, finish_reason, first)])
+
+    def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:
+        return self.envelope(self.chunk_object, []) | {"usage": use}
+
+
+class ChatShape(Shape):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    def choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish_reason}
+
+    def delta(self, text: str, finish_reason: str | None, first: bool) -> dict[str, Any]:
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text or first:
+            delta["content"] = text
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}

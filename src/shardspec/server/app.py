@@ -1,0 +1,374 @@
+"""The HTTP application: OpenAI-compatible routes on FastAPI over one running Engine.
+
+Every request becomes one `engine.generate` stream; the engine batches all of them step by step
+(continuous batching). A client that disconnects, or a stop string that matches, closes its stream,
+which frees the sequence's cache slot at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from shardspec.orchestrator.engine import Engine, EngineError
+from shardspec.orchestrator.metrics import CONTENT_TYPE, ServingMetrics
+from shardspec.orchestrator.workers import WorkerLost
+from shardspec.protocol.errors import RemoteError
+from shardspec.server.api import ApiError, ChatBody, ChatShape, CompletionBody, GenerationBody, Shape, parse_body, usage
+from shardspec.server.chat import ChatTemplate, ChatTemplateError
+
+log = logging.getLogger("shardspec.server")
+
+ENGINE_ERRORS = (EngineError, WorkerLost, RemoteError)
+GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its response was ready."""
+
+
+@dataclass
+class Job:
+    """One validated generation request."""
+
+    endpoint: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: dict[str, Any]
+    stops: list[str]
+    arrived: float = field(default_factory=time.perf_counter)
+
+
+class StopText:
+    """Cuts streamed text at the first stop string; holds back a tail that may be the start of one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text safe to emit, whether a stop string matched)."""
+        self.pending += text
+        hits = [i for stop in self.stops if (i := self.pending.find(stop)) >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        keep = max((n for stop in self.stops for n in range(1, len(stop)) if self.pending.endswith(stop[:n])),
+                   default=0)
+        cut = len(self.pending) - keep
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class Generation:
+    """One request's engine stream as (text, finish_reason) events, with its usage and metrics."""
+
+    def __init__(self, service: Service, job: Job):
+        self.service = service
+        self.job = job
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.outcome = "cancelled"
+
+    def usage(self) -> dict[str, int]:
+        return usage(len(self.job.prompt_ids), self.completion_tokens)
+
+    async def events(self) -> AsyncIterator[tuple[str, str | None]]:
+        job, metrics = self.job, self.service.metrics
+        stops = StopText(job.stops)
+        stream = self.service.engine.generate(job.prompt_ids, max_tokens=job.max_tokens, **job.sampling)
+        try:
+            async with aclosing(stream):
+                async for chunk in stream:
+                    self._count(chunk.token_ids)
+                    text, stopped = stops.feed(chunk.text)
+                    finish = "stop" if stopped else chunk.finish_reason
+                    self.finish_reason = finish
+                    yield (text if stopped or finish is None else text + stops.flush()), finish
+                    if finish is not None:
+                        break  # a stop string: leaving the stream cancels the sequence
+            self.outcome = "finished"
+            metrics.request_seconds.observe(time.perf_counter() - job.arrived)
+        except ValueError as exc:
+            self.outcome = "error"  # counted where the error reaches the client
+            raise ApiError(400, str(exc), _param_named_in(str(exc))) from None
+        except ENGINE_ERRORS as exc:
+            self.outcome = "error"
+            raise self.service.engine_failed(exc) from None
+        finally:
+            if self.outcome != "error":
+                metrics.requests.labels(endpoint=job.endpoint, outcome=self.outcome).inc()
+
+    def _count(self, token_ids: list[int]) -> None:
+        metrics = self.service.metrics
+        if self.completion_tokens == 0 and token_ids:
+            metrics.prompt_tokens.inc(len(self.job.prompt_ids))
+            metrics.time_to_first_token.observe(time.perf_counter() - self.job.arrived)
+        self.completion_tokens += len(token_ids)
+        metrics.generated_tokens.inc(len(token_ids))
+
+    async def text(self) -> str:
+        async with aclosing(self.events()) as events:
+            return "".join([text async for text, _ in events])
+
+
+def _param_named_in(message: str) -> str | None:
+    for param in ("max_tokens", "temperature", "top_p", "top_k", "seed", "prompt"):
+        if param in message:
+            return param
+    return None
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose source is closed however the response ends (a disconnect included),
+    so that the engine frees the sequence at once, not whenever the generator is collected."""
+
+    def __init__(self, events: AsyncIterator[bytes]):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.events = events
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.events.aclose()  # type: ignore[attr-defined]
+
+
+def _sse(data: dict[str, Any] | str) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+async def _until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`; if the client disconnects first, cancel it (closing its engine stream)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class Service:
+    """The served model: the engine, its name, chat template and metrics, and the route logic."""
+
+    def __init__(self, engine: Engine, name: str, chat: ChatTemplate | None):
+        self.engine = engine
+        self.name = name
+        self.chat = chat
+        self.created = int(time.time())
+        self.metrics = ServingMetrics(engine.draft_tokens)
+        engine.observer = self.metrics
+
+    # --- checks -------------------------------------------------------------------------------
+
+    def engine_failed(self, exc: Exception) -> ApiError:
+        failure = self.engine.failure
+        if failure is not None:
+            return self.unavailable(failure)
+        log.error("generation failed: %s", exc)
+        return ApiError(500, f"generation failed: {exc}", kind="server_error")
+
+    @staticmethod
+    def unavailable(failure: str) -> ApiError:
+        return ApiError(503, f"the model's workers are down ({failure}); restart the server",
+                        code="workers_unavailable", kind="service_unavailable")
+
+    def check(self, body: GenerationBody) -> None:
+        if body.model is not None and body.model != self.name:
+            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {self.name!r}",
+                           "model", "model_not_found")
+        if (unsupported := body.unsupported()) is not None:
+            raise ApiError(400, unsupported[1], unsupported[0])
+        if (failure := self.engine.failure) is not None:
+            raise self.unavailable(failure)
+
+    def encode(self, text: str, param: str) -> list[int]:
+        if self.engine.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer.json: send the prompt as token ids", param)
+        return self.engine.tokenizer.encode(text)
+
+    def job(self, endpoint: str, body: GenerationBody, prompt_ids: list[int], param: str,
+            max_tokens: int | None) -> Job:
+        context = self.engine.load_info.max_seq_len
+        if not prompt_ids:
+            raise ApiError(400, "the prompt is empty", param)
+        if len(prompt_ids) >= context:
+            raise ApiError(400, f"the prompt ({len(prompt_ids)} tokens) does not fit the context of {context} "
+                           "tokens", param)
+        max_tokens = context - len(prompt_ids) if max_tokens is None else max_tokens
+        if len(prompt_ids) + max_tokens > context:
+            raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                           f"context of {context} tokens", "max_tokens")
+        sampling = {"temperature": 1.0 if body.temperature is None else body.temperature,
+                    "top_p": 1.0 if body.top_p is None else body.top_p, "top_k": body.top_k or 0,
+                    "seed": body.seed, "stop_at_eos": not body.ignore_eos}
+        return Job(endpoint, prompt_ids, max_tokens, sampling, body.stop_strings())
+
+    # --- generation ---------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        body = parse_body(await request.body(), CompletionBody)
+        self.check(body)
+        prompt = body.single_prompt()
+        ids = self.encode(prompt, "prompt") if isinstance(prompt, str) else prompt
+        job = self.job(request.url.path, body, ids, "prompt", body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS)
+        return await self.respond(request, job, Shape(self.name), body)
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = parse_body(await request.body(), ChatBody)
+        self.check(body)
+        if self.chat is None:
+            raise ApiError(400, "this model has no chat template (tokenizer_config.json): use /v1/completions",
+                           "messages")
+        messages = [m.for_template(i) for i, m in enumerate(body.messages)]
+        try:
+            prompt = self.chat.render(messages, add_generation_prompt=True)
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), "messages") from None
+        job = self.job(request.url.path, body, self.encode(prompt, "messages"), "messages",
+                       body.max_completion_tokens or body.max_tokens)
+        return await self.respond(request, job, ChatShape(self.name), body)
+
+    async def respond(self, request: Request, job: Job, shape: Shape, body: GenerationBody) -> Response:
+        generation = Generation(self, job)
+        try:
+            if not body.stream:
+                text = await _until_disconnected(request, generation.text())
+                return JSONResponse(shape.response(text, generation.finish_reason, generation.usage()))
+            events = generation.events()
+            first = await _until_disconnected(request, anext(events))  # errors before any token: a status
+        except ClientGone:
+            return Response(status_code=499)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return EventStream(self._stream(shape, first, events, generation, include_usage))
+
+    async def _stream(self, shape: Shape, first: tuple[str, str | None], events: AsyncIterator,
+                      generation: Generation, include_usage: bool) -> AsyncIterator[bytes]:
+        async with aclosing(events):  # type: ignore[type-var]
+            try:
+                yield _sse(shape.chunk(*first, first=True))
+                async for text, finish in events:
+                    if text or finish is not None:
+                        yield _sse(shape.chunk(text, finish, first=False))
+            except ApiError as exc:  # headers are sent: the error travels as an event
+                self.metrics.requests.labels(endpoint=generation.job.endpoint, outcome="failed").inc()
+                yield _sse(exc.body())
+                return
+        if include_usage:
+            yield _sse(shape.usage_chunk(generation.usage()))
+        yield _sse("[DONE]")
+
+    # --- the rest -----------------------------------------------------------------------------
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "shardspec",
+                "max_model_len": self.engine.load_info.max_seq_len}
+
+    async def worker_stats(self) -> list[Any]:
+        """Every worker's StatsReply, or [] while they are down."""
+        if not self.engine.healthy:
+            return []
+        try:
+            return await self.engine.stats()
+        except ENGINE_ERRORS:
+            return []
+
+    async def metrics_text(self) -> bytes:
+        engine = self.engine
+        stats = await self.worker_stats()
+        self.metrics.refresh(len(engine.running), len(engine.waiting), engine.healthy, stats)
+        return self.metrics.render()
+
+    async def internal_stats(self) -> dict[str, Any]:
+        engine = self.engine
+        if (failure := engine.failure) is not None:
+            raise self.unavailable(failure)
+        workers = await self.worker_stats()
+        return {"running": len(engine.running), "waiting": len(engine.waiting), "max_slots": engine.max_slots,
+                "workers": [dataclasses.asdict(stats) for stats in workers]}
+
+
+def create_app(engine: Engine, name: str, chat: ChatTemplate | None) -> FastAPI:
+    """The FastAPI application serving `engine` under the model id `name`."""
+    service = Service(engine, name, chat)
+    app = FastAPI(title="shardspec", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = service
+    _add_error_handlers(app, service)
+    app.add_api_route("/v1/completions", service.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", service.chat_completions, methods=["POST"])
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return service.models()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != service.name:
+            raise ApiError(404, f"the model {model_id!r} does not exist", "model", "model_not_found")
+        return service.model_card()
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        if (failure := engine.failure) is not None:
+            raise service.unavailable(failure)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await service.metrics_text(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/internal/stats")
+    async def internal_stats() -> dict[str, Any]:
+        return await service.internal_stats()
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI, service: Service) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        if request.url.path in GENERATION_ENDPOINTS:
+            outcome = "rejected" if exc.status < 500 else "failed"
+            service.metrics.requests.labels(endpoint=request.url.path, outcome=outcome).inc()
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}").body(), status_code=500)

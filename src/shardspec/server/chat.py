@@ -1,0 +1,75 @@
+"""Chat prompts rendered from the checkpoint's `chat_template` the way transformers renders them.
+
+Same Jinja environment as `transformers`' `apply_chat_template`: a sandbox with trim_blocks,
+lstrip_blocks and loop controls, `raise_exception`, a `tojson` that does not HTML-escape, and the
+tokenizer's special tokens (`bos_token`, `eos_token`, ...) as variables.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class ChatTemplateError(ValueError):
+    """The template refused the conversation (`raise_exception`) or could not render it."""
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token from tokenizer_config.json: a string or an AddedToken-style {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class ChatTemplate:
+    def __init__(self, source: str, special_tokens: dict[str, str]):
+        self.template = _environment().from_string(source)
+        self.special_tokens = special_tokens
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> ChatTemplate | None:
+        """The folder's `tokenizer_config.json` chat template, or None when it has none."""
+        path = folder / "tokenizer_config.json"
+        if not path.is_file():
+            return None
+        config = json.loads(path.read_text())
+        source = config.get("chat_template")
+        if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+        if not isinstance(source, str):
+            return None
+        tokens = {name: text for name in SPECIAL_TOKENS if (text := _token_text(config.get(name))) is not None}
+        return cls(source, tokens)
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        tools=None, documents=None, **self.special_tokens)
+        except jinja2.exceptions.TemplateError as exc:
+            raise ChatTemplateError(f"the model's chat template rejected the messages: {exc}") from None

@@ -1,0 +1,105 @@
+"""`shardspec serve`: load the model on its workers, then serve HTTP until SIGINT/SIGTERM.
+
+The listening socket is bound before the model loads, so a taken port fails at once and port 0
+gets a free port that the ready line names. Signals are handled here rather than by uvicorn: the
+first stops a model load in progress or starts uvicorn's graceful shutdown, a second forces it; in
+every case the engine then says goodbye to the workers and stops the ones it spawned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from shardspec.orchestrator.engine import Engine, connect
+from shardspec.server.app import create_app
+from shardspec.server.chat import ChatTemplate
+
+BUNDLED_NAME = "shardspec-tiny-stdlib"
+GRACEFUL_SHUTDOWN_S = 5
+
+
+@dataclass
+class ServeOptions:
+    model: str
+    workers: list[str] | None
+    local: int | None
+    device: str
+    tp: int | None
+    dtype: str
+    max_slots: int
+    max_seq_len: int
+    mtp: bool | None
+    draft_tokens: int
+    host: str
+    port: int
+    model_name: str
+    log_level: str = "info"
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: any free port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # serve() installs the handlers instead: they must also stop a model load, and uvicorn's
+        # would re-raise the signal after shutdown, before the workers are shut down
+        yield
+
+
+async def serve(options: ServeOptions, sock: socket.socket, ready: Callable[[str, Engine], None]) -> None:
+    """Serve until a signal; `ready` gets the base URL and the engine once requests can be answered."""
+    server: _Server | None = None
+    main = asyncio.current_task()
+    assert main is not None
+
+    def on_signal() -> None:
+        if server is None:
+            main.cancel()  # still loading: stop the load, the engine cleans up
+        elif server.should_exit:
+            server.force_exit = True
+        else:
+            server.should_exit = True
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    async with connect(options.model, workers=options.workers, local=options.local, device=options.device,
+                       tp=options.tp, dtype=options.dtype, max_slots=options.max_slots,
+                       max_seq_len=options.max_seq_len, mtp=options.mtp,
+                       draft_tokens=options.draft_tokens) as engine:
+        model_dir = Path(options.model)
+        chat = ChatTemplate.from_folder(model_dir) if model_dir.is_dir() else None
+        app = create_app(engine, options.model_name, chat)
+        config = uvicorn.Config(app, lifespan="off", log_level=options.log_level, access_log=False,
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        server = _Server(config)
+        host, port = sock.getsockname()[:2]
+        ready(f"http://{f'[{host}]' if ':' in host else host}:{port}/v1", engine)
+        await server.serve(sockets=[sock])
+
+
+def default_model_name(model: str, bundled: Path) -> str:
+    path = Path(model)
+    if path.resolve() == bundled.resolve():
+        return BUNDLED_NAME
+    return path.name or model
