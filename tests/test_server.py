@@ -1,0 +1,307 @@
+"""`shardspec serve` as a real process on loopback, driven by the official `openai` client and httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from shardspec.cli import BUNDLED_MODEL
+from shardspec.orchestrator.tokenizer import Tokenizer
+from shardspec.server.chat import ChatTemplate
+
+MODEL = "shardspec-tiny-stdlib"
+MAX_SLOTS = 32  # the 64-request test also overflows the cache: half of it must queue
+PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def", "for i in range(", "def main():\n    ",
+           "x = [", "try:\n    import", "# Copyright", "async def fetch(", "with open(", "if __name__ ==",
+           "return self.", "raise ValueError(", "from typing import", "while True:\n", "lambda x:"]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str  # http://127.0.0.1:PORT/v1
+    log: Path
+
+    @property
+    def root(self) -> str:
+        return self.url.removesuffix("/v1")
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, timeout=120)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url, api_key="unused", max_retries=0, timeout=120)
+
+    def worker_pids(self) -> list[int]:
+        return [pid for pid in _pids() if _parent(pid) == self.proc.pid]
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def _pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def start_server(folder: Path, *args: str) -> Server:
+    log = folder / "server.log"
+    cmd = [sys.executable, "-m", "shardspec", "serve", "--port", "0", "--log-level", "WARNING", *args]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    server = Server(proc, "", log)
+    deadline = time.monotonic() + 180
+    while not (found := re.search(r"serving \S+ at (http://\S+)", log.read_text(errors="replace"))):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            server.stop(signal.SIGKILL)
+            raise RuntimeError(f"the server did not start:\n{log.read_text(errors='replace')}")
+        time.sleep(0.1)
+    server.url = found.group(1)
+    return server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Server:
+    """The bundled model (it has a tokenizer and a chat template) on one local CPU worker."""
+    started = start_server(tmp_path_factory.mktemp("server"), "--local", "1", "--max-slots", str(MAX_SLOTS),
+                           "--max-seq-len", "512")
+    yield started
+    assert started.stop() == 0, started.log.read_text(errors="replace")
+
+
+def worker_stats(server: Server) -> list[dict]:
+    return httpx.get(f"{server.url}/internal/stats", timeout=30).json()["workers"]
+
+
+# --- the endpoints ---------------------------------------------------------------------------------
+
+
+def test_models_lists_the_served_model_and_health_is_ok(server):
+    assert [m.id for m in server.client().models.list()] == [MODEL]
+    assert httpx.get(f"{server.root}/health").json() == {"status": "ok"}
+
+
+def test_completions_streamed_and_not_give_the_same_greedy_text_and_fill_usage(server):
+    client = server.client()
+    kwargs = {"model": MODEL, "prompt": "def fibonacci(n):", "max_tokens": 20, "temperature": 0, "extra_body":
+              {"ignore_eos": True}}
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    prompt_tokens = len(Tokenizer.from_folder(BUNDLED_MODEL).encode("def fibonacci(n):"))
+    assert whole.choices[0].text == streamed and streamed
+    assert whole.choices[0].finish_reason == "length" and chunks[-2].choices[0].finish_reason == "length"
+    assert whole.usage.prompt_tokens == prompt_tokens and whole.usage.completion_tokens == 20
+    assert chunks[-1].usage.model_dump(include={"prompt_tokens", "completion_tokens", "total_tokens"}) == \
+        whole.usage.model_dump(include={"prompt_tokens", "completion_tokens", "total_tokens"})
+
+
+def test_chat_completions_streamed_and_not_give_the_same_seeded_text_and_fill_usage(server):
+    client = server.client()
+    messages = [{"role": "system", "content": "Python only."}, {"role": "user", "content": "a sorting function"}]
+    kwargs = {"model": MODEL, "messages": messages, "max_tokens": 24, "temperature": 0.8, "top_p": 0.95,
+              "seed": 7}
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    prompt = ChatTemplate.from_folder(BUNDLED_MODEL).render(messages)
+    assert whole.choices[0].message.role == "assistant" and chunks[0].choices[0].delta.role == "assistant"
+    assert whole.choices[0].message.content == streamed
+    assert whole.usage.prompt_tokens == len(Tokenizer.from_folder(BUNDLED_MODEL).encode(prompt))
+    assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens > 0
+
+
+def test_chat_template_renders_as_transformers_renders_it():
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "def f(): pass"}, {"role": "user", "content": "again"}]
+    expected = AutoTokenizer.from_pretrained(BUNDLED_MODEL).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    assert ChatTemplate.from_folder(BUNDLED_MODEL).render(messages) == expected
+
+
+def test_a_stop_string_ends_the_text_before_it(server):
+    client = server.client()
+    kwargs = {"model": MODEL, "prompt": "import os\n", "max_tokens": 40, "temperature": 0}
+    full = client.completions.create(**kwargs).choices[0].text
+    stop = full.splitlines(keepends=True)[1][:4]  # the start of the second line
+    stopped = client.completions.create(**kwargs, stop=[stop])
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kwargs, stop=stop, stream=True))
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == streamed == full[: full.index(stop)]
+
+
+def test_metrics_parse_with_the_prometheus_parser_and_count_the_work(server):
+    server.client().completions.create(model=MODEL, prompt="x = [", max_tokens=8, temperature=0)
+    text = httpx.get(f"{server.root}/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    value = {(f.name, s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    assert value[("shardspec_requests", "shardspec_requests_total",
+                  (("endpoint", "/v1/completions"), ("outcome", "finished")))] >= 1
+    assert value[("shardspec_generation_tokens", "shardspec_generation_tokens_total", ())] >= 8
+    assert value[("shardspec_spec_decode_drafts", "shardspec_spec_decode_drafts_total", ())] >= 1
+    positions = [dict(s.labels)["position"] for s in families["shardspec_spec_decode_accepted_per_position"].samples
+                 if s.name.endswith("_total")]
+    assert positions == ["1", "2", "3"]
+    assert {"shardspec_step_seconds", "shardspec_time_to_first_token_seconds"} <= set(families)
+    assert families["shardspec_step_seconds"].type == "histogram"
+    assert value[("shardspec_worker_slots_total", "shardspec_worker_slots_total", (("rank", "0"),))] == MAX_SLOTS
+
+
+# --- batching, cancellation ------------------------------------------------------------------------
+
+
+def test_64_concurrent_requests_return_what_each_returns_alone_and_overflow_queues(server):
+    """Greedy and seeded sampled requests mixed; 64 > --max-slots, so half of them wait for a slot."""
+    requests = [{"prompt": PROMPTS[i % 16] + " " * (i // 16), "max_tokens": 12 + i % 5,
+                 **({"temperature": 0} if i % 4 else {"temperature": 0.9, "seed": i}), "stream": i % 2 == 1,
+                 "extra_body": {"ignore_eos": True}} for i in range(64)]
+
+    async def one(client: openai.AsyncOpenAI, request: dict) -> str:
+        result = await client.completions.create(model=MODEL, **request)
+        if not request["stream"]:
+            return result.choices[0].text
+        return "".join([c.choices[0].text async for c in result])
+
+    async def run() -> tuple[list[str], list[str]]:
+        async with server.async_client() as client:
+            alone = [await one(client, r) for r in requests]
+            together = await asyncio.gather(*(one(client, r) for r in requests))
+            return alone, together
+
+    alone, together = asyncio.run(run())
+    assert together == alone
+    steps = step_sequences(server)
+    assert steps["+Inf"] - steps["16.0"] > 0  # some steps advanced more than 16 sequences at once ...
+    assert steps["32.0"] == steps["+Inf"]  # ... and none more than the slots: the rest waited
+
+
+def step_sequences(server: Server) -> dict[str, float]:
+    """Cumulative bucket counts of the sequences-per-step histogram, by upper bound."""
+    family = next(f for f in text_string_to_metric_families(httpx.get(f"{server.root}/metrics").text)
+                  if f.name == "shardspec_step_sequences")
+    return {s.labels["le"]: s.value for s in family.samples if s.name.endswith("_bucket")}
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
+    body = {"model": MODEL, "prompt": "def parse(", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{server.url}/completions", json=body) as response:
+            lines = response.iter_lines()
+            while next(lines) == "" or len(worker_stats(server)[0]["live_sequences"]) == 0:
+                pass  # until the sequence is live and streaming
+        # the connection is closed here, mid-stream
+    deadline = time.monotonic() + 60
+    while (stats := worker_stats(server)[0])["live_sequences"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stats["live_sequences"] == [] and stats["slots_free"] == stats["slots_total"] == MAX_SLOTS
+
+
+# --- bad input -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/completions", b"{not json", 400, None),
+        ("/completions", b"[1, 2]", 400, None),
+        ("/completions", b'{"model": "gpt-4", "prompt": "x"}', 404, "model"),
+        ("/completions", b'{"prompt": "x", "max_tokens": 100000}', 400, "max_tokens"),
+        ("/completions", b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
+        ("/completions", b'{"prompt": "x", "temperature": -0.5}', 400, "temperature"),
+        ("/completions", b'{"prompt": "x", "temperature": "hot"}', 400, "temperature"),
+        ("/completions", b'{"prompt": "x", "top_p": 0}', 400, "top_p"),
+        ("/completions", b'{"prompt": "x", "top_k": -1}', 400, "top_k"),
+        ("/completions", b'{"prompt": "x", "seed": -3}', 400, "seed"),
+        ("/completions", b'{"prompt": "x", "n": 2}', 400, "n"),
+        ("/completions", b'{"prompt": ""}', 400, "prompt"),
+        ("/completions", b'{"prompt": [1, 99999]}', 400, "prompt"),
+        ("/completions", b'{"prompt": {"text": "x"}}', 400, "prompt"),
+        ("/completions", b'{"max_tokens": 4}', 400, "prompt"),
+        ("/chat/completions", b'{"messages": []}', 400, "messages"),
+        ("/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400,
+         "messages[0].content"),
+        ("/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}', 400,
+         "max_tokens"),
+        ("/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stream": true, '
+                              b'"temperature": 9}', 400, "temperature"),
+        ("/nowhere", b"{}", 404, None),
+    ],
+)
+def test_bad_requests_get_an_openai_error_object_with_a_4xx(server, path, body, status, param):
+    response = httpx.post(f"{server.url}{path}", content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    assert "Traceback" not in response.text
+
+
+def test_the_openai_client_raises_its_own_errors_for_bad_requests(server):
+    client = server.client()
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-4", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="exceeds the context"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=600)
+
+
+# --- lifecycle: signals and dead workers -----------------------------------------------------------
+
+
+def test_sigint_stops_the_server_and_its_workers(tiny_model, tmp_path):
+    server = start_server(tmp_path, "--model", str(tiny_model), "--local", "2", "--max-seq-len", "128")
+    workers = server.worker_pids()
+    reply = server.client().completions.create(model=tiny_model.name, prompt=[1, 2, 3], max_tokens=4)
+    assert reply.usage.completion_tokens == 4 and len(workers) == 2
+    assert server.stop(signal.SIGINT) == 0
+    assert not [pid for pid in workers if _alive(pid)]
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{server.root}/health")
+
+
+def test_dead_workers_give_503_saying_so_and_the_server_still_stops(tiny_model, tmp_path):
+    server = start_server(tmp_path, "--model", str(tiny_model), "--local", "1", "--max-seq-len", "128")
+    try:
+        for pid in server.worker_pids():
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while (health := httpx.get(f"{server.root}/health")).status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        reply = httpx.post(f"{server.url}/completions", json={"prompt": [1, 2], "max_tokens": 2})
+        assert health.status_code == reply.status_code == 503
+        assert "workers are down" in reply.json()["error"]["message"]
+    finally:
+        assert server.stop() == 0
