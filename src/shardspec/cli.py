@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,20 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--device", default="cpu", metavar="DEV", help="cpu, cuda or cuda:N (default: cpu)")
     worker.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads for torch")
     worker.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    worker.add_argument("--keys", metavar="DIR_OR_FILE", help="this worker's CURVE key pair (folder or .key_secret "
+                        "file, from `shardspec keys generate`): tcp:// traffic is then authenticated and encrypted")
+    worker.add_argument("--allow", metavar="KEY_FILE_OR_DIR", action="append", default=[],
+                        help="public key(s) of orchestrators this worker accepts (repeatable); needs --keys")
+    worker.add_argument("--insecure", action="store_true",
+                        help="allow listening on a non-loopback address without keys (anyone who reaches the port "
+                        "can run the worker)")
+
+    keys = commands.add_parser("keys", help="make CURVE key pairs for workers and orchestrators",
+                               description="CURVE key pairs in ZeroMQ's certificate format.")
+    key_commands = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    make = key_commands.add_parser("generate", help="write NAME.key (public) and NAME.key_secret into DIR")
+    make.add_argument("dir", metavar="DIR")
+    make.add_argument("--name", default="shardspec", help="file name of the pair (default: shardspec)")
 
     gen = commands.add_parser(
         "generate",
@@ -88,6 +103,9 @@ def _add_model_options(parser: argparse.ArgumentParser,
                         "(default: cuda when this machine has a GPU)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help=dtype_help)
+    parser.add_argument("--keys", metavar="DIR_OR_FILE", help="this orchestrator's CURVE key pair (for tcp:// workers)")
+    parser.add_argument("--server-keys", metavar="DIR_OR_FILE",
+                        help="the workers' public key(s): one .key for all, or a folder with one per worker")
 
 
 def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
@@ -125,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "worker":
             return run_worker(args)
+        if args.command == "keys":
+            return run_keys(args)
         if args.command == "serve":
             return run_serve(args)
         return asyncio.run(run_generate(args))
@@ -167,12 +187,48 @@ def run_worker(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise UsageError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    keys, allow = _worker_keys(args)
     setup_logging(f"worker[{args.listen}]", args.log_level)
+    if args.insecure and keys is None:
+        logging.getLogger("shardspec.worker").warning("INSECURE: no CURVE keys; anyone who reaches %s can use "
+                                                      "this worker", args.listen)
     try:
-        ShardWorker(args.listen, args.device).serve_forever()
+        ShardWorker(args.listen, args.device, keys, allow).serve_forever()
     except Exception as exc:  # e.g. the address is in use
         print(f"shardspec worker: error: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _worker_keys(args: argparse.Namespace) -> tuple[Any, list[bytes]]:
+    from shardspec import security
+
+    if args.allow and not args.keys:
+        raise UsageError("--allow needs --keys (the worker's own key pair)")
+    if args.keys is None:
+        if not security.is_local(args.listen) and not args.insecure:
+            raise UsageError(
+                f"refusing to listen on {args.listen} without CURVE keys. Make keys with "
+                "`shardspec keys generate DIR --name NAME` (one pair for the worker, one per orchestrator) and "
+                "start the worker with --keys WORKER_DIR --allow ORCHESTRATOR_DIR/NAME.key, or pass --insecure"
+            )
+        return None, []
+    if not args.allow:
+        raise UsageError("--keys needs at least one --allow with an orchestrator's public key")
+    try:
+        return security.load_pair(args.keys), [k for path in args.allow for k in security.load_public_keys(path)]
+    except security.KeyFileError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def run_keys(args: argparse.Namespace) -> int:
+    from shardspec import security
+
+    try:
+        public, secret = security.generate(args.dir, args.name)
+    except security.KeyFileError as exc:
+        raise UsageError(str(exc)) from None
+    print(f"wrote {public} (public: give it to peers) and {secret} (secret: keep it here)")
     return 0
 
 
@@ -216,7 +272,8 @@ async def run_generate(args: argparse.Namespace) -> int:
                            dtype=args.dtype, max_slots=1, max_seq_len=args.max_seq_len,
                            mtp=False if args.no_mtp else None,
                            draft_tokens=args.draft_tokens or DEFAULT_DRAFT_TOKENS, pipeline=not args.no_pipeline,
-                           forced_acceptance=args.forced_acceptance) as engine:
+                           forced_acceptance=args.forced_acceptance, keys=args.keys,
+                           server_keys=args.server_keys) as engine:
             info = engine.load_info
             progress(f"ready: {len(engine.workers)} workers, {info.weight_bytes * len(engine.workers) / 1e6:.0f} MB "
                      f"of {info.dtype} weights, MTP drafts per step: {info.draft_tokens or 'off'}")

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 import zmq.asyncio
 
+from shardspec import security
 from shardspec.orchestrator.tokenizer import Detokenizer, Tokenizer
 from shardspec.orchestrator.workers import LocalWorkers, WorkerClient, WorkerLost, free_port, wait_ready
 from shardspec.protocol.messages import (
@@ -143,8 +144,9 @@ class Engine:
     async def _start(self, model: str, workers: list[str] | None, local: int | None, device: str, tp: int | None,
                      dtype: str, max_slots: int, max_seq_len: int, prefill_chunk: int, mtp: bool | None,
                      draft_tokens: int, pipeline: bool, forced_acceptance: float | None, dist_port: int | None,
-                     connect_timeout: float) -> None:
+                     connect_timeout: float, keys: str | None = None, server_keys: str | None = None) -> None:
         addresses = _worker_addresses(workers, local, tp)
+        curve = _curve_keys(keys, server_keys, addresses)
         if dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {dtype!r}")
         if type(draft_tokens) is not int or not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
@@ -161,7 +163,7 @@ class Engine:
         if addresses is None:
             self.local = LocalWorkers(local or tp or 1, device)
             addresses = self.local.addresses
-        self.workers = [WorkerClient(self.ctx, address) for address in addresses]
+        self.workers = [WorkerClient(self.ctx, address, *curve[i]) for i, address in enumerate(addresses)]
         hellos = await asyncio.gather(*(wait_ready(w, self.local, connect_timeout) for w in self.workers))
         for worker, hello in zip(self.workers, hellos):
             log.info("worker %s: pid %d on %s, device %s", worker.address, hello.pid, hello.hostname, hello.device)
@@ -460,6 +462,24 @@ def _worker_addresses(workers: list[str] | None, local: int | None, tp: int | No
     return None
 
 
+def _curve_keys(keys: str | None, server_keys: str | None, addresses: list[str] | None) -> list[tuple]:
+    """Per worker: (this side's key pair, that worker's public key), or (None, None) without CURVE."""
+    count = len(addresses) if addresses is not None else 0
+    if keys is None and server_keys is None:
+        return [(None, None)] * max(count, 64)
+    if keys is None or server_keys is None:
+        raise ValueError("CURVE needs both keys (this side's pair) and server_keys (the workers' public keys)")
+    if addresses is None:
+        raise ValueError("keys apply to workers given by address (tcp://); spawned local workers use ipc://")
+    try:
+        pair, publics = security.load_pair(keys), security.load_public_keys(server_keys)
+    except security.KeyFileError as exc:
+        raise ValueError(str(exc)) from None
+    if len(publics) not in (1, count):
+        raise ValueError(f"server_keys holds {len(publics)} public keys for {count} workers: give one, or one per worker")
+    return [(pair, publics[i % len(publics)]) for i in range(count)]
+
+
 def _rendezvous(rank0_address: str, port: int | None) -> str:
     """Where rank 0 hosts the torch.distributed store: its own host, next port up by default."""
     if rank0_address.startswith("tcp://"):
@@ -485,17 +505,21 @@ async def connect(
     forced_acceptance: float | None = None,
     dist_port: int | None = None,
     connect_timeout: float = 120.0,
+    keys: str | None = None,
+    server_keys: str | None = None,
 ) -> AsyncIterator[Engine]:
     """Connect to (or spawn) workers, load `model` on them, and yield a ready Engine.
 
     mtp: None = speculative decoding with the checkpoint's MTP head when it has one; True = require
     it; False = plain decoding. draft_tokens: MTP drafts per step. pipeline: keep the next step on
     the wire while the current one runs. forced_acceptance: benchmarks only (see FORCED_ACCEPTANCE_ENV).
+    keys / server_keys: CURVE for tcp:// workers — this side's key pair (a folder or .key_secret file)
+    and the workers' public keys (one .key file for all, or a folder with one per worker, rank order).
     """
     engine = Engine()
     try:
         await engine._start(model, workers, local, device, tp, dtype, max_slots, max_seq_len, prefill_chunk, mtp,
-                            draft_tokens, pipeline, forced_acceptance, dist_port, connect_timeout)
+                            draft_tokens, pipeline, forced_acceptance, dist_port, connect_timeout, keys, server_keys)
         yield engine
     finally:
         await engine.close()
