@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -39,10 +40,24 @@ def secure_worker(keys, tmp_path):
          "--keys", str(keys["worker"]), "--allow", str(keys["orchestrator"] / "orchestrator.key")],
         stdout=log, stderr=subprocess.STDOUT,
     )
+    wait_listening(port)
     yield address
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(20) == 0
     log.close()
+
+
+def wait_listening(port: int, timeout: float = 90.0) -> None:
+    """Block until something accepts TCP connections on the loopback port (the worker is up)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def test_keys_generate_writes_a_zeromq_certificate_pair_and_never_overwrites_it(tmp_path):
@@ -57,7 +72,7 @@ def test_keys_generate_writes_a_zeromq_certificate_pair_and_never_overwrites_it(
 
 def generate(model, address, **security) -> list[int]:
     async def run():
-        async with shardspec.connect(model=str(model), workers=[address], connect_timeout=10, **security) as engine:
+        async with shardspec.connect(model=str(model), workers=[address], connect_timeout=60, **security) as engine:
             out = []
             async for chunk in engine.generate([1, 2, 3], max_tokens=6):
                 out += chunk.token_ids
@@ -121,6 +136,7 @@ def test_captured_traffic_carries_the_prompt_in_clear_only_without_curve(tiny_mo
     plain = subprocess.Popen([sys.executable, "-m", "shardspec", "worker", "--listen",
                               f"tcp://127.0.0.1:{plain_port}", "--threads", "1"], stderr=subprocess.DEVNULL)
     try:
+        wait_listening(plain_port)
         assert needle in captured(f"tcp://127.0.0.1:{plain_port}")  # the capture sees frames in clear
     finally:
         plain.terminate()
