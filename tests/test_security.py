@@ -94,14 +94,15 @@ def test_only_a_client_with_an_allowed_key_and_the_right_server_key_gets_in(tiny
 
 
 def test_worker_refuses_a_network_address_without_keys_unless_insecure(tmp_path):
-    address = f"tcp://0.0.0.0:{free_port()}"
+    port = free_port()
+    address = f"tcp://0.0.0.0:{port}"
     refused = shardspec_cli("worker", "--listen", address)
     assert refused.returncode == 2
     assert "shardspec keys generate" in refused.stderr and "--insecure" in refused.stderr
     proc = subprocess.Popen([sys.executable, "-m", "shardspec", "worker", "--listen", address, "--insecure"],
                             stderr=subprocess.PIPE, text=True)
-    time.sleep(3)
-    assert proc.poll() is None  # it runs, as asked
+    wait_listening(port)  # it runs, as asked
+    assert proc.poll() is None
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(20) == 0
     assert "INSECURE" in proc.stderr.read()
