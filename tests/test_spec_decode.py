@@ -106,6 +106,7 @@ async def generate_all_seeded(engine, n, sampling) -> list[list[int]]:
     return await asyncio.gather(*(one(seed) for seed in range(n)))
 
 
+@pytest.mark.timeout(1800)  # 80,000 generations: about a minute on an idle 2-core machine, far more when shared
 @pytest.mark.parametrize(
     "sampling", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 6, "top_p": 0.9}], ids=["t1", "t0.7-k6-p0.9"]
 )
