@@ -163,7 +163,8 @@ class Engine:
         if addresses is None:
             self.local = LocalWorkers(local or tp or 1, device)
             addresses = self.local.addresses
-        self.workers = [WorkerClient(self.ctx, address, *curve[i]) for i, address in enumerate(addresses)]
+        curve = curve or [(None, None)] * len(addresses)
+        self.workers = [WorkerClient(self.ctx, address, *link) for address, link in zip(addresses, curve)]
         hellos = await asyncio.gather(*(wait_ready(w, self.local, connect_timeout) for w in self.workers))
         for worker, hello in zip(self.workers, hellos):
             log.info("worker %s: pid %d on %s, device %s", worker.address, hello.pid, hello.hostname, hello.device)
@@ -463,14 +464,14 @@ def _worker_addresses(workers: list[str] | None, local: int | None, tp: int | No
 
 
 def _curve_keys(keys: str | None, server_keys: str | None, addresses: list[str] | None) -> list[tuple]:
-    """Per worker: (this side's key pair, that worker's public key), or (None, None) without CURVE."""
-    count = len(addresses) if addresses is not None else 0
+    """Per worker: (this side's key pair, that worker's public key); [] without CURVE."""
     if keys is None and server_keys is None:
-        return [(None, None)] * max(count, 64)
+        return []
     if keys is None or server_keys is None:
         raise ValueError("CURVE needs both keys (this side's pair) and server_keys (the workers' public keys)")
     if addresses is None:
         raise ValueError("keys apply to workers given by address (tcp://); spawned local workers use ipc://")
+    count = len(addresses)
     try:
         pair, publics = security.load_pair(keys), security.load_public_keys(server_keys)
     except security.KeyFileError as exc:
