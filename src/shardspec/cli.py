@@ -11,7 +11,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shardspec.orchestrator.engine import DEFAULT_DRAFT_TOKENS, FORCED_ACCEPTANCE_ENV
+from shardspec.orchestrator.engine import (
+    DEFAULT_DIST_TIMEOUT_S,
+    DEFAULT_DRAFT_TOKENS,
+    FORCED_ACCEPTANCE_ENV,
+)
+from shardspec.protocol.transport import (
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    HEARTBEAT_TIMEOUT_RANGE,
+    check_heartbeat_timeout,
+)
 
 BUNDLED_MODEL = Path(__file__).parent / "bundled"
 
@@ -55,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--insecure", action="store_true",
                         help="allow listening on a non-loopback address without keys (anyone who reaches the port "
                         "can run the worker)")
+    _add_heartbeat_option(worker, "an orchestrator that exited or stopped answering is dropped after this many "
+                          "seconds, and the worker goes back to idle")
 
     keys = commands.add_parser("keys", help="make CURVE key pairs for workers and orchestrators",
                                description="CURVE key pairs in ZeroMQ's certificate format.")
@@ -106,6 +117,16 @@ def _add_model_options(parser: argparse.ArgumentParser,
     parser.add_argument("--keys", metavar="DIR_OR_FILE", help="this orchestrator's CURVE key pair (for tcp:// workers)")
     parser.add_argument("--server-keys", metavar="DIR_OR_FILE",
                         help="the workers' public key(s): one .key for all, or a folder with one per worker")
+    _add_heartbeat_option(parser, "a worker that exited or stopped answering is declared lost after this many "
+                          "seconds: its requests fail, and the orchestrator reconnects until it is back")
+    parser.add_argument("--dist-timeout", type=float, default=DEFAULT_DIST_TIMEOUT_S, metavar="S",
+                        help="a worker's collective that waits this long for a stuck peer fails, and the workers go "
+                        f"back to idle (default {DEFAULT_DIST_TIMEOUT_S:g})")
+
+
+def _add_heartbeat_option(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S, metavar="S",
+                        help=f"{what} (default {DEFAULT_HEARTBEAT_TIMEOUT_S:g})")
 
 
 def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
@@ -187,17 +208,26 @@ def run_worker(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise UsageError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    _check_heartbeat(args)
     keys, allow = _worker_keys(args)
     setup_logging(f"worker[{args.listen}]", args.log_level)
     if args.insecure and keys is None:
         logging.getLogger("shardspec.worker").warning("INSECURE: no CURVE keys; anyone who reaches %s can use "
                                                       "this worker", args.listen)
     try:
-        ShardWorker(args.listen, args.device, keys, allow).serve_forever()
+        ShardWorker(args.listen, args.device, keys, allow, args.heartbeat_timeout).serve_forever()
     except Exception as exc:  # e.g. the address is in use
         print(f"shardspec worker: error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_heartbeat(args: argparse.Namespace) -> None:
+    try:
+        check_heartbeat_timeout(args.heartbeat_timeout)
+    except ValueError:
+        lo, hi = HEARTBEAT_TIMEOUT_RANGE
+        raise UsageError(f"--heartbeat-timeout must be in [{lo:g}, {hi:g}] seconds, got {args.heartbeat_timeout}") from None
 
 
 def _worker_keys(args: argparse.Namespace) -> tuple[Any, list[bytes]]:
@@ -252,6 +282,9 @@ def _check_model_options(args: argparse.Namespace, positive: tuple[str, ...] = (
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    _check_heartbeat(args)
+    if not 1 <= args.dist_timeout <= 3600:
+        raise UsageError(f"--dist-timeout must be in [1, 3600] seconds, got {args.dist_timeout}")
     return [w.strip() for w in args.workers.split(",") if w.strip()] if args.workers else None
 
 
@@ -273,7 +306,8 @@ async def run_generate(args: argparse.Namespace) -> int:
                            mtp=False if args.no_mtp else None,
                            draft_tokens=args.draft_tokens or DEFAULT_DRAFT_TOKENS, pipeline=not args.no_pipeline,
                            forced_acceptance=args.forced_acceptance, keys=args.keys,
-                           server_keys=args.server_keys) as engine:
+                           server_keys=args.server_keys, heartbeat_timeout=args.heartbeat_timeout,
+                           dist_timeout=args.dist_timeout) as engine:
             info = engine.load_info
             progress(f"ready: {len(engine.workers)} workers, {info.weight_bytes * len(engine.workers) / 1e6:.0f} MB "
                      f"of {info.dtype} weights, MTP drafts per step: {info.draft_tokens or 'off'}")
@@ -360,7 +394,8 @@ def _serve_options(args: argparse.Namespace) -> Any:
         max_slots=args.max_slots, max_seq_len=args.max_seq_len, mtp=False if args.no_mtp else None,
         draft_tokens=args.draft_tokens or DEFAULT_DRAFT_TOKENS, host=args.host, port=args.port,
         model_name=args.served_model_name or default_model_name(args.model, BUNDLED_MODEL),
-        log_level=args.log_level.lower(),
+        log_level=args.log_level.lower(), keys=args.keys, server_keys=args.server_keys,
+        heartbeat_timeout=args.heartbeat_timeout, dist_timeout=args.dist_timeout,
     )
 
 

@@ -5,6 +5,11 @@ commands to every worker (the same command to each rank). Workers keep all seque
 pending token and the MTP drafts — so a step command carries only sequence ids, and the loop keeps
 the next step on the wire before the current step's reply is read (pipelining): a worker finishing
 step N finds step N+1 already queued on its socket.
+
+Failures: a worker that exits or stops answering heartbeats fails the requests in flight with an
+error naming it; the engine then says goodbye to the others and reconnects until every worker
+answers again (a supervisor restarted it), joins them in a new process group, loads the model and
+serves again.
 """
 
 from __future__ import annotations
@@ -27,7 +32,15 @@ import zmq.asyncio
 
 from shardspec import security
 from shardspec.orchestrator.tokenizer import Detokenizer, Tokenizer
-from shardspec.orchestrator.workers import LocalWorkers, WorkerClient, WorkerLost, free_port, wait_ready
+from shardspec.orchestrator.workers import (
+    LocalWorkers,
+    WorkerClient,
+    WorkerLost,
+    free_port,
+    wait_ready,
+)
+from shardspec.protocol import transport
+from shardspec.protocol.errors import ErrorCode, RemoteError
 from shardspec.protocol.messages import (
     MAX_DRAFT_TOKENS,
     InitRequest,
@@ -45,6 +58,13 @@ log = logging.getLogger("shardspec.orchestrator")
 
 FORCED_ACCEPTANCE_ENV = "SHARDSPEC_BENCHMARK_FORCED_ACCEPTANCE"
 DEFAULT_DRAFT_TOKENS = 3
+DEFAULT_DIST_TIMEOUT_S = 60.0  # a collective waiting longer for a peer fails, and its worker goes back to idle
+RECONNECT_HELLO_S = 10.0  # per attempt at reaching every worker again after a failure
+RECONNECT_PAUSE_S = 1.0
+GOODBYE_TIMEOUT_S = 5.0
+# errors of one request that leave the workers' group consistent; any other error of a step means
+# the ranks may no longer agree, so the engine rebuilds the group
+REQUEST_ERRORS = frozenset({ErrorCode.BAD_REQUEST, ErrorCode.NOT_FOUND, ErrorCode.CAPACITY})
 
 
 class EngineError(RuntimeError):
@@ -112,6 +132,14 @@ class Engine:
         self.forced_acceptance: float | None = None
         self.closed = False
         self.observer: StepObserver | None = None
+        self.lost: str | None = None  # why the workers are being (or cannot be) reconnected
+        # what reconnecting needs, set by _start
+        self.addresses: list[str] = []
+        self.curve: list[tuple] = []
+        self.dist_port: int | None = None
+        self.dist_timeout = DEFAULT_DIST_TIMEOUT_S
+        self.heartbeat_timeout = transport.DEFAULT_HEARTBEAT_TIMEOUT_S
+        self.load_request: LoadRequest | None = None
 
     @property
     def draft_tokens(self) -> int:
@@ -123,11 +151,12 @@ class Engine:
         """Why the engine cannot serve requests now, or None when it can."""
         if self.closed or self.loop_task is None:
             return "the engine is not running"
+        if self.lost is not None:
+            return self.lost if self.loop_task.done() else f"{self.lost}; reconnecting to the workers"
         if self.loop_task.done():
             return "the engine's step loop stopped"
-        for worker in self.workers:
-            if worker.failure is not None:
-                return f"worker {worker.address} is down: {worker.failure}"
+        if (lost := self._worker_failure()) is not None:
+            return lost
         try:
             if self.local is not None:
                 self.local.check_alive()
@@ -144,9 +173,13 @@ class Engine:
     async def _start(self, model: str, workers: list[str] | None, local: int | None, device: str, tp: int | None,
                      dtype: str, max_slots: int, max_seq_len: int, prefill_chunk: int, mtp: bool | None,
                      draft_tokens: int, pipeline: bool, forced_acceptance: float | None, dist_port: int | None,
-                     connect_timeout: float, keys: str | None = None, server_keys: str | None = None) -> None:
+                     connect_timeout: float, keys: str | None = None, server_keys: str | None = None,
+                     heartbeat_timeout: float = transport.DEFAULT_HEARTBEAT_TIMEOUT_S,
+                     dist_timeout: float = DEFAULT_DIST_TIMEOUT_S) -> None:
         addresses = _worker_addresses(workers, local, tp)
         curve = _curve_keys(keys, server_keys, addresses)
+        self.heartbeat_timeout = transport.check_heartbeat_timeout(heartbeat_timeout)
+        self.dist_timeout = _check_dist_timeout(dist_timeout)
         if dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {dtype!r}")
         if type(draft_tokens) is not int or not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
@@ -161,17 +194,11 @@ class Engine:
         self.pipeline_depth = 2 if pipeline else 1
         self.forced_acceptance = forced_acceptance
         if addresses is None:
-            self.local = LocalWorkers(local or tp or 1, device)
+            self.local = LocalWorkers(local or tp or 1, device, self.heartbeat_timeout)
             addresses = self.local.addresses
-        curve = curve or [(None, None)] * len(addresses)
-        self.workers = [WorkerClient(self.ctx, address, *link) for address, link in zip(addresses, curve)]
-        hellos = await asyncio.gather(*(wait_ready(w, self.local, connect_timeout) for w in self.workers))
-        for worker, hello in zip(self.workers, hellos):
-            log.info("worker %s: pid %d on %s, device %s", worker.address, hello.pid, hello.hostname, hello.device)
-
-        dist_addr = _rendezvous(addresses[0], dist_port)
-        await self._all(lambda rank: InitRequest(rank=rank, world_size=len(addresses), dist_addr=dist_addr))
-        load = LoadRequest(
+        self.addresses, self.curve = addresses, curve or [(None, None)] * len(addresses)
+        self.dist_port = dist_port
+        self.load_request = LoadRequest(
             model=str(model_dir.resolve()) if model_dir.exists() else model,
             dtype=dtype,
             max_slots=max_slots,
@@ -181,9 +208,31 @@ class Engine:
             draft_tokens=draft_tokens,
             forced_acceptance=-1.0 if forced_acceptance is None else forced_acceptance,
         )
-        self.load_info = (await self._all(lambda rank: load))[0][0]
+        await self._connect(connect_timeout)
         self.max_slots = max_slots
-        self.loop_task = asyncio.create_task(self._step_loop())
+        self.loop_task = asyncio.create_task(self._run())
+
+    async def _connect(self, hello_timeout: float) -> None:
+        """Fresh connections to every worker: hello, a new process group, load."""
+        self.workers = [WorkerClient(self.ctx, address, *link, heartbeat_timeout=self.heartbeat_timeout,
+                                     on_failure=self.wakeup.set) for address, link in zip(self.addresses, self.curve)]
+        hellos = await asyncio.gather(*(wait_ready(w, self.local, hello_timeout) for w in self.workers),
+                                      return_exceptions=True)
+        if errors := [hello for hello in hellos if isinstance(hello, BaseException)]:
+            raise errors[0]
+        for worker, hello in zip(self.workers, hellos):
+            log.info("worker %s: pid %d on %s, device %s", worker.address, hello.pid, hello.hostname, hello.device)
+        dist_addr = _rendezvous(self.addresses[0], self.dist_port)
+        await self._all(lambda rank: InitRequest(rank=rank, world_size=len(self.workers), dist_addr=dist_addr,
+                                                 timeout_s=self.dist_timeout))
+        self.load_info = (await self._all(lambda rank: self.load_request))[0][0]
+
+    async def _disconnect(self) -> None:
+        """Goodbye to the workers still connected (each leaves the group and goes idle); close all."""
+        live = [w for w in self.workers if w.failure is None]
+        await asyncio.gather(*(w.call(ShutdownRequest(), timeout=GOODBYE_TIMEOUT_S) for w in live),
+                             return_exceptions=True)
+        await asyncio.gather(*(w.close() for w in self.workers))
 
     async def close(self) -> None:
         """Say goodbye to the workers, stop spawned ones, fail what is still running."""
@@ -192,15 +241,15 @@ class Engine:
         self.closed = True
         if self.loop_task is not None:  # let the steps in flight finish, then stop the loop
             self.wakeup.set()
+            if self.lost is not None:  # reconnecting: nothing in flight to wait for
+                self.loop_task.cancel()
             try:
                 await asyncio.wait_for(self.loop_task, 30)
             except (TimeoutError, asyncio.CancelledError):
                 pass
         for request in [*self.waiting, *self.running.values()]:
             request.queue.put_nowait(EngineError("the engine was closed"))
-        live = [w for w in self.workers if w.failure is None]
-        await asyncio.gather(*(w.call(ShutdownRequest(), timeout=5) for w in live), return_exceptions=True)
-        await asyncio.gather(*(w.close() for w in self.workers))
+        await self._disconnect()
         if self.local is not None:
             self.local.stop()
         self.ctx.term()
@@ -244,8 +293,8 @@ class Engine:
     # --- requests -------------------------------------------------------------------------------
 
     def _new_request(self, prompt, max_tokens, temperature, top_k, top_p, seed, stop_at_eos) -> _Request:
-        if self.closed or self.loop_task is None:
-            raise EngineError("the engine is not running")
+        if (failure := self.failure) is not None:
+            raise EngineError(failure)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model folder has no tokenizer.json: pass token ids instead of text")
@@ -278,9 +327,21 @@ class Engine:
 
     # --- the step loop --------------------------------------------------------------------------
 
+    async def _run(self) -> None:
+        """The step loop; after losing a worker, reconnect and run it again."""
+        while True:
+            await self._step_loop()
+            if self.closed or not await self._recover():
+                return
+
     async def _step_loop(self) -> None:
+        """Run steps until the engine closes, or a worker is lost (self.lost then says which)."""
         inflight: deque[_Step] = deque()
         while not self.closed or inflight:
+            self.lost = self.lost or self._worker_failure()
+            if self.lost is not None:
+                self._fail_all(inflight, EngineError(self.lost))
+                return
             self._drop_cancelled()
             while not self.closed and len(inflight) < self.pipeline_depth and self._has_work():
                 inflight.append(self._send_step())
@@ -290,13 +351,72 @@ class Engine:
                     await self.wakeup.wait()
                 continue
             try:
-                replies = await self._gather(inflight.popleft().futures)
+                replies = await self._step_replies(inflight.popleft())
                 self._deliver(replies)
             except Exception as exc:
+                if _breaks_group(exc):
+                    self.lost = str(exc)
+                    self._fail_all(inflight, EngineError(self.lost))
+                    return
                 for step in inflight:  # later steps built on the failed one: drop them too
                     await asyncio.gather(*step.futures, return_exceptions=True)
                 inflight.clear()
                 await self._fail_running(exc)
+
+    async def _step_replies(self, step: _Step) -> list[tuple]:
+        """The step's replies from every rank; on an error, the most telling one. A rank that dies
+        makes its peers' collectives fail too, often before its own connection is seen to drop:
+        give that a heartbeat timeout to show, and report the lost worker rather than its peers."""
+        futures = step.futures
+        try:
+            await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+            if not _errors(futures):
+                return [future.result() for future in futures]
+            if not any(isinstance(e, WorkerLost) for e in _errors(futures)):
+                await asyncio.wait(futures, timeout=self.heartbeat_timeout)
+            errors = _errors(futures)
+            raise next((e for e in errors if isinstance(e, WorkerLost)), errors[0])
+        finally:
+            for future in futures:
+                future.cancel()
+
+    def _worker_failure(self) -> str | None:
+        return next((str(w.failure) for w in self.workers if w.failure is not None), None)
+
+    def _fail_all(self, inflight: deque[_Step], exc: Exception) -> None:
+        """Fail every request, running or waiting, and forget the steps on the wire."""
+        log.error("%s: failing %d requests", exc, len(self.running) + len(self.waiting))
+        for step in inflight:
+            for future in step.futures:
+                future.cancel()
+        inflight.clear()
+        for request in [*self.running.values(), *self.waiting]:
+            request.finished = True
+            request.queue.put_nowait(exc)
+        self.running.clear()
+        self.waiting.clear()
+
+    async def _recover(self) -> bool:
+        """Reconnect to the workers until they all answer and load again; False if that cannot be."""
+        cause = self.lost
+        while not self.closed:
+            await self._disconnect()
+            if self.local is not None:
+                try:
+                    self.local.check_alive()
+                except WorkerLost as exc:  # nobody restarts the workers this engine spawned
+                    self.lost = f"{exc}\n(workers spawned by this orchestrator are not restarted)"
+                    return False
+            try:
+                await self._connect(RECONNECT_HELLO_S)
+            except (WorkerLost, RemoteError, EngineError) as exc:
+                log.warning("reconnecting after %r: %s; trying again", cause, exc)
+                await asyncio.sleep(RECONNECT_PAUSE_S)
+                continue
+            log.warning("the workers are back after %r; serving again", cause)
+            self.lost = None
+            return True
+        return False
 
     def _has_work(self) -> bool:
         return bool(self.running) or (bool(self.waiting) and len(self.running) < self.max_slots)
@@ -421,6 +541,23 @@ def spec_decode_metrics(drafts: int, k: int, accepted: int, per_position: list[i
     }
 
 
+def _errors(futures: list[asyncio.Future]) -> list[BaseException]:
+    return [f.exception() for f in futures if f.done() and not f.cancelled() and f.exception() is not None]
+
+
+def _breaks_group(exc: Exception) -> bool:
+    """After this error of a step, can the ranks still be trusted to agree?"""
+    if isinstance(exc, RemoteError):
+        return exc.code not in REQUEST_ERRORS
+    return not isinstance(exc, EngineError)  # EngineError: the ranks disagreed; their sequences are failed
+
+
+def _check_dist_timeout(seconds: Any) -> float:
+    if type(seconds) not in (int, float) or not 1 <= seconds <= 3600:
+        raise ValueError(f"dist_timeout must be a number of seconds in [1, 3600], got {seconds!r}")
+    return float(seconds)
+
+
 def _check_forced_acceptance(rate: float | None, mtp: bool | None) -> None:
     if rate is None:
         return
@@ -508,6 +645,8 @@ async def connect(
     connect_timeout: float = 120.0,
     keys: str | None = None,
     server_keys: str | None = None,
+    heartbeat_timeout: float = transport.DEFAULT_HEARTBEAT_TIMEOUT_S,
+    dist_timeout: float = DEFAULT_DIST_TIMEOUT_S,
 ) -> AsyncIterator[Engine]:
     """Connect to (or spawn) workers, load `model` on them, and yield a ready Engine.
 
@@ -516,11 +655,15 @@ async def connect(
     the wire while the current one runs. forced_acceptance: benchmarks only (see FORCED_ACCEPTANCE_ENV).
     keys / server_keys: CURVE for tcp:// workers — this side's key pair (a folder or .key_secret file)
     and the workers' public keys (one .key file for all, or a folder with one per worker, rank order).
+    heartbeat_timeout: seconds after which a worker that exited or stopped answering is declared
+    lost; its requests fail, and the engine reconnects until the worker is back (engine.healthy).
+    dist_timeout: how long a worker's collective waits for a stuck peer before it gives up.
     """
     engine = Engine()
     try:
         await engine._start(model, workers, local, device, tp, dtype, max_slots, max_seq_len, prefill_chunk, mtp,
-                            draft_tokens, pipeline, forced_acceptance, dist_port, connect_timeout, keys, server_keys)
+                            draft_tokens, pipeline, forced_acceptance, dist_port, connect_timeout, keys, server_keys,
+                            heartbeat_timeout, dist_timeout)
         yield engine
     finally:
         await engine.close()

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from zmq.utils.monitor import parse_monitor_message
 from shardspec import security
 from shardspec.protocol import codec, transport
 from shardspec.protocol.codec import Message
-from shardspec.protocol.errors import RemoteError
+from shardspec.protocol.errors import ErrorCode, RemoteError
 from shardspec.protocol.messages import REPLIES, HelloRequest, parse, to_meta
 from shardspec.security import KeyPair
 
@@ -38,10 +39,13 @@ class WorkerClient:
     """One DEALER socket to one worker; requests are matched to replies by id."""
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str, keys: KeyPair | None = None,
-                 server_key: bytes | None = None):
+                 server_key: bytes | None = None, heartbeat_timeout: float = transport.DEFAULT_HEARTBEAT_TIMEOUT_S,
+                 on_failure: Callable[[], None] | None = None):
         self.address = address
+        self.heartbeat_timeout = heartbeat_timeout
+        self.on_failure = on_failure  # told once, when the connection fails
         self.sock = ctx.socket(zmq.DEALER)
-        transport.configure(self.sock)
+        transport.configure(self.sock, heartbeat_timeout)
         if keys is not None and server_key is not None:
             security.make_client(self.sock, keys, server_key)
         self.monitor = self.sock.get_monitor_socket(
@@ -54,6 +58,7 @@ class WorkerClient:
         self.connected = False
         self.answered = False  # a reply came: the connection (and any CURVE handshake) works
         self.failure: Exception | None = None
+        self.closed = False
         self.tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
 
     def submit(self, request: Any, tensors: dict[str, torch.Tensor] | None = None) -> asyncio.Future:
@@ -76,11 +81,14 @@ class WorkerClient:
 
     def fail(self, exc: Exception) -> None:
         """Fail every pending and future request with `exc`."""
+        first = self.failure is None
         self.failure = exc
         for future in self.pending.values():
             if not future.done():
                 future.set_exception(exc)
         self.pending.clear()
+        if first and self.on_failure is not None:
+            self.on_failure()
 
     async def _read(self) -> None:
         while True:
@@ -113,7 +121,8 @@ class WorkerClient:
             elif event["event"] == zmq.EVENT_DISCONNECTED and self.connected:
                 self.connected = False
                 if self.answered:
-                    self.fail(WorkerLost(f"lost the connection to worker {self.address}"))
+                    self.fail(WorkerLost(f"lost the connection to worker {self.address}: it exited, or stopped "
+                                         f"answering heartbeats for {self.heartbeat_timeout:g}s"))
                 else:  # dropped before any reply: most often a security mismatch
                     self.fail(WorkerLost(f"worker {self.address} closed the connection during the handshake: check "
                                          "--keys and --server-keys (the worker may require CURVE keys)"))
@@ -125,10 +134,14 @@ class WorkerClient:
                                      "--server-keys (CURVE on one side only, or the wrong server key)"))
 
     async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
-        self.fail(WorkerLost(f"connection to {self.address} closed"))
+        if self.failure is None:
+            self.fail(WorkerLost(f"connection to {self.address} closed"))
         self.sock.disable_monitor()
         self.monitor.close(linger=0)
         self.sock.close(linger=0)
@@ -145,7 +158,7 @@ def _die_with_parent() -> None:
 class LocalWorkers:
     """Worker daemons spawned on this machine on ipc:// sockets; they die with this process."""
 
-    def __init__(self, count: int, device: str):
+    def __init__(self, count: int, device: str, heartbeat_timeout: float = transport.DEFAULT_HEARTBEAT_TIMEOUT_S):
         self.dir = Path(tempfile.mkdtemp(prefix="shardspec-"))
         self.addresses = [f"ipc://{self.dir}/worker{i}.sock" for i in range(count)]
         self.logs = [self.dir / f"worker{i}.log" for i in range(count)]
@@ -154,7 +167,7 @@ class LocalWorkers:
         self.procs: list[subprocess.Popen] = []
         for address, dev, log_path in zip(self.addresses, devices, self.logs):
             cmd = [sys.executable, "-m", "shardspec", "worker", "--listen", address, "--device", dev,
-                   "--threads", str(threads)]
+                   "--threads", str(threads), "--heartbeat-timeout", str(heartbeat_timeout)]
             with open(log_path, "wb") as log_file:
                 self.procs.append(
                     subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
@@ -186,18 +199,29 @@ class LocalWorkers:
 
 
 async def wait_ready(client: WorkerClient, local: LocalWorkers | None, timeout: float) -> Any:
-    """Say hello until the worker answers (it may still be starting); returns its HelloReply."""
-    future = client.submit(HelloRequest(client=f"shardspec-orchestrator pid {os.getpid()}"))
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not future.done():
-        if local is not None:
-            local.check_alive()
-        if asyncio.get_running_loop().time() > deadline:
-            future.cancel()
-            raise WorkerLost(f"worker {client.address} did not answer hello within {timeout:.0f}s")
-        await asyncio.wait([future], timeout=0.1)
-    hello, _ = future.result()
-    return hello
+    """Say hello until the worker answers (it may still be starting); returns its HelloReply.
+
+    A worker still owned by an orchestrator that just went away answers `busy` until it notices
+    (within its heartbeat timeout): ask again for a while before giving up."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    busy_until = loop.time() + client.heartbeat_timeout + 1.0
+    while True:
+        future = client.submit(HelloRequest(client=f"shardspec-orchestrator pid {os.getpid()}"))
+        while not future.done():
+            if local is not None:
+                local.check_alive()
+            if loop.time() > deadline:
+                future.cancel()
+                raise WorkerLost(f"worker {client.address} did not answer hello within {timeout:.0f}s")
+            await asyncio.wait([future], timeout=0.1)
+        try:
+            hello, _ = future.result()
+            return hello
+        except RemoteError as exc:
+            if exc.code != ErrorCode.BUSY or loop.time() > min(busy_until, deadline):
+                raise
+        await asyncio.sleep(0.2)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -199,7 +199,7 @@ class Service:
 
     @staticmethod
     def unavailable(failure: str) -> ApiError:
-        return ApiError(503, f"the model's workers are down ({failure}); restart the server",
+        return ApiError(503, f"the model's workers are down ({failure})",
                         code="workers_unavailable", kind="service_unavailable")
 
     def check(self, body: GenerationBody) -> None:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import uvicorn
 
-from shardspec.orchestrator.engine import Engine, connect
+from shardspec.orchestrator.engine import DEFAULT_DIST_TIMEOUT_S, Engine, connect
+from shardspec.protocol.transport import DEFAULT_HEARTBEAT_TIMEOUT_S
 from shardspec.server.app import create_app
 from shardspec.server.chat import ChatTemplate
 
@@ -42,6 +43,10 @@ class ServeOptions:
     port: int
     model_name: str
     log_level: str = "info"
+    keys: str | None = None  # CURVE: this server's key pair, and the workers' public keys
+    server_keys: str | None = None
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    dist_timeout: float = DEFAULT_DIST_TIMEOUT_S
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -85,8 +90,9 @@ async def serve(options: ServeOptions, sock: socket.socket, ready: Callable[[str
         loop.add_signal_handler(sig, on_signal)
     async with connect(options.model, workers=options.workers, local=options.local, device=options.device,
                        tp=options.tp, dtype=options.dtype, max_slots=options.max_slots,
-                       max_seq_len=options.max_seq_len, mtp=options.mtp,
-                       draft_tokens=options.draft_tokens) as engine:
+                       max_seq_len=options.max_seq_len, mtp=options.mtp, draft_tokens=options.draft_tokens,
+                       keys=options.keys, server_keys=options.server_keys,
+                       heartbeat_timeout=options.heartbeat_timeout, dist_timeout=options.dist_timeout) as engine:
         model_dir = Path(options.model)
         chat = ChatTemplate.from_folder(model_dir) if model_dir.is_dir() else None
         app = create_app(engine, options.model_name, chat)

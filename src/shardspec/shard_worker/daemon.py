@@ -6,6 +6,7 @@ its connection, frees everything and returns to idle. Only SIGINT/SIGTERM end th
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 import os
@@ -69,10 +70,12 @@ class _AllowList:
 
 
 class ShardWorker:
-    def __init__(self, listen: str, device: str, keys: KeyPair | None = None, allow: list[bytes] | None = None):
+    def __init__(self, listen: str, device: str, keys: KeyPair | None = None, allow: list[bytes] | None = None,
+                 heartbeat_timeout: float = transport.DEFAULT_HEARTBEAT_TIMEOUT_S):
         if keys is not None and not allow:
             raise ValueError("a worker with CURVE keys needs at least one allowed client key (--allow)")
         self.listen = listen
+        self.heartbeat_timeout = transport.check_heartbeat_timeout(heartbeat_timeout)
         self.keys = keys
         self.allow = allow or []
         self.device = parse_device(device)
@@ -115,7 +118,7 @@ class ShardWorker:
             authenticator.start()
             authenticator.configure_curve_callback(domain="*", credentials_provider=_AllowList(self.allow))
         sock = ctx.socket(zmq.ROUTER)
-        transport.configure(sock)
+        transport.configure(sock, self.heartbeat_timeout)
         if self.keys is not None:
             security.make_server(sock, self.keys)
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -318,6 +321,8 @@ class ShardWorker:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        elif _LIBC is not None:  # hand freed heap pages back to the system, not only to malloc
+            _LIBC.malloc_trim(0)
 
     def _step(self, body: StepRequest, tensors: dict) -> tuple[StepReply, dict]:
         runner = self._loaded()
@@ -373,6 +378,17 @@ class ShardWorker:
         if self.runner is None:
             raise ProtocolError(ErrorCode.BAD_STATE, f"worker is {self.state}; load a model first")
         return self.runner
+
+
+def _libc() -> Any:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "malloc_trim") else None  # glibc only
+
+
+_LIBC = _libc()
 
 
 def _error(request_id: int, code: ErrorCode, message: str) -> Message:
