@@ -265,3 +265,32 @@ def test_spawned_workers_that_die_are_reported_and_not_waited_for(tiny_model):
     elapsed, failure = asyncio.run(run())
     assert elapsed < HEARTBEAT_S + SLACK_S
     assert "local worker 1 exited" in failure and "not restarted" in failure
+
+
+def test_a_server_answers_503_while_a_worker_is_down_and_serves_again_once_it_is_back(tiny_model, workers, tmp_path):
+    import httpx
+    from test_server import start_server
+
+    w0, w1 = workers(2)
+    server = start_server(tmp_path, "--model", str(tiny_model), "--workers", f"{w0.address},{w1.address}",
+                          "--max-seq-len", "128")
+    body = {"model": tiny_model.name, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    try:
+        before = httpx.post(f"{server.url}/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        w1.kill()
+        deadline = time.monotonic() + HEARTBEAT_S + SLACK_S
+        while (health := httpx.get(f"{server.root}/health", timeout=10)).status_code == 200:
+            assert time.monotonic() < deadline, "the server did not notice the lost worker"
+            time.sleep(0.05)
+        refused = httpx.post(f"{server.url}/completions", json=body, timeout=60)
+        assert health.status_code == refused.status_code == 503
+        assert w1.address in refused.json()["error"]["message"]
+        w1.start()
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{server.root}/health", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline, "the server did not reconnect"
+            time.sleep(0.1)
+        after = httpx.post(f"{server.url}/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        assert after == before
+    finally:
+        assert server.stop() == 0

@@ -144,3 +144,19 @@ def test_captured_traffic_carries_the_prompt_in_clear_only_without_curve(tiny_mo
         plain.wait(20)
     secured = captured(secure_worker, keys=str(keys["orchestrator"]), server_keys=str(keys["worker"] / "worker.key"))
     assert needle not in secured and b"prefill" not in secured
+
+
+def test_serve_reaches_a_curve_worker_with_keys_and_server_keys(tiny_model, keys, secure_worker, tmp_path):
+    import httpx
+    from test_server import start_server
+
+    server = start_server(tmp_path, "--model", str(tiny_model), "--workers", secure_worker, "--max-seq-len", "128",
+                          "--keys", str(keys["orchestrator"]), "--server-keys", str(keys["worker"] / "worker.key"))
+    try:
+        reply = httpx.post(f"{server.url}/completions", json={"prompt": [1, 2, 3], "max_tokens": 6}, timeout=60)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 6
+    finally:
+        assert server.stop() == 0
+    refused = shardspec_cli("serve", "--model", str(tiny_model), "--workers", secure_worker, "--port", "0",
+                            "--keys", str(keys["stranger"]), "--server-keys", str(keys["worker"] / "worker.key"))
+    assert refused.returncode == 1 and "refused this orchestrator's key" in refused.stderr
