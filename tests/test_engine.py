@@ -63,6 +63,7 @@ def test_sampling_is_reproducible_with_a_seed_and_respects_top_k(tiny_model):
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 10_000}, "exceeds the context"),
         ({"temperature": -1.0}, "temperature"),
+        ({"temperature": 1e-30}, "temperature must be 0 (greedy) or at least"),
         ({"top_p": 0.0}, "top_p"),
         ({"prompt": "text"}, "tokenizer"),
     ],

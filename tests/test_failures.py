@@ -256,6 +256,7 @@ def test_spawned_workers_that_die_are_reported_and_not_waited_for(tiny_model):
     async def run():
         async with shardspec.connect(model=str(tiny_model), local=2) as engine:
             elapsed, error = await fail_mid_generation(engine, engine.local.procs[1].kill)
+            assert "worker1.sock" in str(error)
             deadline = time.monotonic() + 30
             while not engine.loop_task.done():  # it gives up reconnecting: nobody restarts them
                 assert time.monotonic() < deadline

@@ -129,7 +129,7 @@ def _unpack_header(frame: Any) -> dict[str, Any]:
             ErrorCode.BAD_VERSION,
             f"peer speaks protocol version {header['v']!r}, this side speaks {PROTOCOL_VERSION}",
         )
-    if header["op"] not in OPS:
+    if type(header["op"]) is not str or header["op"] not in OPS:
         raise ProtocolError(ErrorCode.BAD_MESSAGE, f"unknown op {header['op']!r}; known: {sorted(OPS)}")
     if type(header["id"]) is not int or not 0 <= header["id"] < 2**63:
         raise ProtocolError(ErrorCode.BAD_MESSAGE, f"id must be an int in [0, 2**63), got {header['id']!r}")
@@ -150,7 +150,7 @@ def _check_tensor_specs(specs: Any) -> None:
         if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_LEN or name in names:
             raise ProtocolError(ErrorCode.BAD_MESSAGE, f"tensor name {name!r} is invalid or repeated")
         names.add(name)
-        if dtype not in DTYPES:
+        if type(dtype) is not str or dtype not in DTYPES:
             raise ProtocolError(ErrorCode.BAD_MESSAGE, f"tensor {name!r}: dtype {dtype!r} not in {sorted(DTYPES)}")
         if (
             not isinstance(shape, list)

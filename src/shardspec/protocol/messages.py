@@ -20,6 +20,8 @@ from shardspec.protocol.errors import ErrorCode, ProtocolError
 
 MAX_STR = 4096
 MAX_DRAFT_TOKENS = 8
+MIN_TEMPERATURE = 1e-4  # below it, logits / temperature overflow float32: use 0 (greedy)
+MIN_TOP_P = 1e-6  # below it, top_p rounds to 0 in float32 (denormals flushed) and would keep no token
 MAX_LIST = 1 << 20
 INT64 = (-(2**63), 2**63 - 1)
 
@@ -42,8 +44,10 @@ class SamplingParams:
     seed: int = bounded(0, 2**63 - 1, 0)
 
     def __post_init__(self) -> None:
-        if self.top_p <= 0.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_p < MIN_TOP_P:
+            raise ValueError(f"top_p must be in [{MIN_TOP_P}, 1], got {self.top_p}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {self.temperature}")
 
     @property
     def greedy(self) -> bool:

@@ -262,7 +262,7 @@ class ShardWorker:
         except ValueError as exc:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc)) from None
         started = time.perf_counter()
-        self.runner = None  # a load replaces every sequence and cache
+        self.runner, self.state = None, "initialized"  # a load replaces every sequence and cache
         self._free_memory()
         key = (body.model, dtype)
         if self.model is not None and self.model_key == key and (body.mtp == "off" or self.model.mtp is not None):
