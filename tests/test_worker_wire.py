@@ -194,3 +194,14 @@ def test_worker_cli_rejects_bad_arguments_with_a_message(args, message):
                             timeout=60)
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_unhashable_header_fields_are_bad_messages_not_internal_errors(spawn_worker, sync_client):
+    client = sync_client(spawn_worker().address)
+    spec = {"name": "prompt_ids", "dtype": ["int64"], "shape": [1]}
+    for header in ({"v": PROTOCOL_VERSION, "op": [], "id": 3, "meta": {}, "tensors": []},
+                   {"v": PROTOCOL_VERSION, "op": {"a": 1}, "id": 3, "meta": {}, "tensors": []},
+                   {"v": PROTOCOL_VERSION, "op": "step", "id": 3, "meta": {}, "tensors": [spec]}):
+        frames = [msgpack.packb(header)] + [b"\0" * 8] * len(header["tensors"])
+        reply = decode(client.exchange(frames))
+        assert (reply.op, reply.id, reply.meta["code"]) == ("error", 3, "bad_message")

@@ -7,11 +7,14 @@ its connection, frees everything and returns to idle. Only SIGINT/SIGTERM end th
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import gc
+import ipaddress
 import logging
 import os
 import signal
 import socket
+import struct
 import time
 import traceback
 from datetime import timedelta
@@ -98,6 +101,7 @@ class ShardWorker:
         self.gap_count, self.gap_total = 0, 0.0  # idle time between a step's reply and the next step
         self.last_step_sent: float | None = None
         self.stopping = False
+        self.gloo_ifname = os.environ.get("GLOO_SOCKET_IFNAME")  # the user's choice, if any
         self.handlers = {
             "hello": self._hello,
             "init": self._init,
@@ -238,6 +242,8 @@ class ShardWorker:
             if not body.dist_addr.startswith("tcp://"):
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"dist_addr must be tcp://HOST:PORT, got {body.dist_addr!r}")
             log.info("joining %s group at %s as rank %d/%d", backend, body.dist_addr, body.rank, body.world_size)
+            if backend == "gloo":
+                self._choose_gloo_interface(body.dist_addr)
             try:
                 dist.init_process_group(
                     backend,
@@ -252,6 +258,19 @@ class ShardWorker:
         self.tp = TPGroup(body.rank, body.world_size)
         self.state = "initialized"
         return InitReply(rank=body.rank, world_size=body.world_size, backend=backend), None
+
+    def _choose_gloo_interface(self, dist_addr: str) -> None:
+        """Gloo binds to the address of this host's name, which is often a loopback address that the
+        other hosts cannot reach: unless the user chose (GLOO_SOCKET_IFNAME), take the interface
+        that routes to the rendezvous host."""
+        if self.gloo_ifname is not None:
+            return
+        name = _interface_towards(dist_addr)
+        if name is None:
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+            log.info("Gloo uses interface %s (set GLOO_SOCKET_IFNAME to choose another)", name)
 
     def _load(self, body: LoadRequest, _tensors: dict) -> tuple[LoadReply, None]:
         """Load the model (or keep the one loaded, if it is the same) and build fresh caches."""
@@ -378,6 +397,29 @@ class ShardWorker:
         if self.runner is None:
             raise ProtocolError(ErrorCode.BAD_STATE, f"worker is {self.state}; load a model first")
         return self.runner
+
+
+def _interface_towards(address: str) -> str | None:
+    """The name of the (IPv4) interface this host reaches tcp://HOST:PORT through; None for a
+    loopback route or when it cannot be told (Linux ioctl)."""
+    host, port = address[len("tcp://") :].rsplit(":", 1)
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, int(port)))  # sends nothing: only picks the route
+            local = probe.getsockname()[0]
+        if ipaddress.ip_address(local).is_loopback:
+            return None
+        for _, name in socket.if_nameindex():
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                try:
+                    packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+                except OSError:  # no IPv4 address on this interface
+                    continue
+            if socket.inet_ntoa(packed[20:24]) == local:
+                return name
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def _libc() -> Any:
