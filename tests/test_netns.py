@@ -69,7 +69,7 @@ class Hosts:
                 proc.kill()
                 proc.wait()
         for ns in self.ns.values():  # deleting a namespace deletes its end of the veth, and so the pair
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
 
     def _ip(self, *args: str) -> None:
         _run("ip", *args)
@@ -98,7 +98,7 @@ def wait_listening(hosts: Hosts, host: str, port: int, timeout: float = 120.0) -
     probe = f"import socket; socket.create_connection(('{hosts.ip[host]}', {port}), timeout=1).close()"
     deadline = time.monotonic() + timeout
     while subprocess.run(["ip", "netns", "exec", hosts.ns["a"], sys.executable, "-c", probe],
-                         capture_output=True).returncode != 0:
+                         capture_output=True, check=False).returncode != 0:
         assert time.monotonic() < deadline, f"no worker listening on {hosts.ip[host]}:{port}"
         time.sleep(0.3)
 
