@@ -15,8 +15,10 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from conftest import SyncClient
+from test_server import _alive, _parent, _pids, start_server
 
 import shardspec
 from shardspec.orchestrator.engine import EngineError
@@ -269,9 +271,6 @@ def test_spawned_workers_that_die_are_reported_and_not_waited_for(tiny_model):
 
 
 def test_a_server_answers_503_while_a_worker_is_down_and_serves_again_once_it_is_back(tiny_model, workers, tmp_path):
-    import httpx
-    from test_server import start_server
-
     w0, w1 = workers(2)
     server = start_server(tmp_path, "--model", str(tiny_model), "--workers", f"{w0.address},{w1.address}",
                           "--max-seq-len", "128")
@@ -295,3 +294,17 @@ def test_a_server_answers_503_while_a_worker_is_down_and_serves_again_once_it_is
         assert after == before
     finally:
         assert server.stop() == 0
+
+
+def test_workers_spawned_by_a_killed_orchestrator_stop_with_it(tiny_model, tmp_path):
+    cmd = [sys.executable, "-m", "shardspec", "generate", "--model", str(tiny_model), "--local", "2",
+           "--prompt-ids", ",".join(map(str, PROMPT)), "--max-tokens", "3000", "--temperature", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    assert proc.stdout.read(20), "the orchestrator produced no tokens"
+    children = [pid for pid in _pids() if _parent(pid) == proc.pid]
+    kill_mid_generation(proc)
+    deadline = time.monotonic() + 20
+    while alive := [pid for pid in children if _alive(pid)]:
+        assert time.monotonic() < deadline, f"spawned workers {alive} outlived their orchestrator"
+        time.sleep(0.1)
+    assert len(children) == 2
