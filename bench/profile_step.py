@@ -78,7 +78,10 @@ def main() -> None:
                 for _ in range(3):
                     runner.step(StepRequest(decode=seqs), torch.empty(0, dtype=torch.long))
                 sync(device)
-            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
+            sort = "self_device_time_total" if device.type == "cuda" else "cpu_time_total"
+            kernels = sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+            print(f"{kernels / 3:.0f} GPU kernels per step")
+            print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
         runner.release(seqs)
         del runner
 

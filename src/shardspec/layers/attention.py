@@ -6,12 +6,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardspec import kernels
 from shardspec.layers.batch import Batch
 from shardspec.layers.linear import ColumnParallelLinear, RowParallelLinear, head_ranges
 from shardspec.layers.norm import RMSNorm
 from shardspec.layers.parallel import TPGroup
 from shardspec.layers.rotary import RotaryEmbedding
 from shardspec.models.config import ModelConfig
+
+# Passes of up to this many tokens per sequence (decode, verify) use the kernels that read the
+# cache in place; prefill chunks gather the keys and use PyTorch's flash attention.
+KERNEL_MAX_TOKENS = 16
 
 
 def kv_head_ranges(config: ModelConfig, tp: TPGroup) -> tuple[int, list[tuple[int, int]]]:
@@ -49,7 +54,10 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         B, T, _ = x.shape
-        qg = self.q_proj(x).view(B, T, self.heads, 2 * self.head_dim)
+        qg = self.q_proj(x)
+        if batch.slots is not None and T <= KERNEL_MAX_TOKENS and kernels.enabled(x):
+            return self.o_proj(self._cached_kernels(qg, x, batch))
+        qg = qg.view(B, T, self.heads, 2 * self.head_dim)
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :].reshape(B, T, -1)
         q = self.rotary(self.q_norm(q), batch.positions)
         k = self.rotary(self.k_norm(self.k_proj(x).view(B, T, self.kv_heads, self.head_dim)), batch.positions)
@@ -71,3 +79,12 @@ class GatedAttention(nn.Module):
             )
         out = out.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate)
         return self.o_proj(out)
+
+    def _cached_kernels(self, qg: torch.Tensor, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Decode and verify passes on CUDA: two kernels read and write the cache in place."""
+        from shardspec.kernels.attention import cached_attention, qk_norm_rope
+
+        q = qk_norm_rope(qg, self.k_proj(x), self.v_proj(x), self.q_norm.weight, self.k_norm.weight,
+                         self.rotary.inv_freq(x.device), batch.positions, batch.slots, self.k_cache, self.v_cache,
+                         self.q_norm.eps)
+        return cached_attention(q, qg, self.k_cache, self.v_cache, batch.positions, batch.slots)

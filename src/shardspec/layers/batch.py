@@ -14,7 +14,7 @@ class Batch:
     slots: torch.Tensor | None  # [B] long; None: no cache at all (training, scoring whole texts)
     positions: torch.Tensor  # [B, T] long
     kv_len: int  # keys to attend over: max(positions) + 1
-    keep_states: bool = False  # recurrent layers keep the state after every token (for rollback)
+    speculative: bool = False  # recurrent layers leave their states alone until commit() (verify passes)
 
     @classmethod
     def uncached(cls, batch_size: int, length: int, device: torch.device) -> Batch:

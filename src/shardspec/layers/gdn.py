@@ -1,9 +1,10 @@
-"""Gated DeltaNet (the linear-attention layers of Qwen3.5), pure PyTorch, split by key heads.
+"""Gated DeltaNet (the linear-attention layers of Qwen3.5), split by key heads.
 
 Per slot it keeps a causal-conv state (the last K-1 inputs) and a recurrent state S of shape
 [value heads, Dk, Dv] in fp32. The delta rule per token t, with decay a_t = exp(g_t):
     S <- a_t S;   S <- S + beta_t k_t (v_t - S^T k_t)^T;   o_t = S^T q_t
-Long inputs use the chunked (WY) form of the same recurrence.
+Long inputs use the chunked (WY) form of the same recurrence. The functions here are the CPU path
+and the reference; on CUDA the same operations run as Triton kernels (shardspec.kernels.gdn).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardspec import kernels
 from shardspec.layers.batch import Batch
 from shardspec.layers.linear import ColumnParallelLinear, RowParallelLinear, head_ranges
 from shardspec.layers.norm import GatedRMSNorm
@@ -25,22 +27,20 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def recurrent_delta_rule(q, k, v, g, beta, state, keep_states: bool = False):
+def recurrent_delta_rule(q, k, v, g, beta, state, lengths: torch.Tensor | None = None):
     """Token-by-token delta rule. q, k: [B,H,T,Dk]; v: [B,H,T,Dv]; g, beta: [B,H,T]; state fp32.
 
-    Returns the output [B,H,T,Dv], the final state, and (keep_states) the state after every token
-    as [B,T,H,Dk,Dv]."""
-    outputs, states = [], []
+    Returns the output [B,H,T,Dv] and the final state; with `lengths` [B], row b's state stops
+    changing after its first lengths[b] tokens."""
+    outputs = []
     for t in range(q.shape[2]):
-        state = state * g[:, :, t, None, None].exp()
-        predicted = (k[:, :, t, None, :] @ state)[:, :, 0]  # S^T k: [B,H,Dv]
+        new = state * g[:, :, t, None, None].exp()
+        predicted = (k[:, :, t, None, :] @ new)[:, :, 0]  # S^T k: [B,H,Dv]
         delta = (v[:, :, t] - predicted) * beta[:, :, t, None]
-        state = state + k[:, :, t, :, None] * delta[:, :, None, :]
-        outputs.append((q[:, :, t, None, :] @ state)[:, :, 0])
-        if keep_states:
-            states.append(state)
-    kept = torch.stack(states, dim=1) if keep_states else None
-    return torch.stack(outputs, dim=2), state, kept
+        new = new + k[:, :, t, :, None] * delta[:, :, None, :]
+        outputs.append((q[:, :, t, None, :] @ new)[:, :, 0])
+        state = new if lengths is None else torch.where((t < lengths)[:, None, None, None], new, state)
+    return torch.stack(outputs, dim=2), state
 
 
 def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
@@ -76,6 +76,52 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     return out.reshape(B, H, n * chunk, -1)[:, :, :T], state
 
 
+def causal_conv(x, state, weight, slots, write_out=True, write_state=True, lengths=None):
+    """Depthwise causal convolution + SiLU of x [B, T, C] after the conv state [slots, C, K-1] of
+    each row's slot (zeros when `state` is None); optionally writes the K-1 inputs ending at token
+    lengths[b]-1 (default: the last token) back to the slot. With `lengths` (replaying an accepted
+    prefix) it writes only the state. The reference for kernels.gdn.causal_conv."""
+    K = weight.shape[-1]
+    inputs = x.transpose(1, 2)
+    window = F.pad(inputs, (K - 1, 0)) if state is None else torch.cat([state[slots], inputs], dim=-1)
+    if write_state and state is not None:
+        if lengths is None:
+            state[slots] = window[..., -(K - 1) :]
+        else:
+            index = lengths[:, None, None] + torch.arange(K - 1, device=x.device)
+            state[slots] = window.gather(2, index.expand(-1, window.shape[1], -1))
+    if write_out:
+        return F.silu(F.conv1d(window, weight, groups=window.shape[1])).transpose(1, 2)
+    return None
+
+
+def delta_rule(qkv, a, b, A_log, dt_bias, state, slots, k_heads, dk, write_out=True, write_state=True,
+               lengths=None):
+    """The gated delta rule over qkv [B, T, q|k|v] (after the convolution), from the recurrent state
+    [slots, HV, dk, dv] of each row's slot (zeros when `state` is None); returns the output
+    [B, T, HV, dv] in qkv's dtype and optionally writes the state after token lengths[b]-1 (default:
+    the last) back to the slot; with `lengths` only the state. The reference for kernels.gdn.delta_rule."""
+    B, T, _ = qkv.shape
+    v_heads = A_log.shape[0]
+    key_dim = k_heads * dk
+    q, k, v = qkv.split([key_dim, key_dim, qkv.shape[-1] - 2 * key_dim], -1)
+    group = v_heads // k_heads
+    q = l2_normalize(q.reshape(B, T, k_heads, dk).float()).repeat_interleave(group, 2) * dk**-0.5
+    k = l2_normalize(k.reshape(B, T, k_heads, dk).float()).repeat_interleave(group, 2)
+    v = v.reshape(B, T, v_heads, -1).float()
+    beta = torch.sigmoid(b).float()
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    q, k, v, g, beta = (t.transpose(1, 2) for t in (q, k, v, g, beta))
+    initial = q.new_zeros(B, v_heads, dk, v.shape[-1]) if state is None else state[slots]
+    if T == 1 or lengths is not None or not write_state:
+        out, final = recurrent_delta_rule(q, k, v, g, beta, initial, lengths)
+    else:
+        out, final = chunked_delta_rule(q, k, v, g, beta, initial)
+    if write_state and state is not None:
+        state[slots] = final
+    return out.transpose(1, 2).to(qkv.dtype) if write_out else None
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup):
         super().__init__()
@@ -98,7 +144,7 @@ class GatedDeltaNet(nn.Module):
         self.kernel = kernel
         self.conv_state = torch.empty(0)
         self.recurrent_state = torch.empty(0)
-        self.kept: tuple[torch.Tensor, torch.Tensor] | None = None  # per-token states of the last pass
+        self.pending: tuple[torch.Tensor, ...] | None = None  # a speculative pass's inputs, for commit()
 
     def allocate(self, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device) -> int:
         self.conv_state = torch.zeros(num_slots, self.conv_dim, self.kernel - 1, dtype=dtype, device=device)
@@ -114,46 +160,34 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         B, T, _ = x.shape
+        qkv, a, b = self.in_proj_qkv(x), self.in_proj_a(x), self.in_proj_b(x)
         cached = batch.slots is not None
-        qkv = self.in_proj_qkv(x).transpose(1, 2)
-        if cached:
-            window = torch.cat([self.conv_state[batch.slots], qkv], dim=-1)
-            self.conv_state[batch.slots] = window[..., 1 - self.kernel :]
-        else:
-            window = F.pad(qkv, (self.kernel - 1, 0))
-        qkv = F.silu(F.conv1d(window, self.conv1d_weight, groups=self.conv_dim)).transpose(1, 2)
-        key_dim = self.k_heads * self.dk
-        q, k, v = qkv.split([key_dim, key_dim, self.v_heads * self.dv], -1)
-        group = self.v_heads // self.k_heads
-        q = l2_normalize(q.reshape(B, T, self.k_heads, self.dk).float()).repeat_interleave(group, 2)
-        k = l2_normalize(k.reshape(B, T, self.k_heads, self.dk).float()).repeat_interleave(group, 2)
-        v = v.reshape(B, T, self.v_heads, self.dv).float()
-        q = q * self.dk**-0.5
-        beta = torch.sigmoid(self.in_proj_b(x)).float()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
-        q, k, v, g, beta = (t.transpose(1, 2) for t in (q, k, v, g, beta))
-
-        if cached:
-            state = self.recurrent_state[batch.slots]
-        else:
-            state = q.new_zeros(B, self.v_heads, self.dk, self.dv)
-        if T == 1 or batch.keep_states:
-            out, state, kept = recurrent_delta_rule(q, k, v, g, beta, state, batch.keep_states)
-        else:
-            out, state = chunked_delta_rule(q, k, v, g, beta, state)
-        if cached:
-            self.recurrent_state[batch.slots] = state
-        if batch.keep_states:  # conv state after token t is the window's K-1 inputs ending at t
-            self.kept = (window.unfold(-1, self.kernel - 1, 1)[:, :, 1:].transpose(1, 2), kept)
-
-        out = out.transpose(1, 2).to(x.dtype)  # [B, T, Hv, Dv]
+        write = not batch.speculative  # a speculative pass leaves the states as they were
+        conv, delta = self._ops(x, cached)
+        mixed = conv(qkv, self.conv_state if cached else None, self.conv1d_weight, batch.slots, write_state=write)
+        out = delta(mixed, a, b, self.A_log, self.dt_bias, self.recurrent_state if cached else None, batch.slots,
+                    self.k_heads, self.dk, write_state=write)
+        if batch.speculative:
+            self.pending = (qkv, mixed, a, b)
         z = self.in_proj_z(x).view(B, T, self.v_heads, self.dv)
         return self.out_proj(self.norm(out, z).reshape(B, T, -1))
 
     def commit(self, slots: torch.Tensor, index: torch.Tensor) -> None:
-        """Roll each slot's state back to the one kept after token index[b] of the last pass."""
-        assert self.kept is not None, "commit() needs a forward pass with keep_states"
-        rows = torch.arange(len(slots), device=slots.device)
-        self.conv_state[slots] = self.kept[0][rows, index]
-        self.recurrent_state[slots] = self.kept[1][rows, index]
-        self.kept = None
+        """Advance each slot's states past tokens 0..index[b] of the last (speculative) pass, by
+        replaying them with the same arithmetic."""
+        assert self.pending is not None, "commit() needs a speculative forward pass first"
+        qkv, mixed, a, b = self.pending
+        conv, delta = self._ops(qkv, True)
+        lengths = index + 1
+        conv(qkv, self.conv_state, self.conv1d_weight, slots, write_out=False, lengths=lengths)
+        delta(mixed, a, b, self.A_log, self.dt_bias, self.recurrent_state, slots, self.k_heads, self.dk,
+              write_out=False, lengths=lengths)
+
+    @staticmethod
+    def _ops(x: torch.Tensor, cached: bool):
+        """The Triton kernels on CUDA (per-slot states in place), else the PyTorch reference."""
+        if cached and kernels.enabled(x):
+            from shardspec.kernels import gdn
+
+            return gdn.causal_conv, gdn.delta_rule
+        return causal_conv, delta_rule

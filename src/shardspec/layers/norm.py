@@ -1,4 +1,4 @@
-"""RMSNorm variants of Qwen3.5, computed in fp32."""
+"""RMSNorm variants of Qwen3.5, computed in fp32 (Triton kernels on CUDA: shardspec.kernels)."""
 
 from __future__ import annotations
 
@@ -6,16 +6,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardspec import kernels
+
 
 class RMSNorm(nn.Module):
-    """Zero-centred RMSNorm: x̂ · (1 + w), the weight stored as an offset from one."""
+    """Zero-centred RMSNorm: x̂ · (1 + w), the weight stored as an offset from one.
+
+    With `residual`, the residual add before the norm is part of it: returns (norm(x + residual),
+    x + residual), the sum rounded to x's dtype as `x + residual` would be."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if kernels.enabled(x):
+            from shardspec.kernels.norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
+            return self.forward(x), x
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
@@ -30,8 +42,13 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if kernels.enabled(x):
+            from shardspec.kernels.norm import gated_rms_norm
+
+            return gated_rms_norm(x, z, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         # the weight multiplies in the input dtype, as the reference does, before the fp32 gate
         y = self.weight * xf.to(x.dtype)
         return (y.float() * F.silu(z.float())).to(x.dtype)
+

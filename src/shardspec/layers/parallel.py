@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,10 +20,16 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: Any = None
+    _reducer: Any = field(default=None, init=False, compare=False, repr=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+        if self.size == 1:
+            return x
+        if x.is_cuda and os.environ.get("SHARDSPEC_ALLREDUCE") == "symm" and x.nbytes <= SymmetricReducer.MAX_BYTES:
+            if self._reducer is None:  # made at the first (eager) all-reduce, the same one on every rank
+                object.__setattr__(self, "_reducer", SymmetricReducer(self.group))
+            return self._reducer(x)
+        dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -36,6 +43,32 @@ class TPGroup:
         """This rank's [start, end) of n items split evenly (n divisible by size)."""
         per = n // self.size
         return self.rank * per, (self.rank + 1) * per
+
+
+class SymmetricReducer:
+    """One-shot all-reduce through PyTorch's symmetric memory: every rank reads its peers' buffers
+    directly over NVLink. For the small tensors of a decode step it takes a few microseconds where
+    NCCL's ring takes tens (opt-in: SHARDSPEC_ALLREDUCE=symm)."""
+
+    MAX_BYTES = 1 << 20
+
+    def __init__(self, group: Any):
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self.symm_mem = symm_mem
+        self.group_name = (group or dist.group.WORLD).group_name
+        self.buffers: dict[torch.dtype, torch.Tensor] = {}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        buffer = self.buffers.get(x.dtype)
+        if buffer is None:
+            buffer = self.symm_mem.empty(self.MAX_BYTES // x.element_size(), dtype=x.dtype, device=x.device)
+            self.symm_mem.rendezvous(buffer, self.group_name)
+            self.buffers[x.dtype] = buffer
+        out = torch.empty_like(x)
+        x = x.contiguous()
+        torch.ops.symm_mem.one_shot_all_reduce_copy_out(buffer[: x.numel()].view_as(x), x, "sum", self.group_name, out)
+        return out
 
 
 def shard(param: nn.Parameter, dim: int, ranges: Ranges) -> nn.Parameter:

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardspec import kernels
 from shardspec.layers.attention import GatedAttention
 from shardspec.layers.batch import Batch
 from shardspec.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -25,7 +26,12 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(rows, config.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if kernels.enabled(x):
+            from shardspec.kernels.norm import silu_mul
+
+            return self.down_proj(silu_mul(gate, up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -40,9 +46,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        x = x + self.mixer(self.input_layernorm(x), batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: Batch):
+        """(this layer's output, the residual stream before it): each norm adds the previous
+        layer's output to the residual first, so the add and the norm are one kernel on CUDA."""
+        h, residual = self.input_layernorm(x, residual) if residual is not None else (self.input_layernorm(x), x)
+        h, residual = self.post_attention_layernorm(self.mixer(h, batch), residual)
+        return self.mlp(h), residual
 
 
 class MTPHead(nn.Module):
@@ -58,9 +67,10 @@ class MTPHead(nn.Module):
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], -1))
+        residual = None
         for layer in self.layers:
-            x = layer(x, batch)
-        return self.norm(x)
+            x, residual = layer(x, residual, batch)
+        return self.norm(x, residual)[0]
 
 
 class Qwen3_5Model(nn.Module):
@@ -77,10 +87,10 @@ class Qwen3_5Model(nn.Module):
         self.mtp = MTPHead(config, tp) if with_mtp else None
 
     def forward(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor:
-        x = self.embed_tokens(ids)
+        x, residual = self.embed_tokens(ids), None
         for layer in self.layers:
-            x = layer(x, batch)
-        return self.norm(x)
+            x, residual = layer(x, residual, batch)
+        return self.norm(x, residual)[0]
 
     def stateful_layers(self) -> list[GatedAttention | GatedDeltaNet]:
         mixers = [layer.mixer for layer in self.layers]

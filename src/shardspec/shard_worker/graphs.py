@@ -1,85 +1,116 @@
-"""CUDA graphs for the target model's decode and verify passes.
+"""The device work of a decode step, replayed from CUDA graphs.
 
-A decode step of a large model launches thousands of small kernels; eager PyTorch spends far more
-time dispatching them than the GPU spends reading the weights. So each (batch bucket, tokens per
-sequence, context bucket) shape is captured once as a CUDA graph and replayed: the batch is padded
-to its bucket with rows that write only to a scratch cache slot, and attention reads the cache up
-to the context bucket with the causal mask hiding the rest.
+A decode step of a large model launches hundreds of kernels; dispatching them one by one from
+Python costs far more than the GPU needs to run them. So a step's work is two fixed-shape passes
+around the host's acceptance decision: `verify` (the target over each sequence's pending token and
+drafts, and the greedy argmax) and `draft` (commit the accepted prefix, run the MTP head over it,
+chain k new drafts). Each is captured as a CUDA graph per batch bucket (and per context bucket
+when attention reads a context-sized slice) and replayed. The batch is padded to its bucket with
+rows that touch only a scratch cache slot. The host uploads one packed int64 tensor per pass.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from shardspec.layers.batch import Batch
-from shardspec.layers.gdn import GatedDeltaNet
-from shardspec.models.qwen3_5 import Qwen3_5Model
+from shardspec import kernels
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MIN_CONTEXT_BUCKET = 256
 
+VerifyFn = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]  # (packed, context) -> (hidden, argmax)
+DraftFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]  # (packed, accepts, hidden, context)
+
+
+def upload(rows: list, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Host ints to a device int64 tensor in one copy (pinned and asynchronous on a GPU)."""
+    host = torch.tensor(rows, dtype=torch.long)
+    if device.type == "cpu":
+        return host
+    host = host.pin_memory()
+    if out is None:
+        return host.to(device, non_blocking=True)
+    return out.copy_(host, non_blocking=True)
+
 
 @dataclass
-class _Graph:
-    graph: torch.cuda.CUDAGraph
-    ids: torch.Tensor
-    positions: torch.Tensor
-    slots: torch.Tensor
+class _Captured:
+    packed: torch.Tensor  # the inputs both graphs read
+    accepts: torch.Tensor
+    verify: torch.cuda.CUDAGraph
     hidden: torch.Tensor
-    kept: list  # each DeltaNet layer's per-token states, as captured (read by commit after replay)
+    argmax: torch.Tensor
+    draft: torch.cuda.CUDAGraph | None = None
+    drafts: torch.Tensor | None = None
 
 
-class GraphedForward:
-    """model(ids, Batch(...)) through captured graphs; `scratch_slot` absorbs the padding rows."""
+class StepPasses:
+    """verify(rows, context) then draft(accepts), eager or from graphs; outputs are valid until the
+    next call. rows: [pending, d1..dk, length, slot] per sequence; accepts: [accepted, new token]."""
 
-    def __init__(self, model: Qwen3_5Model, device: torch.device, scratch_slot: int, max_context: int):
-        self.model = model
+    def __init__(self, verify_fn: VerifyFn, draft_fn: DraftFn, device: torch.device, draft_len: int,
+                 scratch_slot: int, max_context: int, graphs: bool):
+        self.verify_fn, self.draft_fn = verify_fn, draft_fn
         self.device = device
-        self.scratch = scratch_slot
+        self.pad_row = [0] * (draft_len + 2) + [scratch_slot]
         self.max_context = max_context
-        self.graphs: dict[tuple[int, int, int, bool], _Graph] = {}
-        self.pool = torch.cuda.graph_pool_handle()
-        self.deltanets = [layer.mixer for layer in model.layers if isinstance(layer.mixer, GatedDeltaNet)]
+        self.graphs = graphs and device.type == "cuda"
+        self.captured: dict[tuple[int, int], _Captured] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self._last: tuple = ()
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, context: int,
-                 keep_states: bool) -> torch.Tensor:
-        """Hidden states [B, T, H] (a view valid until the next call)."""
-        B, T = ids.shape
-        bucket = next((b for b in BATCH_BUCKETS if b >= B), None)
-        if bucket is None:  # larger than any bucket: eager
-            return self.model(ids, Batch(slots, positions, context, keep_states))
-        context = min(self.max_context, max(MIN_CONTEXT_BUCKET, 1 << (context - 1).bit_length()))
-        key = (bucket, T, context, keep_states)
-        entry = self.graphs.get(key) or self._capture(*key)
-        entry.ids[:B].copy_(ids)
-        entry.positions[:B].copy_(positions)
-        entry.slots[:B].copy_(slots)
-        entry.ids[B:].zero_()
-        entry.positions[B:].copy_(torch.arange(T, device=self.device))
-        entry.slots[B:].fill_(self.scratch)
-        entry.graph.replay()
-        if keep_states:  # the layers' `kept` must be this graph's outputs, for commit()
-            for layer, kept in zip(self.deltanets, entry.kept):
-                layer.kept = kept
-        return entry.hidden[:B]
+    def verify(self, rows: list[list[int]], context: int) -> tuple[torch.Tensor, torch.Tensor]:
+        B = len(rows)
+        bucket = next((b for b in BATCH_BUCKETS if b >= B), None) if self.graphs else None
+        if bucket is None:  # eager
+            context = min(context, self.max_context)
+            packed = upload(rows, self.device)
+            hidden, argmax = self.verify_fn(packed, context)
+            self._last = (None, packed, hidden, context)
+            return hidden, argmax
+        entry = self._entry(bucket, self._context_bucket(context))
+        upload(rows + [self.pad_row] * (bucket - B), self.device, out=entry.packed)
+        entry.verify.replay()
+        self._last = (entry, B)
+        return entry.hidden[:B], entry.argmax[:B]
 
-    def _capture(self, bucket: int, T: int, context: int, keep_states: bool) -> _Graph:
-        ids = torch.zeros(bucket, T, dtype=torch.long, device=self.device)
-        positions = torch.arange(T, device=self.device).repeat(bucket, 1)
-        slots = torch.full((bucket,), self.scratch, dtype=torch.long, device=self.device)
-        batch = Batch(slots, positions, context, keep_states)
+    def draft(self, accepts: list[list[int]]) -> torch.Tensor:
+        if self._last[0] is None:
+            _, packed, hidden, context = self._last
+            return self.draft_fn(packed, upload(accepts, self.device), hidden, context)
+        entry, B = self._last
+        upload(accepts + [[0, 0]] * (entry.packed.shape[0] - B), self.device, out=entry.accepts)
+        entry.draft.replay()
+        return entry.drafts[:B]
+
+    def _context_bucket(self, context: int) -> int:
+        if kernels.ENABLED:  # attention reads the cache in place up to each position: any context
+            return self.max_context
+        return min(self.max_context, max(MIN_CONTEXT_BUCKET, 1 << (context - 1).bit_length()))
+
+    def _entry(self, bucket: int, context: int) -> _Captured:
+        entry = self.captured.get((bucket, context))
+        if entry is None:
+            packed = torch.tensor([self.pad_row] * bucket, dtype=torch.long, device=self.device)
+            accepts = torch.zeros(bucket, 2, dtype=torch.long, device=self.device)
+            verify, (hidden, argmax) = self._capture(lambda: self.verify_fn(packed, context))
+            entry = _Captured(packed, accepts, verify, hidden, argmax)
+            if len(self.pad_row) > 3:  # MTP drafts
+                entry.draft, entry.drafts = self._capture(lambda: self.draft_fn(packed, accepts, hidden, context))
+            self.captured[(bucket, context)] = entry
+        return entry
+
+    def _capture(self, fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up outside the capture (lazy init, library handles)
+        with torch.cuda.stream(side):  # warm-up outside the capture (lazy init, library handles, autotuning)
             for _ in range(2):
-                self.model(ids, batch)
+                fn()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self.model(ids, batch)
-        kept = [layer.kept for layer in self.deltanets]
-        entry = _Graph(graph, ids, positions, slots, hidden, kept)
-        self.graphs[(bucket, T, context, keep_states)] = entry
-        return entry
+            outputs = fn()
+        return graph, outputs

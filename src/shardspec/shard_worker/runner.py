@@ -29,7 +29,7 @@ from shardspec.layers.sampling import (
 from shardspec.models.qwen3_5 import Qwen3_5Model
 from shardspec.protocol.errors import ErrorCode, ProtocolError
 from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepRequest
-from shardspec.shard_worker.graphs import GraphedForward
+from shardspec.shard_worker.graphs import StepPasses
 
 
 @dataclass
@@ -121,11 +121,11 @@ class ModelRunner:
         dtype = next(model.parameters()).dtype
         # verification writes k cache positions past the accepted ones: room for them; one more
         # slot is scratch space for the padding rows of graphed batches
-        context = max_seq_len + draft_len
-        self.cache_bytes = model.allocate_caches(max_slots + 1, context, dtype, device)
-        self.graphed = None
-        if cuda_graphs and device.type == "cuda":
-            self.graphed = GraphedForward(model, device, scratch_slot=max_slots, max_context=context)
+        self.context = max_seq_len + draft_len
+        self.cache_bytes = model.allocate_caches(max_slots + 1, self.context, dtype, device)
+        self.deltanets = [layer.mixer for layer in model.layers if isinstance(layer.mixer, GatedDeltaNet)]
+        self.passes = StepPasses(self._verify_pass, self._draft_pass, device, draft_len, scratch_slot=max_slots,
+                                 max_context=self.context, graphs=cuda_graphs)
 
     # --- the step -------------------------------------------------------------------------------
 
@@ -223,8 +223,10 @@ class ModelRunner:
         if self.draft_len:
             first = torch.tensor([[s.next_token] for s in seqs], device=self.device)
             heads = self._mtp(first, hidden_before, slots, torch.full_like(first, length - 1), length)[:, 0]
-            for seq, drafts in zip(seqs, self._draft(heads, slots, [length] * len(seqs))):
-                seq.drafts = [] if seq.finished else drafts
+            lengths = torch.full_like(slots, length)
+            drafts = self._chain(heads, slots, lengths, min(length + self.draft_len, self.context)).tolist()
+            for seq, d in zip(seqs, drafts):
+                seq.drafts = [] if seq.finished else d
         return seqs
 
     # --- verify, accept, draft ------------------------------------------------------------------
@@ -232,21 +234,10 @@ class ModelRunner:
     def _verify(self, seqs: list[Sequence], result: StepResult, want_logits: bool) -> None:
         k = self.draft_len
         rows = [[s.next_token, *s.drafts, s.length, s.slot] for s in seqs]
-        packed = self._upload(rows)  # one host-to-device copy for the step's inputs
-        ids, starts, slots = packed[:, : k + 1], packed[:, k + 1], packed[:, k + 2]
-        positions = starts[:, None] + torch.arange(k + 1, device=self.device)
-        context = max(s.length for s in seqs) + k + 1
-        if self.graphed is not None:
-            hidden = self.graphed(ids, positions, slots, context, keep_states=k > 0)  # [B, k+1, H]
-        else:
-            hidden = self.model(ids, Batch(slots, positions, context, keep_states=k > 0))
-
-        accepted, tokens = self._accept(seqs, hidden, result if want_logits else None)
+        # attention reads at most up to the last draft of the chain: length + 2k
+        hidden, argmax = self.passes.verify(rows, max(s.length for s in seqs) + 2 * k + 1)
+        accepted, tokens = self._accept(seqs, hidden, argmax, result if want_logits else None)
         if k:
-            index = self._upload(accepted)
-            for layer in self.model.layers:
-                if isinstance(layer.mixer, GatedDeltaNet):
-                    layer.mixer.commit(slots, index)
             self._count(accepted)
         emitted = []
         for s, n, token in zip(seqs, accepted, tokens):
@@ -255,21 +246,44 @@ class ModelRunner:
             s.next_token = token
             s.drafts = []
         if k:
-            self._redraft(seqs, hidden, ids, positions, context, slots, accepted, tokens)
+            drafts = self.passes.draft([[n, token] for n, token in zip(accepted, tokens)]).tolist()
+            for s, d in zip(seqs, drafts):
+                s.drafts = [] if s.finished else d
         for s, n, new in zip(seqs, accepted, emitted):
             result.add(s, new, n if k else -1)
 
-    def _accept(self, seqs: list[Sequence], hidden: torch.Tensor, logits_out: StepResult | None):
+    def _verify_pass(self, packed: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target over [pending, d1..dk] of each row: (hidden [B, k+1, H], greedy tokens [B, k+1])."""
+        ids, positions, slots = self._unpack(packed)
+        hidden = self.model(ids, Batch(slots, positions, context, speculative=self.draft_len > 0))
+        return hidden, self.model.lm_head.argmax(hidden)
+
+    def _draft_pass(self, packed: torch.Tensor, accepts: torch.Tensor, hidden: torch.Tensor, context: int):
+        """Commit the accepted prefix, run the MTP layer over it with the target's hidden states, and
+        chain k new drafts: [B, k]."""
+        ids, positions, slots = self._unpack(packed)
+        index, new_tokens = accepts[:, 0], accepts[:, 1]
+        for layer in self.deltanets:
+            layer.commit(slots, index)
+        # MTP entry j pairs hidden j with token j+1: the accepted drafts, then the new token
+        following = torch.cat([ids[:, 1:], ids[:, -1:]], 1).scatter(1, index[:, None], new_tokens[:, None])
+        heads = self._mtp(following, hidden, slots, positions, context)
+        head = heads.gather(1, index[:, None, None].expand(-1, 1, heads.shape[-1]))[:, 0]
+        return self._chain(head, slots, positions[:, 0] + index + 1, context)
+
+    def _unpack(self, packed: torch.Tensor):
+        k = self.draft_len
+        ids, starts, slots = packed[:, : k + 1], packed[:, k + 1], packed[:, k + 2].contiguous()  # kernels index slots[b]
+        return ids, starts[:, None] + torch.arange(k + 1, device=packed.device), slots
+
+    def _accept(self, seqs: list[Sequence], hidden: torch.Tensor, argmax: torch.Tensor,
+                logits_out: StepResult | None):
         """Per sequence: (drafts accepted, the token after them)."""
-        lm_head = self.model.lm_head
         sampled = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
         if logits_out is not None or sampled:
-            logits = lm_head.logits(hidden)  # [B, k+1, V]
-            argmax = logits.argmax(-1)
+            logits = self.model.lm_head.logits(hidden)  # [B, k+1, V]
             if logits_out is not None:
                 logits_out.logits.append(logits.reshape(-1, logits.shape[-1]))
-        else:
-            argmax = lm_head.argmax(hidden)
         argmax = argmax.tolist()
         accepted, tokens = [], []
         for i, s in enumerate(seqs):
@@ -288,45 +302,21 @@ class ModelRunner:
             tokens.append(token)
         return accepted, tokens
 
-    def _redraft(self, seqs, hidden, ids, positions, context, slots, accepted, tokens) -> None:
-        """MTP over the accepted positions with true hidden states, then chain k new drafts."""
-        rows = torch.arange(len(seqs), device=self.device)
-        index, new_tokens = self._upload([accepted, tokens])
-        # entry j pairs hidden j with token j+1: the accepted drafts, then the new token
-        following = torch.cat([ids[:, 1:], ids[:, -1:]], 1)
-        following[rows, index] = new_tokens
-        heads = self._mtp(following, hidden, slots, positions, context)[rows, index]
-        live = [i for i, s in enumerate(seqs) if not s.finished]
-        if not live:
-            return
-        keep = torch.tensor(live, device=self.device)
-        drafts = self._draft(heads[keep], slots[keep], [seqs[i].length for i in live])
-        for i, d in zip(live, drafts):
-            seqs[i].drafts = d
-
     def _mtp(self, next_ids: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
              context: int):
         """MTP layer over (token t+1, target hidden t) pairs at positions t < context; -> its normed output."""
         batch = Batch(slots, positions, context)
         return self.model.mtp(self.model.embed_tokens(next_ids), hidden, batch)
 
-    def _draft(self, head: torch.Tensor, slots: torch.Tensor, lengths: list[int]) -> list[list[int]]:
-        """Chain the MTP head: draft i is its argmax; its output and draft i feed draft i+1."""
+    def _chain(self, head: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, context: int) -> torch.Tensor:
+        """Chain the MTP head: draft i is its argmax; its output and draft i feed draft i+1 ([B, k])."""
         drafts = []
         for i in range(self.draft_len):
             token = self.model.lm_head.argmax(head)  # vocabulary-parallel: (max, index) per rank
             drafts.append(token)
             if i + 1 < self.draft_len:
-                position = torch.tensor(lengths, device=self.device)[:, None] + i
-                head = self._mtp(token[:, None], head[:, None], slots, position, max(lengths) + i + 1)[:, 0]
-        return torch.stack(drafts, 1).tolist()
-
-    def _upload(self, values: list) -> torch.Tensor:
-        """Host ints to a device int64 tensor in one copy (pinned, asynchronous, on a GPU)."""
-        host = torch.tensor(values, dtype=torch.long)
-        if self.device.type == "cpu":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+                head = self._mtp(token[:, None], head[:, None], slots, (lengths + i)[:, None], context)[:, 0]
+        return torch.stack(drafts, 1)
 
     def _count(self, accepted: list[int]) -> None:
         c = self.counters

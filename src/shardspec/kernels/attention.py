@@ -1,0 +1,142 @@
+"""Gated attention kernels for decode and verify passes over the per-slot KV cache, read in place.
+
+`qk_norm_rope` normalises (zero-centred RMSNorm per head) and rotates q and k, and writes k and v
+into the cache at (slot, position); `cached_attention` attends each query to its slot's keys up to
+its own position (online softmax over key blocks) and multiplies by sigmoid(gate).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, inv_freq_ptr, pos_ptr, slots_ptr, q_out_ptr,
+                         k_cache_ptr, v_cache_ptr, T, stride_q, stride_k, stride_v, cache_len, eps,
+                         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)  # b * T + t
+    head = tl.program_id(1)
+    is_q = head < HQ
+    cols = tl.arange(0, D)
+    half: tl.constexpr = ROT // 2
+    partner = tl.where(cols < half, cols + half, cols - half)
+    sign = tl.where(cols < half, -1.0, 1.0)
+    rotary = cols < ROT
+    if is_q:
+        src = q_ptr + token * stride_q + head * 2 * D  # q_proj rows hold [query | gate] per head
+        w_ptr = qw_ptr
+    else:
+        src = k_ptr + token * stride_k + (head - HQ) * D
+        w_ptr = kw_ptr
+    dtype = q_out_ptr.dtype.element_ty
+    x = tl.load(src + cols).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
+    normed = (x * rstd * (1.0 + tl.load(w_ptr + cols).to(tl.float32))).to(dtype)
+    other = tl.load(src + partner).to(tl.float32)
+    other = (other * rstd * (1.0 + tl.load(w_ptr + partner).to(tl.float32))).to(dtype)
+    freq = tl.load(pos_ptr + token).to(tl.float32) * tl.load(inv_freq_ptr + (cols % half))
+    cos = tl.cos(freq).to(dtype).to(tl.float32)
+    sin = tl.sin(freq).to(dtype).to(tl.float32)
+    # rotate-half over the first ROT channels, each product rounded as in eager bf16
+    rotated = (normed.to(tl.float32) * cos).to(dtype).to(tl.float32) + (sign * other.to(tl.float32) * sin).to(dtype).to(tl.float32)
+    out = tl.where(rotary, rotated.to(dtype), normed)
+    if is_q:
+        tl.store(q_out_ptr + (token * HQ + head) * D + cols, out)
+    else:
+        b = token // T
+        slot = tl.load(slots_ptr + b)
+        position = tl.load(pos_ptr + token)
+        where = ((slot * cache_len + position) * HKV + (head - HQ)) * D + cols
+        tl.store(k_cache_ptr + where, out)
+        tl.store(v_cache_ptr + where, tl.load(v_ptr + token * stride_v + (head - HQ) * D + cols))
+
+
+def qk_norm_rope(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 inv_freq: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, eps: float) -> torch.Tensor:
+    """qg [B, T, HQ*2D] (query|gate per head), k, v [B, T, HKV*D]: returns rotated q [B, T, HQ, D];
+    the rotated k and v go into the caches [slots, L, HKV, D] at (slot, position)."""
+    B, T, _ = qg.shape
+    L, HKV, D = k_cache.shape[1:]
+    HQ = qg.shape[-1] // (2 * D)
+    qg2, k2, v2 = qg.reshape(B * T, -1), k.reshape(B * T, -1), v.reshape(B * T, -1)
+    assert qg2.stride(1) == 1 and k2.stride(1) == 1 and v2.stride(1) == 1 and k_cache.is_contiguous()
+    assert slots.is_contiguous()
+    q_out = torch.empty(B, T, HQ, D, dtype=qg.dtype, device=qg.device)
+    positions = positions.contiguous()
+    _qk_norm_rope_kernel[(B * T, HQ + HKV)](
+        qg2, k2, v2, q_weight, k_weight, inv_freq, positions, slots, q_out, k_cache, v_cache, T,
+        qg2.stride(0), k2.stride(0), v2.stride(0), L, eps, HQ=HQ, HKV=HKV, D=D, ROT=2 * inv_freq.numel(),
+        num_warps=1,
+    )
+    return q_out
+
+
+@triton.jit
+def _cached_attention_kernel(q_ptr, gate_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slots_ptr, out_ptr, T, stride_g,
+                             cache_len, scale, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                             GROUP: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, DOT_FP32: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)  # b * T + t
+    kv_head = tl.program_id(1)
+    b = token // T
+    slot = tl.load(slots_ptr + b)
+    last = tl.load(pos_ptr + token)  # this query sees keys 0 .. last
+    g = tl.arange(0, GP)
+    heads = kv_head * GROUP + g
+    live = g < GROUP
+    cols = tl.arange(0, D)
+    q = tl.load(q_ptr + (token * HQ + heads[:, None]) * D + cols[None, :], mask=live[:, None], other=0.0)
+    m = tl.full([GP], float("-inf"), dtype=tl.float32)
+    denom = tl.zeros([GP], dtype=tl.float32)
+    acc = tl.zeros([GP, D], dtype=tl.float32)
+    base = slot * cache_len * HKV * D + kv_head * D
+    for start in range(0, last + 1, BN):
+        keys = start + tl.arange(0, BN)
+        visible = keys <= last
+        offsets = base + keys[:, None] * (HKV * D) + cols[None, :]
+        k = tl.load(k_cache_ptr + offsets, mask=visible[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + offsets, mask=visible[:, None], other=0.0)
+        if DOT_FP32:  # float32 models (no TF32), and Triton's interpreter, which has no bf16 dot
+            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+        else:
+            scores = tl.dot(q, tl.trans(k)) * scale  # [GP, BN]
+        scores = tl.where(visible[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        p = tl.exp(scores - m_new[:, None])
+        correction = tl.exp(m - m_new)
+        denom = denom * correction + tl.sum(p, 1)
+        if DOT_FP32:
+            acc = acc * correction[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    dtype = out_ptr.dtype.element_ty
+    attended = (acc / denom[:, None]).to(dtype).to(tl.float32)
+    gate = tl.load(gate_ptr + token * stride_g + heads[:, None] * 2 * D + cols[None, :], mask=live[:, None],
+                   other=0.0).to(tl.float32)
+    gate = tl.sigmoid(gate).to(dtype).to(tl.float32)
+    tl.store(out_ptr + (token * HQ + heads[:, None]) * D + cols[None, :], (attended * gate).to(dtype),
+             mask=live[:, None])
+
+
+def cached_attention(q: torch.Tensor, qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """q [B, T, HQ, D] rotated; qg [B, T, HQ*2D] (the gate is each head's second half) -> [B, T, HQ*D]."""
+    B, T, HQ, D = q.shape
+    L, HKV = k_cache.shape[1:3]
+    group = HQ // HKV
+    qg2 = qg.reshape(B * T, -1)
+    assert slots.is_contiguous() and q.is_contiguous()
+    out = torch.empty(B, T, HQ * D, dtype=q.dtype, device=q.device)
+    _cached_attention_kernel[(B * T, HKV)](
+        q, qg2[:, D:], k_cache, v_cache, positions.contiguous(), slots, out, T, qg2.stride(0), L, D**-0.5,
+        HQ=HQ, HKV=HKV, D=D, GROUP=group, GP=max(16, triton.next_power_of_2(group)), BN=32,
+        DOT_FP32=q.dtype == torch.float32 or INTERPRETER, num_warps=4,
+    )
+    return out

@@ -1,0 +1,87 @@
+"""RMSNorm kernels: the zero-centred norm (optionally fused with the residual add before it), the
+gated norm of Gated DeltaNet's output, and SiLU(gate) * up of the MLP."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from shardspec.kernels import rows
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, D, eps, stride_x, stride_r,
+                     HAS_RES: tl.constexpr, ONE_PLUS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RES:  # the sum rounds to the input dtype first, as `x + residual` does
+        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * D + cols, x, mask=mask)
+    x = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if ONE_PLUS:
+        w = 1.0 + w
+    tl.store(y_ptr + row * D + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             one_plus: bool = True):
+    """norm(x) · (1 + w) (or · w); with `residual`: (norm(x + residual), x + residual)."""
+    shape, D = x.shape, x.shape[-1]
+    x2 = rows(x)
+    r2 = rows(residual) if residual is not None else x2
+    y = torch.empty(shape, dtype=x.dtype, device=x.device)
+    total = torch.empty(shape, dtype=x.dtype, device=x.device) if residual is not None else y
+    _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, total, D, eps, x2.stride(0), r2.stride(0),
+                                     HAS_RES=residual is not None, ONE_PLUS=one_plus,
+                                     BLOCK=triton.next_power_of_2(D), num_warps=4 if D >= 1024 else 1)
+    return y if residual is None else (y, total)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, D, eps, stride_x, stride_z, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
+    dtype = y_ptr.dtype.element_ty
+    normed = (x * rstd).to(dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    y = (w.to(tl.float32) * normed.to(tl.float32)).to(dtype).to(tl.float32)  # w · x̂ in the input dtype
+    z = tl.load(z_ptr + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * D + cols, (y * z * tl.sigmoid(z)).to(dtype), mask=mask)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x̂ · w · silu(z) per row of the last dim."""
+    x2, z2 = rows(x), rows(z)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    D = x.shape[-1]
+    _gated_rms_norm_kernel[(x2.shape[0],)](x2, z2, weight, y, D, eps, x2.stride(0), z2.stride(0),
+                                           BLOCK=triton.next_power_of_2(D), num_warps=1)
+    return y
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, N, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < N
+    dtype = y_ptr.dtype.element_ty
+    g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    act = (g * tl.sigmoid(g)).to(dtype).to(tl.float32)  # silu rounds before the product, as in eager
+    u = tl.load(u_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offsets, (act * u).to(dtype), mask=mask)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate.contiguous(), up.contiguous()
+    y = torch.empty_like(gate)
+    BLOCK = 1024
+    _silu_mul_kernel[(triton.cdiv(gate.numel(), BLOCK),)](gate, up, y, gate.numel(), BLOCK=BLOCK, num_warps=4)
+    return y
