@@ -23,7 +23,7 @@ def main() -> None:
     fig, (by_batch, by_k) = plt.subplots(1, 2, figsize=(11, 4.2))
     for path in args.results:
         data = json.loads(path.read_text())
-        label = f"{data['size']} TP={data['tp']}"
+        label = path.stem.removeprefix("decode-")
         rows = data["decode"]
         plain = [r for r in rows if r["k"] == 0]
         by_batch.plot([r["batch"] for r in plain], [r["tokens_per_s"] for r in plain], "o-", label=f"{label}, MTP off")

@@ -42,13 +42,14 @@ def _causal_conv_kernel(x_ptr, state_ptr, w_ptr, slots_ptr, lengths_ptr, y_ptr, 
     x_row = x_ptr + b * stride_xb + c
     state = state_ptr + slot * C * (K - 1) + c * (K - 1)  # [C, K-1]: oldest input first
     dtype = y_ptr.dtype.element_ty
+    zero = tl.zeros([BLOCK], dtype=tl.int32)  # (a scalar condition, as a vector like the mask)
     if WRITE_OUT:
         for t in range(0, T):
             acc = tl.zeros([BLOCK], dtype=tl.float32)
             for j in tl.static_range(K):  # window position t + j: the state's column t + j, or input t + j - (K - 1)
                 src = t + j - (K - 1)
-                from_x = tl.load(x_row + src * stride_xt, mask=mask & (src >= 0), other=0.0)
-                from_state = tl.load(state + t + j, mask=mask & (src < 0), other=0.0)
+                from_x = tl.load(x_row + src * stride_xt, mask=mask & (zero + src >= 0), other=0.0)
+                from_state = tl.load(state + t + j, mask=mask & (zero + src < 0), other=0.0)
                 w = tl.load(w_ptr + c * K + j, mask=mask, other=0.0).to(tl.float32)
                 acc += w * (from_x.to(tl.float32) + from_state.to(tl.float32))
             acc = acc.to(dtype).to(tl.float32)  # the convolution's output rounds before the SiLU
