@@ -59,14 +59,15 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
 
 
 def step_bytes(config: ModelConfig, tp: int, weight_bytes: int, batch: int, context: int, k: int) -> int:
-    """Bytes one rank must move in one decode (k = 0) or verify step: its weights once, plus
-    the KV it attends over and the recurrent state it reads and writes."""
+    """Bytes one rank must move in one decode (k = 0) or verify step: its weights once, plus the KV
+    it attends over and the recurrent state: read and written by a decode step; read by a verify
+    pass, then read and written again by the commit that replays the accepted prefix."""
     kv_heads = max(1, config.num_key_value_heads // tp)
     attention_layers = config.layer_types.count("full_attention")
     kv = batch * context * attention_layers * 2 * kv_heads * config.head_dim * 2
     gdn_layers = config.layer_types.count("linear_attention")
     state = gdn_layers * (config.linear_num_value_heads // tp) * config.linear_key_head_dim
-    state *= config.linear_value_head_dim * 4 * 2 * batch * (k + 1)  # fp32, read + written per kept token
+    state *= config.linear_value_head_dim * 4 * batch * (3 if k else 2)  # fp32
     return weight_bytes + kv + state
 
 
