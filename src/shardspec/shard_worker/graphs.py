@@ -1,12 +1,14 @@
 """The device work of a decode step, replayed from CUDA graphs.
 
 A decode step of a large model launches hundreds of kernels; dispatching them one by one from
-Python costs far more than the GPU needs to run them. So a step's work is two fixed-shape passes
-around the host's acceptance decision: `verify` (the target over each sequence's pending token and
-drafts, and the greedy argmax) and `draft` (commit the accepted prefix, run the MTP head over it,
-chain k new drafts). Each is captured as a CUDA graph per batch bucket (and per context bucket
-when attention reads a context-sized slice) and replayed. The batch is padded to its bucket with
-rows that touch only a scratch cache slot. The host uploads one packed int64 tensor per pass.
+Python costs far more than the GPU needs to run them. So a step's work is captured as fixed-shape
+CUDA graphs per batch bucket (and per context bucket when attention reads a context-sized slice)
+and replayed. When every sequence decodes greedily (or under forced acceptance) one `fused` pass
+does the whole step on the device: verify, accept, commit, draft. Otherwise the step is two passes
+around the host's acceptance decision (rejection sampling): `verify` (the target over each
+sequence's pending token and drafts, and the greedy argmax) and `draft` (commit the accepted
+prefix, run the MTP head over it, chain k new drafts). The batch is padded to its bucket with rows
+that touch only a scratch cache slot. The host uploads one packed int64 tensor per pass.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ MIN_CONTEXT_BUCKET = 256
 
 VerifyFn = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]  # (packed, context) -> (hidden, argmax)
 DraftFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]  # (packed, accepts, hidden, context)
+FusedFn = Callable[[torch.Tensor, int], torch.Tensor]  # (packed, context) -> [B, 2 + k]
 
 
 def upload(rows: list, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -45,26 +48,40 @@ class _Captured:
     argmax: torch.Tensor
     draft: torch.cuda.CUDAGraph | None = None
     drafts: torch.Tensor | None = None
+    fused: torch.cuda.CUDAGraph | None = None
+    fused_out: torch.Tensor | None = None
 
 
 class StepPasses:
-    """verify(rows, context) then draft(accepts), eager or from graphs; outputs are valid until the
-    next call. rows: [pending, d1..dk, length, slot] per sequence; accepts: [accepted, new token]."""
+    """fused(rows, context), or verify(rows, context) then draft(accepts); eager or from graphs;
+    outputs are valid until the next call. rows: [pending, d1..dk, length, slot, forced] per
+    sequence; accepts: [accepted, new token]."""
 
-    def __init__(self, verify_fn: VerifyFn, draft_fn: DraftFn, device: torch.device, draft_len: int,
-                 scratch_slot: int, max_context: int, graphs: bool):
-        self.verify_fn, self.draft_fn = verify_fn, draft_fn
+    def __init__(self, verify_fn: VerifyFn, draft_fn: DraftFn, fused_fn: FusedFn, device: torch.device,
+                 draft_len: int, scratch_slot: int, max_context: int, graphs: bool):
+        self.verify_fn, self.draft_fn, self.fused_fn = verify_fn, draft_fn, fused_fn
         self.device = device
-        self.pad_row = [0] * (draft_len + 2) + [scratch_slot]
+        self.draft_len = draft_len
+        self.pad_row = [0] * (draft_len + 2) + [scratch_slot, -1]
         self.max_context = max_context
         self.graphs = graphs and device.type == "cuda"
         self.captured: dict[tuple[int, int], _Captured] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self._last: tuple = ()
 
+    def fused(self, rows: list[list[int]], context: int) -> torch.Tensor:
+        B = len(rows)
+        bucket = self._bucket(B)
+        if bucket is None:  # eager
+            return self.fused_fn(upload(rows, self.device), min(context, self.max_context))
+        entry = self._entry(bucket, self._context_bucket(context))
+        upload(rows + [self.pad_row] * (bucket - B), self.device, out=entry.packed)
+        entry.fused.replay()
+        return entry.fused_out[:B]
+
     def verify(self, rows: list[list[int]], context: int) -> tuple[torch.Tensor, torch.Tensor]:
         B = len(rows)
-        bucket = next((b for b in BATCH_BUCKETS if b >= B), None) if self.graphs else None
+        bucket = self._bucket(B)
         if bucket is None:  # eager
             context = min(context, self.max_context)
             packed = upload(rows, self.device)
@@ -86,6 +103,9 @@ class StepPasses:
         entry.draft.replay()
         return entry.drafts[:B]
 
+    def _bucket(self, batch: int) -> int | None:
+        return next((b for b in BATCH_BUCKETS if b >= batch), None) if self.graphs else None
+
     def _context_bucket(self, context: int) -> int:
         if kernels.ENABLED:  # attention reads the cache in place up to each position: any context
             return self.max_context
@@ -98,8 +118,9 @@ class StepPasses:
             accepts = torch.zeros(bucket, 2, dtype=torch.long, device=self.device)
             verify, (hidden, argmax) = self._capture(lambda: self.verify_fn(packed, context))
             entry = _Captured(packed, accepts, verify, hidden, argmax)
-            if len(self.pad_row) > 3:  # MTP drafts
+            if self.draft_len:
                 entry.draft, entry.drafts = self._capture(lambda: self.draft_fn(packed, accepts, hidden, context))
+                entry.fused, entry.fused_out = self._capture(lambda: self.fused_fn(packed, context))
             self.captured[(bucket, context)] = entry
         return entry
 

@@ -124,8 +124,8 @@ class ModelRunner:
         self.context = max_seq_len + draft_len
         self.cache_bytes = model.allocate_caches(max_slots + 1, self.context, dtype, device)
         self.deltanets = [layer.mixer for layer in model.layers if isinstance(layer.mixer, GatedDeltaNet)]
-        self.passes = StepPasses(self._verify_pass, self._draft_pass, device, draft_len, scratch_slot=max_slots,
-                                 max_context=self.context, graphs=cuda_graphs)
+        self.passes = StepPasses(self._verify_pass, self._draft_pass, self._fused_pass, device, draft_len,
+                                 scratch_slot=max_slots, max_context=self.context, graphs=cuda_graphs)
 
     # --- the step -------------------------------------------------------------------------------
 
@@ -233,10 +233,20 @@ class ModelRunner:
 
     def _verify(self, seqs: list[Sequence], result: StepResult, want_logits: bool) -> None:
         k = self.draft_len
-        rows = [[s.next_token, *s.drafts, s.length, s.slot] for s in seqs]
         # attention reads at most up to the last draft of the chain: length + 2k
-        hidden, argmax = self.passes.verify(rows, max(s.length for s in seqs) + 2 * k + 1)
-        accepted, tokens = self._accept(seqs, hidden, argmax, result if want_logits else None)
+        context = max(s.length for s in seqs) + 2 * k + 1
+        if k and not want_logits and all(s.sampling.greedy for s in seqs):
+            # greedy (or forced) acceptance needs no host decision: the whole step is one pass
+            forced = [self._forced(s) for s in seqs]
+            rows = [[s.next_token, *s.drafts, s.length, s.slot, n] for s, n in zip(seqs, forced)]
+            out = self.passes.fused(rows, context).tolist()
+            accepted, tokens, drafts = [r[0] for r in out], [r[1] for r in out], [r[2:] for r in out]
+        else:
+            rows = [[s.next_token, *s.drafts, s.length, s.slot, -1] for s in seqs]
+            hidden, argmax = self.passes.verify(rows, context)
+            accepted, tokens = self._accept(seqs, hidden, argmax, result if want_logits else None)
+            if k:
+                drafts = self.passes.draft([[n, token] for n, token in zip(accepted, tokens)]).tolist()
         if k:
             self._count(accepted)
         emitted = []
@@ -246,11 +256,14 @@ class ModelRunner:
             s.next_token = token
             s.drafts = []
         if k:
-            drafts = self.passes.draft([[n, token] for n, token in zip(accepted, tokens)]).tolist()
             for s, d in zip(seqs, drafts):
                 s.drafts = [] if s.finished else d
         for s, n, new in zip(seqs, accepted, emitted):
             result.add(s, new, n if k else -1)
+
+    def _forced(self, s: Sequence) -> int:
+        """Benchmark mode: the drafts this sequence keeps, drawn before the pass; -1 otherwise."""
+        return -1 if self.forced is None else forced_accepts(len(s.drafts), self.forced, s.generator)
 
     def _verify_pass(self, packed: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The target over [pending, d1..dk] of each row: (hidden [B, k+1, H], greedy tokens [B, k+1])."""
@@ -271,7 +284,19 @@ class ModelRunner:
         head = heads.gather(1, index[:, None, None].expand(-1, 1, heads.shape[-1]))[:, 0]
         return self._chain(head, slots, positions[:, 0] + index + 1, context)
 
+    def _fused_pass(self, packed: torch.Tensor, context: int) -> torch.Tensor:
+        """Verify, accept on the device (drafts while they equal the target's argmax, or the forced
+        count in packed's last column when it is >= 0), and draft: [B, 2 + k] = (accepted, token, drafts)."""
+        hidden, argmax = self._verify_pass(packed, context)
+        k = self.draft_len
+        matches = (argmax[:, :k] == packed[:, 1 : k + 1]).long().cumprod(1).sum(1)
+        forced = packed[:, k + 3]
+        accepted = torch.where(forced >= 0, forced, matches)
+        accepts = torch.stack([accepted, argmax.gather(1, accepted[:, None])[:, 0]], 1)
+        return torch.cat([accepts, self._draft_pass(packed, accepts, hidden, context)], 1)
+
     def _unpack(self, packed: torch.Tensor):
+        """packed rows: [pending, d1..dk, length, slot, forced accepts or -1]."""
         k = self.draft_len
         ids, starts, slots = packed[:, : k + 1], packed[:, k + 1], packed[:, k + 2].contiguous()  # kernels index slots[b]
         return ids, starts[:, None] + torch.arange(k + 1, device=packed.device), slots
@@ -289,7 +314,7 @@ class ModelRunner:
         for i, s in enumerate(seqs):
             probs = None if s.sampling.greedy else target_probs(logits[i], s.sampling)
             if self.forced is not None:
-                n = forced_accepts(len(s.drafts), self.forced, s.generator)
+                n = self._forced(s)
             elif probs is None:
                 n = accept_greedy(argmax[i], s.drafts)
             else:
