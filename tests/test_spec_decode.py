@@ -203,3 +203,21 @@ def test_forced_acceptance_is_refused_unless_enabled_and_marked_when_used(small_
     stats = asyncio.run(run())
     assert stats["forced_acceptance"] == 1.0
     assert stats["acceptance_per_position"] == [1.0, 1.0, 1.0]  # every draft kept, as forced
+
+
+@pytest.mark.parametrize("draft_tokens", [3, 4])
+def test_a_sequence_that_fills_its_context_accepting_every_draft_finishes_cleanly(small_vocab_model, draft_tokens):
+    """The last step of a sequence that reaches max_seq_len still chains k drafts past it: the
+    caches must have room for them (and nothing may spill into another slot)."""
+    from shardspec.layers.parallel import TPGroup
+    from shardspec.models.loader import load_model
+    from shardspec.protocol.messages import SamplingParams
+    from shardspec.shard_worker.runner import ModelRunner
+
+    model = load_model(small_vocab_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=True)
+    runner = ModelRunner(model, torch.device("cpu"), 2, 16, 512, draft_tokens, forced_acceptance=1.0)
+    spec = PrefillSpec(seq=0, length=2, sampling=SamplingParams(), max_tokens=1000)
+    tokens = runner.step(StepRequest(prefill=[spec]), torch.tensor([5, 7])).tokens[0]
+    while not runner.sequences[0].finished:
+        tokens += runner.step(StepRequest(decode=[0]), torch.empty(0, dtype=torch.long)).tokens[0]
+    assert runner.sequences[0].finished == "length" and len(tokens) == 16 - 2

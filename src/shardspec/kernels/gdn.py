@@ -55,6 +55,8 @@ def _causal_conv_kernel(x_ptr, state_ptr, w_ptr, slots_ptr, lengths_ptr, y_ptr, 
             acc = acc.to(dtype).to(tl.float32)  # the convolution's output rounds before the SiLU
             tl.store(y_ptr + (b * T + t) * C + c, (acc * tl.sigmoid(acc)).to(dtype), mask=mask)
     if WRITE_STATE:  # the K-1 inputs ending at token n-1: window positions n .. n+K-2
+        if WRITE_OUT:  # other warps of this program read the old state in the loop above
+            tl.debug_barrier()
         j = tl.arange(0, KP)
         src = n + j - (K - 1)
         keep = mask[:, None] & (j < K - 1)[None, :]

@@ -51,4 +51,3 @@ class GatedRMSNorm(nn.Module):
         # the weight multiplies in the input dtype, as the reference does, before the fp32 gate
         y = self.weight * xf.to(x.dtype)
         return (y.float() * F.silu(z.float())).to(x.dtype)
-

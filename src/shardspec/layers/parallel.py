@@ -65,8 +65,8 @@ class SymmetricReducer:
             buffer = self.symm_mem.empty(self.MAX_BYTES // x.element_size(), dtype=x.dtype, device=x.device)
             self.symm_mem.rendezvous(buffer, self.group_name)
             self.buffers[x.dtype] = buffer
-        out = torch.empty_like(x)
         x = x.contiguous()
+        out = torch.empty_like(x)
         torch.ops.symm_mem.one_shot_all_reduce_copy_out(buffer[: x.numel()].view_as(x), x, "sum", self.group_name, out)
         return out
 

@@ -50,6 +50,7 @@ class _Captured:
     drafts: torch.Tensor | None = None
     fused: torch.cuda.CUDAGraph | None = None
     fused_out: torch.Tensor | None = None
+    verify_state: object = None  # what the verify graph leaves for the draft graph (DeltaNet inputs)
 
 
 class StepPasses:
@@ -58,8 +59,10 @@ class StepPasses:
     sequence; accepts: [accepted, new token]."""
 
     def __init__(self, verify_fn: VerifyFn, draft_fn: DraftFn, fused_fn: FusedFn, device: torch.device,
-                 draft_len: int, scratch_slot: int, max_context: int, graphs: bool):
+                 draft_len: int, scratch_slot: int, max_context: int, graphs: bool,
+                 verify_state: Callable[[], object] = lambda: None):
         self.verify_fn, self.draft_fn, self.fused_fn = verify_fn, draft_fn, fused_fn
+        self.verify_state = verify_state
         self.device = device
         self.draft_len = draft_len
         self.pad_row = [0] * (draft_len + 2) + [scratch_slot, -1]
@@ -117,7 +120,9 @@ class StepPasses:
             packed = torch.tensor([self.pad_row] * bucket, dtype=torch.long, device=self.device)
             accepts = torch.zeros(bucket, 2, dtype=torch.long, device=self.device)
             verify, (hidden, argmax) = self._capture(lambda: self.verify_fn(packed, context))
-            entry = _Captured(packed, accepts, verify, hidden, argmax)
+            # the draft graph reads buffers the verify graph wrote besides its outputs: the entry
+            # owns them, so no later capture can take their memory from the pool
+            entry = _Captured(packed, accepts, verify, hidden, argmax, verify_state=self.verify_state())
             if self.draft_len:
                 entry.draft, entry.drafts = self._capture(lambda: self.draft_fn(packed, accepts, hidden, context))
                 entry.fused, entry.fused_out = self._capture(lambda: self.fused_fn(packed, context))

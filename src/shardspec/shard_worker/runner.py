@@ -4,10 +4,10 @@ Every rank holds the same sequence table and receives the same commands, so ever
 the same outcome on every rank and the collectives inside the model always line up.
 
 With MTP (draft_len k > 0) a sequence always carries k drafts for the positions after its pending
-token. One step verifies them with the target model ([pending, d1..dk] in one pass), accepts a
-prefix, rolls the recurrent state back to the last accepted token, re-runs the MTP layer over the
-accepted positions with the target's true hidden states, and chains the MTP head k times to draft
-again. Nothing but token ids leaves the worker.
+token. One step verifies them with the target model ([pending, d1..dk] in one speculative pass that
+leaves the recurrent states alone), accepts a prefix, commits it (the recurrent layers replay the
+accepted tokens), re-runs the MTP layer over the accepted positions with the target's true hidden
+states, and chains the MTP head k times to draft again. Nothing but token ids leaves the worker.
 """
 
 from __future__ import annotations
@@ -119,13 +119,15 @@ class ModelRunner:
         self.sequences: dict[int, Sequence] = {}
         self.counters = SpecCounters(accepted_per_position=[0] * draft_len)
         dtype = next(model.parameters()).dtype
-        # verification writes k cache positions past the accepted ones: room for them; one more
-        # slot is scratch space for the padding rows of graphed batches
-        self.context = max_seq_len + draft_len
+        # a verify pass writes k positions past the accepted ones and the draft chain k - 1 more past
+        # those (also for a sequence that finishes in that step): room for them; one more slot is
+        # scratch space for the padding rows of graphed batches
+        self.context = max_seq_len + 2 * draft_len
         self.cache_bytes = model.allocate_caches(max_slots + 1, self.context, dtype, device)
         self.deltanets = [layer.mixer for layer in model.layers if isinstance(layer.mixer, GatedDeltaNet)]
         self.passes = StepPasses(self._verify_pass, self._draft_pass, self._fused_pass, device, draft_len,
-                                 scratch_slot=max_slots, max_context=self.context, graphs=cuda_graphs)
+                                 scratch_slot=max_slots, max_context=self.context, graphs=cuda_graphs,
+                                 verify_state=lambda: [layer.pending for layer in self.deltanets])
 
     # --- the step -------------------------------------------------------------------------------
 
