@@ -254,20 +254,40 @@ def test_a_peer_stuck_mid_collective_frees_the_survivor_within_the_dist_timeout(
     assert greedy(tiny_model, addresses) == reference
 
 
-def test_spawned_workers_that_die_are_reported_and_not_waited_for(tiny_model):
+def test_a_spawned_worker_that_dies_is_restarted_and_the_engine_serves_the_same_output(tiny_model):
+    async def run():
+        async with shardspec.connect(model=str(tiny_model), local=2) as engine:
+            before = await collect(engine, max_tokens=40)
+            first = engine.local.procs[1]
+            elapsed, error = await fail_mid_generation(engine, first.kill)
+            assert "worker1.sock" in str(error)
+            await until_healthy(engine)  # the engine starts its own worker again
+            assert engine.local.procs[1] is not first and engine.local.restarts == [0, 1]
+            return elapsed, before, await collect(engine, max_tokens=40)
+
+    elapsed, before, after = asyncio.run(run())
+    assert elapsed < HEARTBEAT_S + SLACK_S
+    assert after == before
+
+
+def test_a_spawned_worker_that_keeps_dying_is_reported_and_given_up(tiny_model, monkeypatch):
+    from shardspec.orchestrator.workers import LocalWorkers
+
+    monkeypatch.setattr(LocalWorkers, "MAX_RESTARTS", 0)
+
     async def run():
         async with shardspec.connect(model=str(tiny_model), local=2) as engine:
             elapsed, error = await fail_mid_generation(engine, engine.local.procs[1].kill)
             assert "worker1.sock" in str(error)
             deadline = time.monotonic() + 30
-            while not engine.loop_task.done():  # it gives up reconnecting: nobody restarts them
+            while not engine.loop_task.done():  # out of restarts: it stops trying
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.1)
             return elapsed, engine.failure
 
     elapsed, failure = asyncio.run(run())
     assert elapsed < HEARTBEAT_S + SLACK_S
-    assert "local worker 1 exited" in failure and "not restarted" in failure
+    assert "local worker 1 exited" in failure and "after 0 restarts" in failure
 
 
 def test_a_server_answers_503_while_a_worker_is_down_and_serves_again_once_it_is_back(tiny_model, workers, tmp_path):

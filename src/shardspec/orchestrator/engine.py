@@ -401,11 +401,11 @@ class Engine:
         cause = self.lost
         while not self.closed:
             await self._disconnect()
-            if self.local is not None:
+            if self.local is not None:  # this engine is the supervisor of the workers it spawned
                 try:
-                    self.local.check_alive()
-                except WorkerLost as exc:  # nobody restarts the workers this engine spawned
-                    self.lost = f"{exc}\n(workers spawned by this orchestrator are not restarted)"
+                    self.local.restart_exited()
+                except WorkerLost as exc:
+                    self.lost = str(exc)
                     return False
             try:
                 await self._connect(RECONNECT_HELLO_S)

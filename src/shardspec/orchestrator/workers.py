@@ -156,7 +156,11 @@ def _die_with_parent() -> None:
 
 
 class LocalWorkers:
-    """Worker daemons spawned on this machine on ipc:// sockets; they die with this process."""
+    """Worker daemons spawned on this machine on ipc:// sockets; they die with this process, and
+    this process restarts one that exits (at most MAX_RESTARTS times each: a worker that keeps
+    crashing is a fault to report, not to hide)."""
+
+    MAX_RESTARTS = 3
 
     def __init__(self, count: int, device: str, heartbeat_timeout: float = transport.DEFAULT_HEARTBEAT_TIMEOUT_S):
         self.dir = Path(tempfile.mkdtemp(prefix="shardspec-"))
@@ -164,20 +168,39 @@ class LocalWorkers:
         self.logs = [self.dir / f"worker{i}.log" for i in range(count)]
         devices = [f"cuda:{i}" for i in range(count)] if device == "cuda" else [device] * count
         threads = max(1, (os.cpu_count() or 1) // count) if device == "cpu" else 1
-        self.procs: list[subprocess.Popen] = []
-        for address, dev, log_path in zip(self.addresses, devices, self.logs):
-            cmd = [sys.executable, "-m", "shardspec", "worker", "--listen", address, "--device", dev,
-                   "--threads", str(threads), "--heartbeat-timeout", str(heartbeat_timeout)]
-            with open(log_path, "wb") as log_file:
-                self.procs.append(
-                    subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                                     preexec_fn=_die_with_parent)
-                )
+        self.commands = [
+            [sys.executable, "-m", "shardspec", "worker", "--listen", address, "--device", dev,
+             "--threads", str(threads), "--heartbeat-timeout", str(heartbeat_timeout)]
+            for address, dev in zip(self.addresses, devices)
+        ]
+        self.restarts = [0] * count
+        self.procs: list[subprocess.Popen] = [self._spawn(i, "wb") for i in range(count)]
+
+    def _spawn(self, i: int, mode: str) -> subprocess.Popen:
+        with open(self.logs[i], mode) as log_file:
+            return subprocess.Popen(self.commands[i], stdin=subprocess.DEVNULL, stdout=log_file,
+                                    stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
 
     def check_alive(self) -> None:
         for i, proc in enumerate(self.procs):
             if proc.poll() is not None:
                 raise WorkerLost(f"local worker {i} exited with code {proc.returncode}:\n{self.log_tail(i)}")
+
+    def restart_exited(self) -> list[int]:
+        """Start again the workers that exited; raises WorkerLost for one out of restarts."""
+        restarted = []
+        for i, proc in enumerate(self.procs):
+            if proc.poll() is None:
+                continue
+            if self.restarts[i] >= self.MAX_RESTARTS:
+                raise WorkerLost(f"local worker {i} exited with code {proc.returncode} after {self.restarts[i]} "
+                                 f"restarts:\n{self.log_tail(i)}")
+            self.restarts[i] += 1
+            log.warning("local worker %d exited with code %s; starting it again (%d/%d)", i, proc.returncode,
+                        self.restarts[i], self.MAX_RESTARTS)
+            self.procs[i] = self._spawn(i, "ab")
+            restarted.append(i)
+        return restarted
 
     def log_tail(self, i: int, lines: int = 15) -> str:
         try:
