@@ -39,7 +39,7 @@ def main() -> None:
     by_batch.plot([], [], "kx", label="transformers generate")
     by_batch.set(xscale="log", yscale="log", xlabel="batch size", ylabel="decode tokens/s", title="tokens/s vs batch")
     by_k.set(yscale="log", xlabel="MTP drafts per step (k; 0 = off)", ylabel="decode tokens/s", title="tokens/s vs k")
-    by_batch.legend(fontsize=7)
+    by_batch.legend(fontsize=7, loc="upper left")
     by_k.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
