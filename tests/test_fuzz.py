@@ -47,7 +47,9 @@ def overrides(model: str) -> dict[tuple[str, str], st.SearchStrategy]:
     slots x 4M tokens would allocate terabytes."""
     return {
         ("InitRequest", "rank"): st.integers(0, 2),
-        ("InitRequest", "world_size"): st.integers(1, 3),
+        # a valid multi-rank init waits (up to timeout_s) for peers that never come: by design, so
+        # valid inits are single-rank; out-of-range and junk world sizes are still drawn
+        ("InitRequest", "world_size"): st.just(1),
         ("InitRequest", "dist_addr"): st.text(max_size=20).filter(lambda s: not s.startswith("tcp://")),
         ("LoadRequest", "model"): st.sampled_from([model, model, model, "/nonexistent", ""]),
         ("LoadRequest", "dtype"): st.sampled_from(["auto", "auto", "float32", "bfloat16", "float16", "float64", ""]),
@@ -210,7 +212,7 @@ def test_fuzzed_messages_of_every_op_never_kill_the_worker_nor_leak_a_slot(tiny_
     fuzzer.ensure_loaded()
     narrowed = overrides(str(tiny_model))
 
-    @settings(max_examples=EXAMPLES, deadline=None, database=None, print_blob=True,
+    @settings(max_examples=EXAMPLES, deadline=None, database=None, print_blob=True, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
     @given(st.lists(message(narrowed), min_size=BATCH, max_size=BATCH))
     def batch(messages: list[list[bytes]]) -> None:
