@@ -35,3 +35,7 @@ def rows(x: torch.Tensor) -> torch.Tensor:
     """x as a 2-D [rows, last dim] view with unit stride along the last dim (a copy if it must)."""
     x = x.reshape(-1, x.shape[-1])
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+if HAVE_TRITON:  # the kernel modules need Triton to import; callers check enabled() first
+    from shardspec.kernels import attention, gdn, norm  # noqa: E402, F401

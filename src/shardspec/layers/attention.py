@@ -82,9 +82,8 @@ class GatedAttention(nn.Module):
 
     def _cached_kernels(self, qg: torch.Tensor, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         """Decode and verify passes on CUDA: two kernels read and write the cache in place."""
-        from shardspec.kernels.attention import cached_attention, qk_norm_rope
-
-        q = qk_norm_rope(qg, self.k_proj(x), self.v_proj(x), self.q_norm.weight, self.k_norm.weight,
-                         self.rotary.inv_freq(x.device), batch.positions, batch.slots, self.k_cache, self.v_cache,
-                         self.q_norm.eps)
-        return cached_attention(q, qg, self.k_cache, self.v_cache, batch.positions, batch.slots)
+        q = kernels.attention.qk_norm_rope(
+            qg, self.k_proj(x), self.v_proj(x), self.q_norm.weight, self.k_norm.weight, self.rotary.inv_freq(x.device),
+            batch.positions, batch.slots, self.k_cache, self.v_cache, self.q_norm.eps,
+        )
+        return kernels.attention.cached_attention(q, qg, self.k_cache, self.v_cache, batch.positions, batch.slots)

@@ -187,7 +187,5 @@ class GatedDeltaNet(nn.Module):
     def _ops(x: torch.Tensor, cached: bool):
         """The Triton kernels on CUDA (per-slot states in place), else the PyTorch reference."""
         if cached and kernels.enabled(x):
-            from shardspec.kernels import gdn
-
-            return gdn.causal_conv, gdn.delta_rule
+            return kernels.gdn.causal_conv, kernels.gdn.delta_rule
         return causal_conv, delta_rule

@@ -22,9 +22,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if kernels.enabled(x):
-            from shardspec.kernels.norm import rms_norm
-
-            return rms_norm(x, self.weight, self.eps, residual)
+            return kernels.norm.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             return self.forward(x), x
@@ -43,9 +41,7 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         if kernels.enabled(x):
-            from shardspec.kernels.norm import gated_rms_norm
-
-            return gated_rms_norm(x, z, self.weight, self.eps)
+            return kernels.norm.gated_rms_norm(x, z, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         # the weight multiplies in the input dtype, as the reference does, before the fp32 gate

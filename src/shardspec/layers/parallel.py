@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 Ranges = list[tuple[int, int]]
+SYMMETRIC_ALLREDUCE = os.environ.get("SHARDSPEC_ALLREDUCE") == "symm"  # see SymmetricReducer
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
-        if x.is_cuda and os.environ.get("SHARDSPEC_ALLREDUCE") == "symm" and x.nbytes <= SymmetricReducer.MAX_BYTES:
+        if SYMMETRIC_ALLREDUCE and x.is_cuda and x.nbytes <= SymmetricReducer.MAX_BYTES:
             if self._reducer is None:  # made at the first (eager) all-reduce, the same one on every rank
                 object.__setattr__(self, "_reducer", SymmetricReducer(self.group))
             return self._reducer(x)

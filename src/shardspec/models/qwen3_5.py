@@ -28,9 +28,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
         if kernels.enabled(x):
-            from shardspec.kernels.norm import silu_mul
-
-            return self.down_proj(silu_mul(gate, up))
+            return self.down_proj(kernels.norm.silu_mul(gate, up))
         return self.down_proj(F.silu(gate) * up)
 
 

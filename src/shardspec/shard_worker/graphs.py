@@ -13,8 +13,8 @@ that touch only a scratch cache slot. The host uploads one packed int64 tensor p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -40,16 +40,14 @@ def upload(rows: list, device: torch.device, out: torch.Tensor | None = None) ->
 
 
 @dataclass
-class _Captured:
-    packed: torch.Tensor  # the inputs both graphs read
-    accepts: torch.Tensor
-    verify: torch.cuda.CUDAGraph
-    hidden: torch.Tensor
-    argmax: torch.Tensor
-    draft: torch.cuda.CUDAGraph | None = None
-    drafts: torch.Tensor | None = None
-    fused: torch.cuda.CUDAGraph | None = None
-    fused_out: torch.Tensor | None = None
+class _Bucket:
+    """The graphs of one (batch bucket, context bucket), each captured on first use."""
+
+    context: int
+    padding: torch.Tensor  # rows of padding only: what the graphs are captured on
+    packed: torch.Tensor  # the input rows every graph reads
+    accepts: torch.Tensor  # the draft graph's second input
+    graphs: dict[str, tuple[torch.cuda.CUDAGraph, Any]] = field(default_factory=dict)
     verify_state: object = None  # what the verify graph leaves for the draft graph (DeltaNet inputs)
 
 
@@ -68,68 +66,82 @@ class StepPasses:
         self.pad_row = [0] * (draft_len + 2) + [scratch_slot, -1]
         self.max_context = max_context
         self.graphs = graphs and device.type == "cuda"
-        self.captured: dict[tuple[int, int], _Captured] = {}
+        self.buckets: dict[tuple[int, int], _Bucket] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
-        self._last: tuple = ()
+        self._draft: Callable[[list[list[int]]], torch.Tensor] | None = None  # the draft of the last verify
 
     def fused(self, rows: list[list[int]], context: int) -> torch.Tensor:
-        B = len(rows)
-        bucket = self._bucket(B)
-        if bucket is None:  # eager
+        bucket = self._upload(rows, context)
+        if bucket is None:
             return self.fused_fn(upload(rows, self.device), min(context, self.max_context))
-        entry = self._entry(bucket, self._context_bucket(context))
-        upload(rows + [self.pad_row] * (bucket - B), self.device, out=entry.packed)
-        entry.fused.replay()
-        return entry.fused_out[:B]
+        return self._replay(bucket, "fused")[: len(rows)]
 
     def verify(self, rows: list[list[int]], context: int) -> tuple[torch.Tensor, torch.Tensor]:
         B = len(rows)
-        bucket = self._bucket(B)
-        if bucket is None:  # eager
-            context = min(context, self.max_context)
-            packed = upload(rows, self.device)
+        bucket = self._upload(rows, context)
+        if bucket is None:
+            packed, context = upload(rows, self.device), min(context, self.max_context)
             hidden, argmax = self.verify_fn(packed, context)
-            self._last = (None, packed, hidden, context)
+            self._draft = lambda accepts: self.draft_fn(packed, upload(accepts, self.device), hidden, context)
             return hidden, argmax
-        entry = self._entry(bucket, self._context_bucket(context))
-        upload(rows + [self.pad_row] * (bucket - B), self.device, out=entry.packed)
-        entry.verify.replay()
-        self._last = (entry, B)
-        return entry.hidden[:B], entry.argmax[:B]
+        hidden, argmax = self._replay(bucket, "verify")
+
+        def draft(accepts: list[list[int]]) -> torch.Tensor:
+            upload(accepts + [[0, 0]] * (len(bucket.packed) - B), self.device, out=bucket.accepts)
+            return self._replay(bucket, "draft")[:B]
+
+        self._draft = draft
+        return hidden[:B], argmax[:B]
 
     def draft(self, accepts: list[list[int]]) -> torch.Tensor:
-        if self._last[0] is None:
-            _, packed, hidden, context = self._last
-            return self.draft_fn(packed, upload(accepts, self.device), hidden, context)
-        entry, B = self._last
-        upload(accepts + [[0, 0]] * (entry.packed.shape[0] - B), self.device, out=entry.accepts)
-        entry.draft.replay()
-        return entry.drafts[:B]
+        return self._draft(accepts)
 
-    def _bucket(self, batch: int) -> int | None:
-        return next((b for b in BATCH_BUCKETS if b >= batch), None) if self.graphs else None
+    def _upload(self, rows: list[list[int]], context: int) -> _Bucket | None:
+        """The rows, padded, into their bucket's input (None: no graph for this batch, run eagerly)."""
+        size = next((b for b in BATCH_BUCKETS if b >= len(rows)), None) if self.graphs else None
+        if size is None:
+            return None
+        key = (size, self._context_bucket(context))
+        bucket = self.buckets.get(key)
+        if bucket is None:
+            padding = torch.tensor([self.pad_row] * size, dtype=torch.long, device=self.device)
+            accepts = torch.zeros(size, 2, dtype=torch.long, device=self.device)
+            bucket = self.buckets[key] = _Bucket(key[1], padding, padding.clone(), accepts)
+        upload(rows + [self.pad_row] * (size - len(rows)), self.device, out=bucket.packed)
+        return bucket
 
     def _context_bucket(self, context: int) -> int:
         if kernels.ENABLED:  # attention reads the cache in place up to each position: any context
             return self.max_context
         return min(self.max_context, max(MIN_CONTEXT_BUCKET, 1 << (context - 1).bit_length()))
 
-    def _entry(self, bucket: int, context: int) -> _Captured:
-        entry = self.captured.get((bucket, context))
-        if entry is None:
-            packed = torch.tensor([self.pad_row] * bucket, dtype=torch.long, device=self.device)
-            accepts = torch.zeros(bucket, 2, dtype=torch.long, device=self.device)
-            verify, (hidden, argmax) = self._capture(lambda: self.verify_fn(packed, context))
-            # the draft graph reads buffers the verify graph wrote besides its outputs: the entry
-            # owns them, so no later capture can take their memory from the pool
-            entry = _Captured(packed, accepts, verify, hidden, argmax, verify_state=self.verify_state())
-            if self.draft_len:
-                entry.draft, entry.drafts = self._capture(lambda: self.draft_fn(packed, accepts, hidden, context))
-                entry.fused, entry.fused_out = self._capture(lambda: self.fused_fn(packed, context))
-            self.captured[(bucket, context)] = entry
-        return entry
+    def _replay(self, bucket: _Bucket, name: str) -> Any:
+        if name not in bucket.graphs:
+            self._capture(bucket, name)
+        graph, outputs = bucket.graphs[name]
+        graph.replay()
+        return outputs
 
-    def _capture(self, fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+    def _capture(self, bucket: _Bucket, name: str) -> None:
+        """Capture on padding rows (the warm-up runs really run: they must touch only the scratch
+        slot), then put the step's rows back."""
+        rows = bucket.packed.clone()
+        bucket.packed.copy_(bucket.padding)
+        packed, accepts, context = bucket.packed, bucket.accepts, bucket.context
+        if name == "fused":
+            bucket.graphs["fused"] = self._graph(lambda: self.fused_fn(packed, context))
+        else:
+            # verify and draft together: the draft graph reads buffers the verify graph writes
+            # besides its outputs (layer attributes at capture time); the bucket owns them, so no
+            # later capture can take their memory from the pool
+            bucket.graphs["verify"] = self._graph(lambda: self.verify_fn(packed, context))
+            bucket.verify_state = self.verify_state()
+            if self.draft_len:
+                hidden = bucket.graphs["verify"][1][0]
+                bucket.graphs["draft"] = self._graph(lambda: self.draft_fn(packed, accepts, hidden, context))
+        bucket.packed.copy_(rows)
+
+    def _graph(self, fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up outside the capture (lazy init, library handles, autotuning)
