@@ -21,6 +21,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/decode.png"))
     args = parser.parse_args()
     fig, (by_batch, by_k) = plt.subplots(1, 2, figsize=(11, 4.2))
+    peer = False
     for path in args.results:
         data = json.loads(path.read_text())
         label = path.stem.removeprefix("decode-")
@@ -36,7 +37,9 @@ def main() -> None:
             by_k.plot([r["k"] for r in series], [r["tokens_per_s"] for r in series], "o-", label=f"{label}, batch {batch}")
         for hf in data.get("transformers", []):
             by_batch.plot([hf["batch"]], [hf["tokens_per_s"]], "kx", markersize=9)
-    by_batch.plot([], [], "kx", label="transformers generate")
+            peer = True
+    if peer:
+        by_batch.plot([], [], "kx", label="transformers generate")
     by_batch.set(xscale="log", yscale="log", xlabel="batch size", ylabel="decode tokens/s", title="tokens/s vs batch")
     by_k.set(yscale="log", xlabel="MTP drafts per step (k; 0 = off)", ylabel="decode tokens/s", title="tokens/s vs k")
     by_batch.legend(fontsize=7, loc="upper left")

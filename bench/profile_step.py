@@ -1,19 +1,23 @@
 """Profile one rank's decode and verify steps in-process (no workers, no wire), by section.
 
-    python bench/profile_step.py [--size 9b] [--batch 1] [--k 0 1 3] [--forced 0.8]
+    python bench/profile_step.py [--size 9b] [--batch 1] [--k 0 1 3] [--forced 0.8] [--tp 1]
 
 Builds the model with random weights directly on the device (no checkpoint on disk), runs the
 ModelRunner's steps, and prints the median step time per k plus PyTorch's profiler table of the
-most expensive operators for the last configuration.
+most expensive operators for the last configuration. With --tp N it starts N processes, one per
+GPU, in one NCCL group (each holding its own random shard); rank 0 prints.
 """
 
 from __future__ import annotations
 
 import argparse
+import socket
 import statistics
 import time
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from shardspec.layers.parallel import TPGroup
 from shardspec.models.config import ModelConfig
@@ -25,10 +29,10 @@ from shardspec.shard_worker.runner import ModelRunner
 SIZES = {"tiny": tiny_config, "9b": nine_b_config, "27b": twenty_seven_b_config}
 
 
-def random_model(size: str, device: torch.device, dtype: torch.dtype) -> Qwen3_5Model:
+def random_model(size: str, device: torch.device, dtype: torch.dtype, tp: TPGroup | None = None) -> Qwen3_5Model:
     config = ModelConfig.from_dict(SIZES[size]())
     with torch.device("meta"):
-        model = Qwen3_5Model(config, TPGroup(), with_mtp=True)
+        model = Qwen3_5Model(config, tp or TPGroup(), with_mtp=True)
     model = model.to(dtype).to_empty(device=device)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -49,20 +53,40 @@ def main() -> None:
     parser.add_argument("--k", type=int, nargs="+", default=[0, 1, 3])
     parser.add_argument("--forced", type=float, default=0.8)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one process per GPU)")
     parser.add_argument("--no-graphs", action="store_true")
     args = parser.parse_args()
-    device = torch.device(args.device)
+    if args.tp == 1:
+        run(0, args, "")
+        return
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    mp.spawn(run, args=(args, address), nprocs=args.tp)
+
+
+def run(rank: int, args: argparse.Namespace, address: str) -> None:
+    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device(args.device)
+    tp = TPGroup()
+    if args.tp > 1:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=address, rank=rank,
+                                world_size=args.tp, device_id=device if device.type == "cuda" else None)
+        tp = TPGroup(rank, args.tp)
+    say = print if rank == 0 else (lambda *a, **k: None)
     if device.type == "cuda":  # as the worker daemon sets them
         torch.backends.cuda.enable_cudnn_sdp(False)
     else:
         torch.set_flush_denormal(True)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = random_model(args.size, device, dtype)
+    model = random_model(args.size, device, dtype, tp)
     for k in args.k:
         runner = ModelRunner(model, device, args.batch, 1024, 512, k, args.forced if k else None,
                              cuda_graphs=not args.no_graphs)
         seqs = list(range(args.batch))
         prefill = [PrefillSpec(seq=s, length=64, sampling=SamplingParams(seed=s), max_tokens=500) for s in seqs]
+        torch.manual_seed(0)  # the same prompts on every rank
         runner.step(StepRequest(prefill=prefill), torch.randint(0, model.config.vocab_size, (64 * args.batch,)))
         times = []
         for i in range(args.steps):
@@ -71,7 +95,7 @@ def main() -> None:
             runner.step(StepRequest(decode=seqs), torch.empty(0, dtype=torch.long))
             sync(device)
             times.append(time.perf_counter() - started)
-        print(f"k={k} batch={args.batch}: median step {1000 * statistics.median(times[3:]):.2f} ms", flush=True)
+        say(f"tp={args.tp} k={k} batch={args.batch}: median step {1000 * statistics.median(times[3:]):.2f} ms", flush=True)
         if k == args.k[-1]:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -80,10 +104,12 @@ def main() -> None:
                 sync(device)
             sort = "self_device_time_total" if device.type == "cuda" else "cpu_time_total"
             kernels = sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
-            print(f"{kernels / 3:.0f} GPU kernels per step")
-            print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
+            say(f"{kernels / 3:.0f} GPU kernels per step")
+            say(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
         runner.release(seqs)
         del runner
+    if args.tp > 1:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -75,11 +75,14 @@ def test_gated_rms_norm_and_silu_mul_match_the_reference(dtype):
     norm = GatedRMSNorm(32, 1e-6)
     norm.weight.data.normal_(1, 0.2)
     norm = norm.to(dtype)
-    x, z = torch.randn(3, 4, 32, dtype=dtype), torch.randn(3, 4, 32, dtype=dtype)
-    assert_agree(kernel_norm.gated_rms_norm(x.to(DEVICE), z.to(DEVICE), norm.weight.to(DEVICE), 1e-6), norm(x, z),
-                 dtype)
-    gate, up = torch.randn(3, 1500, dtype=dtype), torch.randn(3, 1500, dtype=dtype)
-    assert_agree(kernel_norm.silu_mul(gate.to(DEVICE), up.to(DEVICE)), torch.nn.functional.silu(gate) * up, dtype)
+    # z and the gate/up halves are slices of one merged projection's output, as in the layers
+    x, projected = torch.randn(3, 2, 4, 32, dtype=dtype), torch.randn(3, 2, 4 * 32 + 8, dtype=dtype)
+    z = projected[..., 8:].view(3, 2, 4, 32)
+    assert_agree(kernel_norm.gated_rms_norm(x.to(DEVICE), projected.to(DEVICE)[..., 8:].view(3, 2, 4, 32),
+                                            norm.weight.to(DEVICE), 1e-6), norm(x, z), dtype)
+    gate_up = torch.randn(3, 2, 3000, dtype=dtype)
+    gate, up = gate_up.split(1500, -1)
+    assert_agree(kernel_norm.silu_mul(*gate_up.to(DEVICE).split(1500, -1)), torch.nn.functional.silu(gate) * up, dtype)
 
 
 def gdn_inputs(dtype, T):

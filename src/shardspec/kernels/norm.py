@@ -44,8 +44,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
-def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, D, eps, stride_x, stride_z, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, H, D, eps, stride_x, stride_zt, stride_zh,
+                           BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # token * H + head
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
@@ -54,34 +55,43 @@ def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, D, eps, stride_x, stride_
     normed = (x * rstd).to(dtype)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     y = (w.to(tl.float32) * normed.to(tl.float32)).to(dtype).to(tl.float32)  # w · x̂ in the input dtype
-    z = tl.load(z_ptr + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
+    z_row = z_ptr + (row // H) * stride_zt + (row % H) * stride_zh
+    z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * D + cols, (y * z * tl.sigmoid(z)).to(dtype), mask=mask)
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x̂ · w · silu(z) per row of the last dim."""
-    x2, z2 = rows(x), rows(z)
+    """x̂ · w · silu(z) per row of the last dim; x and z [..., heads, D], z may be a strided view
+    (a slice of the merged input projection)."""
+    H, D = x.shape[-2:]
+    x2 = rows(x)
+    z3 = z.reshape(-1, H, D)  # a view for a slice of the projection's output rows
+    assert z3.stride(-1) == 1
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    D = x.shape[-1]
-    _gated_rms_norm_kernel[(x2.shape[0],)](x2, z2, weight, y, D, eps, x2.stride(0), z2.stride(0),
+    _gated_rms_norm_kernel[(x2.shape[0],)](x2, z3, weight, y, H, D, eps, x2.stride(0), z3.stride(0), z3.stride(1),
                                            BLOCK=triton.next_power_of_2(D), num_warps=1)
     return y
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, N, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < N
+def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, N, stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
     dtype = y_ptr.dtype.element_ty
-    g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
     act = (g * tl.sigmoid(g)).to(dtype).to(tl.float32)  # silu rounds before the product, as in eager
-    u = tl.load(u_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offsets, (act * u).to(dtype), mask=mask)
+    u = tl.load(u_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * N + cols, (act * u).to(dtype), mask=mask)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate.contiguous(), up.contiguous()
-    y = torch.empty_like(gate)
+    """silu(gate) · up; gate and up may be the two halves of one merged projection's output."""
+    g2, u2 = rows(gate), rows(up)
+    if g2.stride(0) != u2.stride(0):
+        g2, u2 = g2.contiguous(), u2.contiguous()
+    N = g2.shape[1]
+    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     BLOCK = 1024
-    _silu_mul_kernel[(triton.cdiv(gate.numel(), BLOCK),)](gate, up, y, gate.numel(), BLOCK=BLOCK, num_warps=4)
+    _silu_mul_kernel[(g2.shape[0], triton.cdiv(N, BLOCK))](g2, u2, y, N, g2.stride(0), BLOCK=BLOCK, num_warps=4)
     return y

@@ -8,7 +8,7 @@ from torch import nn
 
 from shardspec import kernels
 from shardspec.layers.batch import Batch
-from shardspec.layers.linear import ColumnParallelLinear, RowParallelLinear, head_ranges
+from shardspec.layers.linear import MergedColumnParallelLinear, RowParallelLinear, head_ranges
 from shardspec.layers.norm import RMSNorm
 from shardspec.layers.parallel import TPGroup
 from shardspec.layers.rotary import RotaryEmbedding
@@ -36,9 +36,9 @@ class GatedAttention(nn.Module):
         self.heads = config.num_attention_heads // tp.size
         self.kv_heads, kv_ranges = kv_head_ranges(config, tp)
         # q_proj rows hold [query | gate] per head, so whole heads are 2*dim rows
-        self.q_proj = ColumnParallelLinear(hidden, head_ranges(tp, config.num_attention_heads, 2 * dim))
-        self.k_proj = ColumnParallelLinear(hidden, kv_ranges)
-        self.v_proj = ColumnParallelLinear(hidden, kv_ranges)
+        self.qkv_proj = MergedColumnParallelLinear(hidden, {
+            "q_proj": head_ranges(tp, config.num_attention_heads, 2 * dim), "k_proj": kv_ranges, "v_proj": kv_ranges,
+        })
         self.o_proj = RowParallelLinear(head_ranges(tp, config.num_attention_heads, dim), hidden, tp)
         self.q_norm = RMSNorm(dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(dim, config.rms_norm_eps)
@@ -54,14 +54,14 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         B, T, _ = x.shape
-        qg = self.q_proj(x)
+        qg, k, v = self.qkv_proj(x)
         if batch.slots is not None and T <= KERNEL_MAX_TOKENS and kernels.enabled(x):
-            return self.o_proj(self._cached_kernels(qg, x, batch))
+            return self.o_proj(self._cached_kernels(qg, k, v, batch))
         qg = qg.view(B, T, self.heads, 2 * self.head_dim)
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :].reshape(B, T, -1)
         q = self.rotary(self.q_norm(q), batch.positions)
-        k = self.rotary(self.k_norm(self.k_proj(x).view(B, T, self.kv_heads, self.head_dim)), batch.positions)
-        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim)
+        k = self.rotary(self.k_norm(k.view(B, T, self.kv_heads, self.head_dim)), batch.positions)
+        v = v.view(B, T, self.kv_heads, self.head_dim)
 
         if batch.slots is None:
             out = F.scaled_dot_product_attention(
@@ -80,10 +80,10 @@ class GatedAttention(nn.Module):
         out = out.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate)
         return self.o_proj(out)
 
-    def _cached_kernels(self, qg: torch.Tensor, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+    def _cached_kernels(self, qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> torch.Tensor:
         """Decode and verify passes on CUDA: two kernels read and write the cache in place."""
         q = kernels.attention.qk_norm_rope(
-            qg, self.k_proj(x), self.v_proj(x), self.q_norm.weight, self.k_norm.weight, self.rotary.inv_freq(x.device),
+            qg, k, v, self.q_norm.weight, self.k_norm.weight, self.rotary.inv_freq(qg.device),
             batch.positions, batch.slots, self.k_cache, self.v_cache, self.q_norm.eps,
         )
         return kernels.attention.cached_attention(q, qg, self.k_cache, self.v_cache, batch.positions, batch.slots)

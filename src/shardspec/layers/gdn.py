@@ -15,7 +15,7 @@ from torch import nn
 
 from shardspec import kernels
 from shardspec.layers.batch import Batch
-from shardspec.layers.linear import ColumnParallelLinear, RowParallelLinear, head_ranges
+from shardspec.layers.linear import MergedColumnParallelLinear, RowParallelLinear, head_ranges
 from shardspec.layers.norm import GatedRMSNorm
 from shardspec.layers.parallel import TPGroup, shard
 from shardspec.models.config import ModelConfig
@@ -132,10 +132,12 @@ class GatedDeltaNet(nn.Module):
         # in_proj_qkv and conv1d are [q | k | v] along their rows: take this rank's heads of each
         qkv = [*head_ranges(tp, nk, dk), *head_ranges(tp, nk, dk, nk * dk), *head_ranges(tp, nv, dv, 2 * nk * dk)]
         self.conv_dim = sum(end - start for start, end in qkv)
-        self.in_proj_qkv = ColumnParallelLinear(hidden, qkv)
-        self.in_proj_z = ColumnParallelLinear(hidden, head_ranges(tp, nv, dv))
-        self.in_proj_b = ColumnParallelLinear(hidden, head_ranges(tp, nv, 1))
-        self.in_proj_a = ColumnParallelLinear(hidden, head_ranges(tp, nv, 1))
+        self.in_proj = MergedColumnParallelLinear(hidden, {
+            "in_proj_qkv": qkv,
+            "in_proj_z": head_ranges(tp, nv, dv),
+            "in_proj_b": head_ranges(tp, nv, 1),
+            "in_proj_a": head_ranges(tp, nv, 1),
+        })
         self.conv1d_weight = shard(nn.Parameter(torch.empty(self.conv_dim, 1, kernel), requires_grad=False), 0, qkv)
         self.A_log = shard(nn.Parameter(torch.empty(self.v_heads), requires_grad=False), 0, head_ranges(tp, nv, 1))
         self.dt_bias = shard(nn.Parameter(torch.empty(self.v_heads), requires_grad=False), 0, head_ranges(tp, nv, 1))
@@ -160,7 +162,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         B, T, _ = x.shape
-        qkv, a, b = self.in_proj_qkv(x), self.in_proj_a(x), self.in_proj_b(x)
+        qkv, z, b, a = self.in_proj(x)
         cached = batch.slots is not None
         write = not batch.speculative  # a speculative pass leaves the states as they were
         conv, delta = self._ops(x, cached)
@@ -169,8 +171,7 @@ class GatedDeltaNet(nn.Module):
                     self.k_heads, self.dk, write_state=write)
         if batch.speculative:
             self.pending = (qkv, mixed, a, b)
-        z = self.in_proj_z(x).view(B, T, self.v_heads, self.dv)
-        return self.out_proj(self.norm(out, z).reshape(B, T, -1))
+        return self.out_proj(self.norm(out, z.view(B, T, self.v_heads, self.dv)).reshape(B, T, -1))
 
     def commit(self, slots: torch.Tensor, index: torch.Tensor) -> None:
         """Advance each slot's states past tokens 0..index[b] of the last (speculative) pass, by

@@ -6,19 +6,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardspec.layers.parallel import Ranges, TPGroup, shard
+from shardspec.layers.parallel import Ranges, TPGroup, shard, stack
 
 
-class ColumnParallelLinear(nn.Module):
-    """Holds the output rows `ranges` of the full weight; the output stays split."""
+class MergedColumnParallelLinear(nn.Module):
+    """Column-parallel projections of the same input as one matmul; returns their outputs in
+    order (views of one tensor). `parts` maps each checkpoint module name to this rank's rows."""
 
-    def __init__(self, in_features: int, ranges: Ranges):
+    def __init__(self, in_features: int, parts: dict[str, Ranges]):
         super().__init__()
-        out_features = sum(end - start for start, end in ranges)
-        self.weight = shard(nn.Parameter(torch.empty(out_features, in_features), requires_grad=False), 0, ranges)
+        self.sizes = [sum(end - start for start, end in ranges) for ranges in parts.values()]
+        weight = nn.Parameter(torch.empty(sum(self.sizes), in_features), requires_grad=False)
+        self.weight = stack(weight, list(parts.items()))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, self.weight).split(self.sizes, -1)
 
 
 class RowParallelLinear(nn.Module):

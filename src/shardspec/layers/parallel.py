@@ -72,9 +72,19 @@ class SymmetricReducer:
         return out
 
 
-def shard(param: nn.Parameter, dim: int, ranges: Ranges) -> nn.Parameter:
+def shard(param: nn.Parameter, dim: int, ranges: Ranges, padded_from: int | None = None) -> nn.Parameter:
     """Mark `param` as the concatenation along `dim` of `ranges` of the checkpoint tensor.
 
-    Ranges reaching past the checkpoint's size are zero-padded (vocabulary padding)."""
-    param.shard = (dim, ranges)  # type: ignore[attr-defined]
+    The ranges must lie inside the tensor, except with `padded_from` (the vocabulary: the tensor has
+    exactly that many rows and ranges past them read as zeros)."""
+    param.shard = (dim, ranges, padded_from)  # type: ignore[attr-defined]
+    return param
+
+
+def stack(param: nn.Parameter, parts: list[tuple[str, Ranges]]) -> nn.Parameter:
+    """Mark `param` as the rows `ranges` of each named checkpoint tensor, stacked in order: several
+    projections of one input held as one weight, so a step runs one matmul where it ran several.
+    The names replace the module name in the parameter's own checkpoint key (`in_proj.weight` made
+    of `in_proj_qkv.weight`, `in_proj_z.weight`, ...)."""
+    param.parts = parts  # type: ignore[attr-defined]
     return param

@@ -52,49 +52,61 @@ def load_model(
         raise ConfigError(f"{folder} has no MTP weights (mtp.*)")
     with torch.device("meta"):
         model = Qwen3_5Model(config, tp, with_mtp=mtp_present if with_mtp is None else with_mtp)
-    shards = {name: getattr(param, "shard", None) for name, param in model.named_parameters()}
-    model = model.to(dtype).to_empty(device=device)  # new parameter objects: `shards` keeps the specs
+    specs = {name: (getattr(param, "shard", None), getattr(param, "parts", None))
+             for name, param in model.named_parameters()}
+    model = model.to(dtype).to_empty(device=device)  # new parameter objects: `specs` keeps them
 
     text_prefix = "model.language_model." if "model.language_model.embed_tokens.weight" in files else "model."
     params = list(model.named_parameters())
     with ExitStack() as stack:
         handles: dict[Path, object] = {}
-        for done, (name, param) in enumerate(params, 1):
-            key = checkpoint_name(name, config)
-            key = text_prefix + key[len("model.") :] if key.startswith("model.") else key
+
+        def read(key: str, spec: tuple | None) -> torch.Tensor:
             if key not in files:
                 raise ConfigError(f"checkpoint in {folder} lacks tensor {key!r}")
             if files[key] not in handles:
                 handles[files[key]] = stack.enter_context(safe_open(files[key], framework="pt"))
+            return _read_shard(handles[files[key]], key, spec)
+
+        for done, (name, param) in enumerate(params, 1):
+            key = checkpoint_name(name, config)
+            key = text_prefix + key[len("model.") :] if key.startswith("model.") else key
+            spec, parts = specs[name]
+            if parts is None:
+                tensor = read(key, spec)
+            else:  # stacked rows of sibling tensors: .../in_proj.weight from .../in_proj_qkv.weight, ...
+                module, leaf = key.rsplit(".", 2)[0], key.rsplit(".", 1)[1]
+                tensor = torch.cat([read(f"{module}.{part}.{leaf}", (0, ranges, None)) for part, ranges in parts])
+            if list(tensor.shape) != list(param.shape):
+                raise ConfigError(f"tensor {key!r} read as {list(tensor.shape)}, the config implies {list(param.shape)}")
             with torch.no_grad():
-                param.copy_(_read_shard(handles[files[key]], key, list(param.shape), shards[name]))
+                param.copy_(tensor)
             if progress:
                 progress(done, len(params))
     return model
 
 
-def _read_shard(handle, key: str, expected: list[int], spec: tuple | None) -> torch.Tensor:
-    """Read the rows/columns of `key` a parameter holds; ranges past the end read as zeros."""
+def _read_shard(handle, key: str, spec: tuple | None) -> torch.Tensor:
+    """Read the rows/columns of `key` a parameter holds; see layers.parallel.shard."""
     full = handle.get_slice(key)
     if spec is None:
-        tensor = full[:]
-        if list(tensor.shape) != expected:
-            raise ConfigError(f"tensor {key!r} has shape {list(tensor.shape)}, the config implies {expected}")
-        return tensor
-    dim, ranges = spec
+        return full[:]
+    dim, ranges, padded_from = spec
     size = full.get_shape()[dim]
+    if padded_from is not None and size != padded_from:
+        raise ConfigError(f"tensor {key!r} has {size} rows, the config implies {padded_from}")
+    if padded_from is None and max(end for _, end in ranges) > size:
+        raise ConfigError(f"tensor {key!r} has size {size} along dim {dim}, the config implies at least "
+                          f"{max(end for _, end in ranges)}")
     parts = []
     for start, end in ranges:
         index = [slice(None)] * len(full.get_shape())
         index[dim] = slice(min(start, size), min(end, size))
         part = full[tuple(index)]
         missing = end - start - part.shape[dim]
-        if missing:
+        if missing:  # vocabulary padding
             pad_shape = list(part.shape)
             pad_shape[dim] = missing
             part = torch.cat([part, part.new_zeros(pad_shape)], dim)
         parts.append(part)
-    tensor = torch.cat(parts, dim) if len(parts) > 1 else parts[0]
-    if list(tensor.shape) != expected:
-        raise ConfigError(f"tensor {key!r} sliced to {list(tensor.shape)}, the config implies {expected}")
-    return tensor
+    return torch.cat(parts, dim) if len(parts) > 1 else parts[0]

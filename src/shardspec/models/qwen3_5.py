@@ -11,7 +11,7 @@ from shardspec.layers.attention import GatedAttention
 from shardspec.layers.batch import Batch
 from shardspec.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shardspec.layers.gdn import GatedDeltaNet
-from shardspec.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from shardspec.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from shardspec.layers.norm import RMSNorm
 from shardspec.layers.parallel import TPGroup
 from shardspec.models.config import ModelConfig
@@ -21,12 +21,11 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup):
         super().__init__()
         rows = [tp.split(config.intermediate_size)]
-        self.gate_proj = ColumnParallelLinear(config.hidden_size, rows)
-        self.up_proj = ColumnParallelLinear(config.hidden_size, rows)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, {"gate_proj": rows, "up_proj": rows})
         self.down_proj = RowParallelLinear(rows, config.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = self.gate_up_proj(x)
         if kernels.enabled(x):
             return self.down_proj(kernels.norm.silu_mul(gate, up))
         return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Every GPU figure of docs/benchmarks.md, on a fresh GPU machine with no network, one stage a call.
+#
+#   bash bench/gpu.sh WHEELS OUT STAGE...
+#
+# WHEELS: a folder of the wheels the machine lacks (pyzmq; fla-core for the prefill kernel), installed
+# into /tmp/shardspec-site with no index. OUT: where logs and JSON results go. Checkpoints are written
+# under .bench/ (kept while the machine is). Each stage fits in ~10 minutes on 2 × H200:
+#   tests   tests/test_cuda.py + tests/test_kernels.py, and the TP = 2 MTP test again with the
+#           symmetric-memory all-reduce
+#   9b      9B-class, TP = 1: batch 1/8/32, MTP off and k = 1..4 at 0.6 and 0.8, prefill 2k/8k,
+#           transformers' generate in the same run, plus the in-process step profile
+#   9b-tp2  9B-class, TP = 2: NCCL and symmetric-memory all-reduce, batch 1/8/32, MTP off and k = 3 at 0.8;
+#           the all-reduce latency table
+#   27b     27B-class (written first, ~1.5 min): TP = 2 (symmetric memory) and TP = 1, batch 1/8/32,
+#           MTP off and k = 3 at 0.8
+# Then, where matplotlib is: python bench/plot_decode.py OUT/decode-9b-tp1.json ... --out docs/decode.png
+set -euo pipefail
+if [ $# -lt 3 ]; then
+    sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+    exit 2
+fi
+wheels=$1 out=$2
+shift 2
+for stage in "$@"; do
+    case $stage in
+    tests | 9b | 9b-tp2 | 27b) ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, 9b, 9b-tp2, 27b)" >&2; exit 2 ;;
+    esac
+done
+mkdir -p "$out" .bench
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/shardspec-site \
+    "$wheels"/*.whl
+export PYTHONPATH=/tmp/shardspec-site:$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+
+for stage in "$@"; do
+    case $stage in
+    tests)
+        python3 -m pytest -q tests/test_cuda.py tests/test_kernels.py --durations=10 2>&1 | tee "$out/tests.log"
+        SHARDSPEC_ALLREDUCE=symm python3 -m pytest -q tests/test_cuda.py -k "mtp and 2" 2>&1 | tee "$out/tests-symm.log"
+        ;;
+    9b)
+        python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 1 --batch 1 8 32 --k 1 2 3 4 --forced 0.6 0.8 \
+            --prefill 2048 8192 --hf --out "$out/decode-9b-tp1.json" 2>&1 | tee "$out/decode-9b-tp1.log"
+        python3 bench/profile_step.py --size 9b --batch 1 --k 0 3 2>&1 | tee "$out/profile-9b.log"
+        ;;
+    9b-tp2)
+        python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 2 --batch 1 8 32 --k 3 --forced 0.8 --prefill 2048 \
+            --out "$out/decode-9b-tp2.json" 2>&1 | tee "$out/decode-9b-tp2.log"
+        SHARDSPEC_ALLREDUCE=symm python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 2 --batch 1 8 32 --k 3 \
+            --forced 0.8 --prefill --out "$out/decode-9b-tp2-symm.json" 2>&1 | tee "$out/decode-9b-tp2-symm.log"
+        python3 bench/allreduce.py --out "$out/allreduce.json" 2>&1 | tee "$out/allreduce.log"
+        ;;
+    27b)
+        [ -f .bench/27b/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/27b --size 27b
+        SHARDSPEC_ALLREDUCE=symm python3 bench/decode.py --size 27b --ckpt .bench/27b --tp 2 --batch 1 8 32 --k 3 \
+            --forced 0.8 --prefill --out "$out/decode-27b-tp2-symm.json" 2>&1 | tee "$out/decode-27b-tp2-symm.log"
+        python3 bench/decode.py --size 27b --ckpt .bench/27b --tp 1 --batch 1 8 32 --k 3 --forced 0.8 --prefill \
+            --out "$out/decode-27b-tp1.json" 2>&1 | tee "$out/decode-27b-tp1.log"
+        ;;
+    esac
+done

@@ -1,0 +1,51 @@
+"""Loading a rank's shard: merged projections read from their checkpoint tensors, bad files refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardspec.layers.parallel import TPGroup
+from shardspec.models.config import ConfigError
+from shardspec.models.loader import load_model
+from shardspec.models.random_checkpoint import random_state_dict, tiny_config, write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def state_dict() -> dict[str, torch.Tensor]:
+    return random_state_dict(tiny_config(), seed=3)
+
+
+def test_a_merged_projection_stacks_this_ranks_rows_of_each_checkpoint_tensor(tmp_path: Path, state_dict):
+    write_checkpoint(tmp_path, tiny_config(), state_dict)
+    c = tiny_config()
+    half = c["intermediate_size"] // 2
+    for rank in (0, 1):
+        model = load_model(tmp_path, TPGroup(rank, 2), torch.float32, torch.device("cpu"), with_mtp=False)
+        rows = slice(rank * half, (rank + 1) * half)
+        expected = torch.cat([state_dict["model.layers.0.mlp.gate_proj.weight"][rows],
+                              state_dict["model.layers.0.mlp.up_proj.weight"][rows]])
+        assert torch.equal(model.layers[0].mlp.gate_up_proj.weight, expected)
+        # a, b: one row per value head; this rank's heads of each, after its q, k, v and z rows
+        heads = slice(rank * c["linear_num_value_heads"] // 2, (rank + 1) * c["linear_num_value_heads"] // 2)
+        weight = model.layers[0].linear_attn.in_proj.weight
+        nv = c["linear_num_value_heads"] // 2
+        assert torch.equal(weight[-2 * nv : -nv], state_dict["model.layers.0.linear_attn.in_proj_b.weight"][heads])
+        assert torch.equal(weight[-nv:], state_dict["model.layers.0.linear_attn.in_proj_a.weight"][heads])
+
+
+def test_a_missing_part_of_a_merged_projection_is_named(tmp_path: Path, state_dict):
+    missing = "model.layers.0.linear_attn.in_proj_z.weight"
+    write_checkpoint(tmp_path, tiny_config(), {k: v for k, v in state_dict.items() if k != missing})
+    with pytest.raises(ConfigError, match=missing):
+        load_model(tmp_path, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=False)
+
+
+@pytest.mark.parametrize("name", ["model.layers.1.mlp.up_proj.weight", "model.embed_tokens.weight"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_tensor_too_short_for_the_config_is_refused_not_zero_padded(tmp_path: Path, state_dict, name, tp):
+    write_checkpoint(tmp_path, tiny_config(), {**state_dict, name: state_dict[name][:-1]})
+    with pytest.raises(ConfigError, match=name):
+        load_model(tmp_path, TPGroup(tp - 1, tp), torch.float32, torch.device("cpu"), with_mtp=False)
