@@ -9,15 +9,16 @@
 #   tests   tests/test_cuda.py + tests/test_kernels.py, and the TP = 2 MTP test again with the
 #           symmetric-memory all-reduce
 #   9b      9B-class, TP = 1: batch 1/8/32, MTP off and k = 1..4 at 0.6 and 0.8, prefill 2k/8k,
-#           transformers' generate in the same run, plus the in-process step profile
+#           transformers' generate in the same run
 #   9b-tp2  9B-class, TP = 2: NCCL and symmetric-memory all-reduce, batch 1/8/32, MTP off and k = 3 at 0.8;
-#           the all-reduce latency table
+#           the all-reduce latency table, the in-process step profile at TP = 1 and 2 (with the
+#           all-reduce kernels of both ranks)
 #   27b     27B-class (written first, ~1.5 min): TP = 2 (symmetric memory) and TP = 1, batch 1/8/32,
 #           MTP off and k = 3 at 0.8
 # Then, where matplotlib is: python bench/plot_decode.py OUT/decode-9b-tp1.json ... --out docs/decode.png
 set -euo pipefail
 if [ $# -lt 3 ]; then
-    sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 wheels=$1 out=$2
@@ -42,7 +43,6 @@ for stage in "$@"; do
     9b)
         python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 1 --batch 1 8 32 --k 1 2 3 4 --forced 0.6 0.8 \
             --prefill 2048 8192 --hf --out "$out/decode-9b-tp1.json" 2>&1 | tee "$out/decode-9b-tp1.log"
-        python3 bench/profile_step.py --size 9b --batch 1 --k 0 3 2>&1 | tee "$out/profile-9b.log"
         ;;
     9b-tp2)
         python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 2 --batch 1 8 32 --k 3 --forced 0.8 --prefill 2048 \
@@ -50,6 +50,9 @@ for stage in "$@"; do
         SHARDSPEC_ALLREDUCE=symm python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 2 --batch 1 8 32 --k 3 \
             --forced 0.8 --prefill --out "$out/decode-9b-tp2-symm.json" 2>&1 | tee "$out/decode-9b-tp2-symm.log"
         python3 bench/allreduce.py --out "$out/allreduce.json" 2>&1 | tee "$out/allreduce.log"
+        python3 bench/profile_step.py --size 9b --batch 1 --k 0 3 2>&1 | tee "$out/profile-9b.log"
+        SHARDSPEC_ALLREDUCE=symm python3 bench/profile_step.py --size 9b --tp 2 --batch 1 --k 0 2>&1 \
+            | tee "$out/profile-9b-tp2.log"   # both ranks' all-reduce kernels: durations, arrival gaps
         ;;
     27b)
         [ -f .bench/27b/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/27b --size 27b

@@ -5,7 +5,8 @@
 Builds the model with random weights directly on the device (no checkpoint on disk), runs the
 ModelRunner's steps, and prints the median step time per k plus PyTorch's profiler table of the
 most expensive operators for the last configuration. With --tp N it starts N processes, one per
-GPU, in one NCCL group (each holding its own random shard); rank 0 prints.
+GPU, in one NCCL group (each holding its own random shard); rank 0 prints, with the all-reduce
+kernels of both ranks side by side: how long each ran, and how far apart the ranks arrived.
 """
 
 from __future__ import annotations
@@ -38,6 +39,32 @@ def random_model(size: str, device: torch.device, dtype: torch.dtype, tp: TPGrou
         for name, p in model.named_parameters():
             p.normal_(0, 0.02) if p.dim() > 1 else p.normal_(0, 0.1)
     return model
+
+
+def all_reduce_timing(prof, device: torch.device, say) -> None:
+    """Where the all-reduce time of a TP step goes: each rank's all-reduce kernels in the profiled
+    steps, matched in order across ranks. A kernel runs from its rank's arrival until the last
+    rank's data is there, so on the earlier rank it also counts the wait for the later one."""
+    kernels = [e for e in prof.profiler.kineto_results.events()
+               if e.device_type() == torch.autograd.DeviceType.CUDA
+               and "allreduce" in e.name().lower().replace("_", "")]
+    local = torch.tensor([[e.start_ns(), e.duration_ns()] for e in kernels], dtype=torch.float64, device=device)
+    counts = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, torch.tensor([len(kernels)], device=device))
+    if len({int(c) for c in counts}) != 1 or not kernels:
+        say(f"all-reduce kernels per rank differ or are missing: {[int(c) for c in counts]}")
+        return
+    parts = [torch.empty_like(local) for _ in counts]
+    dist.all_gather(parts, local)
+    start = torch.stack([p[:, 0] for p in parts]) / 1000  # [rank, kernel] µs (host clock: one machine)
+    duration = torch.stack([p[:, 1] for p in parts]) / 1000
+    gap = start.max(0).values - start.min(0).values
+    last = start.argmax(0)
+    say(f"{len(kernels)} all-reduce kernels: mean duration per rank "
+        + ", ".join(f"{d:.1f}" for d in duration.mean(1).tolist())
+        + f" µs; mean arrival gap {gap.mean():.1f} µs (median {gap.median():.1f}); the last to arrive was rank "
+        + ", ".join(f"{r}: {(last == r).float().mean():.0%}" for r in range(len(parts)))
+        + f"; the last arrival's kernel took {duration.gather(0, last[None])[0].mean():.1f} µs")
 
 
 def sync(device: torch.device) -> None:
@@ -106,6 +133,8 @@ def run(rank: int, args: argparse.Namespace, address: str) -> None:
             kernels = sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
             say(f"{kernels / 3:.0f} GPU kernels per step")
             say(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
+            if args.tp > 1 and device.type == "cuda":
+                all_reduce_timing(prof, device, say)
         runner.release(seqs)
         del runner
     if args.tp > 1:
