@@ -48,7 +48,8 @@ def all_reduce_timing(prof, device: torch.device, say) -> None:
     kernels = [e for e in prof.profiler.kineto_results.events()
                if e.device_type() == torch.autograd.DeviceType.CUDA
                and "allreduce" in e.name().lower().replace("_", "")]
-    local = torch.tensor([[e.start_ns(), e.duration_ns()] for e in kernels], dtype=torch.float64, device=device)
+    kernels.sort(key=lambda e: e.start_ns())
+    local = torch.tensor([[e.start_ns(), e.duration_ns()] for e in kernels], dtype=torch.int64, device=device)
     counts = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(counts, torch.tensor([len(kernels)], device=device))
     if len({int(c) for c in counts}) != 1 or not kernels:
@@ -56,8 +57,9 @@ def all_reduce_timing(prof, device: torch.device, say) -> None:
         return
     parts = [torch.empty_like(local) for _ in counts]
     dist.all_gather(parts, local)
-    start = torch.stack([p[:, 0] for p in parts]) / 1000  # [rank, kernel] µs (host clock: one machine)
-    duration = torch.stack([p[:, 1] for p in parts]) / 1000
+    start = torch.stack([p[:, 0] for p in parts])  # [rank, kernel] ns on the host clock (one machine)
+    start = (start - start.min()).double() / 1000  # µs, exact before the conversion
+    duration = torch.stack([p[:, 1] for p in parts]).double() / 1000
     gap = start.max(0).values - start.min(0).values
     last = start.argmax(0)
     say(f"{len(kernels)} all-reduce kernels: mean duration per rank "

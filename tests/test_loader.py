@@ -43,9 +43,15 @@ def test_a_missing_part_of_a_merged_projection_is_named(tmp_path: Path, state_di
         load_model(tmp_path, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=False)
 
 
-@pytest.mark.parametrize("name", ["model.layers.1.mlp.up_proj.weight", "model.embed_tokens.weight"])
-@pytest.mark.parametrize("tp", [1, 2])
-def test_a_tensor_too_short_for_the_config_is_refused_not_zero_padded(tmp_path: Path, state_dict, name, tp):
-    write_checkpoint(tmp_path, tiny_config(), {**state_dict, name: state_dict[name][:-1]})
-    with pytest.raises(ConfigError, match=name):
-        load_model(tmp_path, TPGroup(tp - 1, tp), torch.float32, torch.device("cpu"), with_mtp=False)
+@pytest.mark.parametrize("name", ["model.layers.1.mlp.up_proj.weight", "model.layers.3.self_attn.k_proj.weight",
+                                  "model.embed_tokens.weight"])
+@pytest.mark.parametrize("change", ["one row short", "one row long", "one column short"])
+def test_a_tensor_of_another_shape_than_the_config_implies_is_refused_on_every_rank(tmp_path: Path, state_dict,
+                                                                                     name, change):
+    tensor = state_dict[name]
+    tensor = {"one row short": tensor[:-1], "one row long": torch.cat([tensor, tensor[:1]]),
+              "one column short": tensor[:, :-1]}[change]
+    write_checkpoint(tmp_path, tiny_config(), {**state_dict, name: tensor})
+    for rank in (0, 1):  # rank 0's rows of a row-sharded tensor end before its last row
+        with pytest.raises(ConfigError, match=name):
+            load_model(tmp_path, TPGroup(rank, 2), torch.float32, torch.device("cpu"), with_mtp=False)

@@ -66,7 +66,8 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     H, D = x.shape[-2:]
     x2 = rows(x)
     z3 = z.reshape(-1, H, D)  # a view for a slice of the projection's output rows
-    assert z3.stride(-1) == 1
+    if z3.stride(-1) != 1:
+        z3 = z3.contiguous()
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _gated_rms_norm_kernel[(x2.shape[0],)](x2, z3, weight, y, H, D, eps, x2.stride(0), z3.stride(0), z3.stride(1),
                                            BLOCK=triton.next_power_of_2(D), num_warps=1)

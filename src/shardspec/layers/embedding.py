@@ -20,7 +20,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.start, self.end = vocab_range(vocab_size, tp)
         weight = nn.Parameter(torch.empty(self.end - self.start, dim), requires_grad=False)
-        self.weight = shard(weight, 0, [(self.start, self.end)], padded_from=vocab_size)
+        self.weight = shard(weight, 0, [(self.start, self.end)])
         self.tp = tp
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -41,7 +41,7 @@ class ParallelLMHead(nn.Module):
         self.vocab_size = vocab_size
         self.start, self.end = vocab_range(vocab_size, tp)
         weight = nn.Parameter(torch.empty(self.end - self.start, dim), requires_grad=False)
-        self.weight = shard(weight, 0, [(self.start, self.end)], padded_from=vocab_size)
+        self.weight = shard(weight, 0, [(self.start, self.end)])
         self.tp = tp
 
     def local_logits(self, h: torch.Tensor) -> torch.Tensor:

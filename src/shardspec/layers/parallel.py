@@ -72,12 +72,11 @@ class SymmetricReducer:
         return out
 
 
-def shard(param: nn.Parameter, dim: int, ranges: Ranges, padded_from: int | None = None) -> nn.Parameter:
+def shard(param: nn.Parameter, dim: int, ranges: Ranges) -> nn.Parameter:
     """Mark `param` as the concatenation along `dim` of `ranges` of the checkpoint tensor.
 
-    The ranges must lie inside the tensor, except with `padded_from` (the vocabulary: the tensor has
-    exactly that many rows and ranges past them read as zeros)."""
-    param.shard = (dim, ranges, padded_from)  # type: ignore[attr-defined]
+    Ranges reaching past the checkpoint's size are zero-padded (vocabulary padding)."""
+    param.shard = (dim, ranges)  # type: ignore[attr-defined]
     return param
 
 

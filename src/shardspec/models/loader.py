@@ -50,8 +50,10 @@ def load_model(
     mtp_present = any(name.startswith("mtp.") for name in files)
     if with_mtp and not mtp_present:
         raise ConfigError(f"{folder} has no MTP weights (mtp.*)")
+    mtp = mtp_present if with_mtp is None else with_mtp
     with torch.device("meta"):
-        model = Qwen3_5Model(config, tp, with_mtp=mtp_present if with_mtp is None else with_mtp)
+        model = Qwen3_5Model(config, tp, with_mtp=mtp)
+        whole = Qwen3_5Model(config, TPGroup(), with_mtp=mtp)  # one rank's view of every full tensor
     specs = {name: (getattr(param, "shard", None), getattr(param, "parts", None))
              for name, param in model.named_parameters()}
     model = model.to(dtype).to_empty(device=device)  # new parameter objects: `specs` keeps them
@@ -61,24 +63,30 @@ def load_model(
     with ExitStack() as stack:
         handles: dict[Path, object] = {}
 
-        def read(key: str, spec: tuple | None) -> torch.Tensor:
+        def read(key: str, spec: tuple | None, shape: list[int]) -> torch.Tensor:
+            """This rank's slice of checkpoint tensor `key`, whose full shape must be `shape`."""
             if key not in files:
                 raise ConfigError(f"checkpoint in {folder} lacks tensor {key!r}")
             if files[key] not in handles:
                 handles[files[key]] = stack.enter_context(safe_open(files[key], framework="pt"))
-            return _read_shard(handles[files[key]], key, spec)
+            full = handles[files[key]].get_slice(key)
+            if list(full.get_shape()) != shape:
+                raise ConfigError(f"tensor {key!r} has shape {list(full.get_shape())}, the config implies {shape}")
+            return _read_shard(full, spec)
 
         for done, (name, param) in enumerate(params, 1):
             key = checkpoint_name(name, config)
             key = text_prefix + key[len("model.") :] if key.startswith("model.") else key
             spec, parts = specs[name]
+            shape = list(whole.get_parameter(name).shape)
             if parts is None:
-                tensor = read(key, spec)
+                tensor = read(key, spec, shape)
             else:  # stacked rows of sibling tensors: .../in_proj.weight from .../in_proj_qkv.weight, ...
                 module, leaf = key.rsplit(".", 2)[0], key.rsplit(".", 1)[1]
-                tensor = torch.cat([read(f"{module}.{part}.{leaf}", (0, ranges, None)) for part, ranges in parts])
-            if list(tensor.shape) != list(param.shape):
-                raise ConfigError(f"tensor {key!r} read as {list(tensor.shape)}, the config implies {list(param.shape)}")
+                sizes = whole.get_submodule(name.rsplit(".", 1)[0]).sizes
+                tensor = torch.cat([read(f"{module}.{part}.{leaf}", (0, ranges), [rows, *shape[1:]])
+                                    for (part, ranges), rows in zip(parts, sizes, strict=True)])
+            assert list(tensor.shape) == list(param.shape), (name, tensor.shape, param.shape)
             with torch.no_grad():
                 param.copy_(tensor)
             if progress:
@@ -86,25 +94,20 @@ def load_model(
     return model
 
 
-def _read_shard(handle, key: str, spec: tuple | None) -> torch.Tensor:
-    """Read the rows/columns of `key` a parameter holds; see layers.parallel.shard."""
-    full = handle.get_slice(key)
+def _read_shard(full, spec: tuple | None) -> torch.Tensor:
+    """Read the rows/columns of a checkpoint tensor a parameter holds; ranges past the end (only
+    the vocabulary's, padded up to a multiple of the group size) read as zeros."""
     if spec is None:
         return full[:]
-    dim, ranges, padded_from = spec
+    dim, ranges = spec
     size = full.get_shape()[dim]
-    if padded_from is not None and size != padded_from:
-        raise ConfigError(f"tensor {key!r} has {size} rows, the config implies {padded_from}")
-    if padded_from is None and max(end for _, end in ranges) > size:
-        raise ConfigError(f"tensor {key!r} has size {size} along dim {dim}, the config implies at least "
-                          f"{max(end for _, end in ranges)}")
     parts = []
     for start, end in ranges:
         index = [slice(None)] * len(full.get_shape())
         index[dim] = slice(min(start, size), min(end, size))
         part = full[tuple(index)]
         missing = end - start - part.shape[dim]
-        if missing:  # vocabulary padding
+        if missing:
             pad_shape = list(part.shape)
             pad_shape[dim] = missing
             part = torch.cat([part, part.new_zeros(pad_shape)], dim)

@@ -297,7 +297,7 @@ def _write_safetensors(
     get: Callable[[], Iterator[Tensor]],
     progress: Callable[[int], None],
 ) -> None:
-    """Stream tensors into a safetensors file, holding one tensor at a time."""
+    """Stream tensors into a safetensors file in the order `get` yields them."""
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape, dtype in entries:
@@ -332,9 +332,6 @@ def _write(
     """Write config.json and weights; `entries` are text-layout (name, shape, dtype) triples."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(
-        json.dumps(checkpoint_config(config, layout), indent=2) + "\n"
-    )
     sizes = [math.prod(s) * d.itemsize for _, s, d in entries]
     total = sum(sizes)
     shard_of = _split(sizes, shards)
@@ -367,6 +364,8 @@ def _write(
     if shards > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    # last: a folder with config.json is complete (a write cut short leaves none)
+    (path / "config.json").write_text(json.dumps(checkpoint_config(config, layout), indent=2) + "\n")
 
 
 def _ahead(make: Callable[[str], Tensor], names: Iterable[str]) -> Iterator[Tensor]:
