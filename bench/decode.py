@@ -21,6 +21,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -180,6 +181,27 @@ async def run(args: argparse.Namespace, out: dict, save) -> None:
             print(f"prefill {row['prompt_tokens']} tokens: {row['tokens_per_s']:.0f} tokens/s", flush=True)
 
 
+def setup() -> dict:
+    """What produced the figures: the code's commit, the library versions, the all-reduce."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False,
+                                cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"commit": commit, "torch": torch.__version__, "triton": installed("triton"),
+            "fla-core": installed("fla-core"), "transformers": installed("transformers"),
+            "allreduce": os.environ.get("SHARDSPEC_ALLREDUCE", "nccl"),
+            "kernels": os.environ.get("SHARDSPEC_KERNELS", "1") != "0"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=SIZES, default="9b")
@@ -200,7 +222,7 @@ def main() -> None:
         dtype = torch.float32 if args.size == "tiny" else torch.bfloat16
         write_random_checkpoint(args.ckpt, SIZES[args.size](), seed=0, dtype=dtype, keep=False)
     out: dict = {"size": args.size, "tp": args.tp, "device": torch.cuda.get_device_name() if
-                 torch.cuda.is_available() else "cpu"}
+                 torch.cuda.is_available() else "cpu", "setup": setup()}
 
     def save() -> None:
         args.out.write_text(json.dumps(out, indent=1))
