@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shardspec.layers.parallel import SymmetricReducer
+from shardspec.orchestrator.workers import free_port
 
 
 def graph_time(fn, calls: int, repeats: int = 5) -> float:
@@ -93,9 +93,7 @@ def main() -> None:
     args = parser.parse_args()
     if torch.cuda.device_count() < args.gpus:
         raise SystemExit(f"allreduce.py: needs {args.gpus} GPUs, this machine has {torch.cuda.device_count()}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    address = f"tcp://127.0.0.1:{free_port()}"  # the rendezvous
     mp.spawn(run, args=(args, address), nprocs=args.gpus)
 
 

@@ -12,7 +12,6 @@ kernels of both ranks side by side: how long each ran, and how far apart the ran
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import time
 
@@ -24,6 +23,7 @@ from shardspec.layers.parallel import TPGroup
 from shardspec.models.config import ModelConfig
 from shardspec.models.qwen3_5 import Qwen3_5Model
 from shardspec.models.random_checkpoint import nine_b_config, tiny_config, twenty_seven_b_config
+from shardspec.orchestrator.workers import free_port
 from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepRequest
 from shardspec.shard_worker.runner import ModelRunner
 
@@ -88,9 +88,7 @@ def main() -> None:
     if args.tp == 1:
         run(0, args, "")
         return
-    with socket.socket() as s:  # a free port for the rendezvous
-        s.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    address = f"tcp://127.0.0.1:{free_port()}"  # the rendezvous
     mp.spawn(run, args=(args, address), nprocs=args.tp)
 
 

@@ -12,7 +12,7 @@ from shardspec.kernels import rows
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, D, eps, stride_x, stride_r,
-                     HAS_RES: tl.constexpr, ONE_PLUS: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
@@ -23,22 +23,19 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, D, eps, stride_x, st
         tl.store(sum_ptr + row * D + cols, x, mask=mask)
     x = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if ONE_PLUS:
-        w = 1.0 + w
+    w = 1.0 + tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * D + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             one_plus: bool = True):
-    """norm(x) · (1 + w) (or · w); with `residual`: (norm(x + residual), x + residual)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """norm(x) · (1 + w); with `residual`: (norm(x + residual), x + residual)."""
     shape, D = x.shape, x.shape[-1]
     x2 = rows(x)
     r2 = rows(residual) if residual is not None else x2
     y = torch.empty(shape, dtype=x.dtype, device=x.device)
     total = torch.empty(shape, dtype=x.dtype, device=x.device) if residual is not None else y
     _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, total, D, eps, x2.stride(0), r2.stride(0),
-                                     HAS_RES=residual is not None, ONE_PLUS=one_plus,
+                                     HAS_RES=residual is not None,
                                      BLOCK=triton.next_power_of_2(D), num_warps=4 if D >= 1024 else 1)
     return y if residual is None else (y, total)
 
