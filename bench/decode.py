@@ -125,25 +125,28 @@ class Bench:
         return 1000 * step_bytes(self.config, tp, weight_bytes, batch, context, k) / self.bandwidth
 
 
-def transformers_decode(model: str, batch: int, new_tokens: int, vocab: int) -> float:
+def transformers_decode(model: str, batches: list[int], new_tokens: int, vocab: int) -> list[dict]:
+    """Greedy tokens/s of transformers' `generate` at each batch size, the model loaded once."""
     from transformers import GenerationConfig, Qwen3_5ForCausalLM
 
     hf = Qwen3_5ForCausalLM.from_pretrained(model, dtype=torch.bfloat16, device_map="cuda").eval()
-    config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                              eos_token_id=None, pad_token_id=0)
-    ids = torch.tensor([random.Random(batch).choices(range(vocab), k=PROMPT_LEN) for _ in range(batch)],
-                       device="cuda")
-    with torch.inference_mode():
-        hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=GenerationConfig(
-            do_sample=False, max_new_tokens=2, min_new_tokens=2, eos_token_id=None, pad_token_id=0))
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-        torch.cuda.synchronize()
-    rate = batch * new_tokens / (time.perf_counter() - started)
+    rows = []
+    for batch in batches:
+        ids = torch.tensor([random.Random(batch).choices(range(vocab), k=PROMPT_LEN) for _ in range(batch)],
+                           device="cuda")
+        with torch.inference_mode():
+            for n in (2, new_tokens):  # a warm-up, then the timed run
+                config = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None,
+                                          pad_token_id=0)
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+                torch.cuda.synchronize()
+        rows.append({"batch": batch, "tokens_per_s": batch * new_tokens / (time.perf_counter() - started)})
+        print(f"transformers generate, batch {batch}: {rows[-1]['tokens_per_s']:.1f} tokens/s", flush=True)
     del hf
     torch.cuda.empty_cache()
-    return rate
+    return rows
 
 
 async def run(args: argparse.Namespace, out: dict, save) -> None:
@@ -227,16 +230,12 @@ def main() -> None:
     def save() -> None:
         args.out.write_text(json.dumps(out, indent=1))
 
-    asyncio.run(run(args, out, save))
-    if args.hf:
+    if args.hf:  # first, so that a run cut short still has its peer
         vocab = ModelConfig.from_folder(args.ckpt).vocab_size
-        out["transformers"] = []
-        for batch in [b for b in args.batch if b <= 8]:
-            rate = transformers_decode(str(args.ckpt), batch, min(args.new_tokens, 32), vocab)
-            out["transformers"].append({"batch": batch, "tokens_per_s": rate})
-            save()
-            print(f"transformers generate, batch {batch}: {rate:.1f} tokens/s", flush=True)
-
+        out["transformers"] = transformers_decode(str(args.ckpt), [b for b in args.batch if b <= 8],
+                                                  min(args.new_tokens, 32), vocab)
+        save()
+    asyncio.run(run(args, out, save))
 
 if __name__ == "__main__":
     main()
