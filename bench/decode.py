@@ -48,15 +48,18 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
     dst = torch.empty_like(src)
     times = []
     for i in range(13):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync(device.type)
         started = time.perf_counter()
         dst.copy_(src)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync(device.type)
         if i >= 3:
             times.append(time.perf_counter() - started)
     return 2 * src.nbytes / statistics.median(times)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def step_bytes(config: ModelConfig, tp: int, weight_bytes: int, batch: int, context: int, k: int) -> int:
@@ -125,27 +128,29 @@ class Bench:
         return 1000 * step_bytes(self.config, tp, weight_bytes, batch, context, k) / self.bandwidth
 
 
-def transformers_decode(model: str, batches: list[int], new_tokens: int, vocab: int) -> list[dict]:
+def transformers_decode(model: str, batches: list[int], new_tokens: int, vocab: int, device: str) -> list[dict]:
     """Greedy tokens/s of transformers' `generate` at each batch size, the model loaded once."""
     from transformers import GenerationConfig, Qwen3_5ForCausalLM
 
-    hf = Qwen3_5ForCausalLM.from_pretrained(model, dtype=torch.bfloat16, device_map="cuda").eval()
+    placed = {} if device == "cpu" else {"device_map": device}  # device_map needs accelerate
+    hf = Qwen3_5ForCausalLM.from_pretrained(model, dtype=torch.bfloat16, **placed).eval()
     rows = []
     for batch in batches:
         ids = torch.tensor([random.Random(batch).choices(range(vocab), k=PROMPT_LEN) for _ in range(batch)],
-                           device="cuda")
+                           device=device)
         with torch.inference_mode():
             for n in (2, new_tokens):  # a warm-up, then the timed run
                 config = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None,
                                           pad_token_id=0)
-                torch.cuda.synchronize()
+                sync(device)
                 started = time.perf_counter()
                 hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-                torch.cuda.synchronize()
+                sync(device)
         rows.append({"batch": batch, "tokens_per_s": batch * new_tokens / (time.perf_counter() - started)})
         print(f"transformers generate, batch {batch}: {rows[-1]['tokens_per_s']:.1f} tokens/s", flush=True)
     del hf
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -232,8 +237,12 @@ def main() -> None:
 
     if args.hf:  # first, so that a run cut short still has its peer
         vocab = ModelConfig.from_folder(args.ckpt).vocab_size
-        out["transformers"] = transformers_decode(str(args.ckpt), [b for b in args.batch if b <= 8],
-                                                  min(args.new_tokens, 32), vocab)
+        try:
+            out["transformers"] = transformers_decode(str(args.ckpt), [b for b in args.batch if b <= 8],
+                                                      min(args.new_tokens, 32), vocab, args.device)
+        except Exception as e:  # the peer failing must not cost the run its own figures
+            out["transformers_error"] = f"{type(e).__name__}: {e}"
+            print(f"transformers generate failed: {out['transformers_error']}", flush=True)
         save()
     asyncio.run(run(args, out, save))
 
