@@ -1,12 +1,13 @@
 """Profile one rank's decode and verify steps in-process (no workers, no wire), by section.
 
-    python bench/profile_step.py [--size 9b] [--batch 1] [--k 0 1 3] [--forced 0.8] [--tp 1]
+    python bench/profile_step.py [--size 9b] [--batch 1] [--k 0 1 3] [--forced 0.8] [--tp 1] [--prefill 2048]
 
 Builds the model with random weights directly on the device (no checkpoint on disk), runs the
 ModelRunner's steps, and prints the median step time per k plus PyTorch's profiler table of the
 most expensive operators for the last configuration. With --tp N it starts N processes, one per
 GPU, in one NCCL group (each holding its own random shard); rank 0 prints, with the all-reduce
-kernels of both ranks side by side: how long each ran, and how far apart the ranks arrived.
+kernels of both ranks side by side: how long each ran, and how far apart the ranks arrived. With
+--prefill it also times prefills of those prompt lengths and profiles the last.
 """
 
 from __future__ import annotations
@@ -69,6 +70,35 @@ def all_reduce_timing(prof, device: torch.device, say) -> None:
         + f"; the last arrival's kernel took {duration.gather(0, last[None])[0].mean():.1f} µs")
 
 
+def prefill_profile(model: Qwen3_5Model, device: torch.device, length: int, say, profile: bool) -> None:
+    """Median prefill tokens/s of one prompt (through the runner: 512-token chunks, as served),
+    and the operators of one prefill by device time."""
+    runner = ModelRunner(model, device, 1, length + 8, 512, 0, None)
+    torch.manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (length,))
+
+    def once() -> None:
+        runner.step(StepRequest(prefill=[PrefillSpec(seq=0, length=length, max_tokens=1)]), prompt)
+        runner.release([0])
+
+    times = []
+    for i in range(5):  # the first two warm up (fla's autotuning)
+        sync(device)
+        started = time.perf_counter()
+        once()
+        sync(device)
+        times.append(time.perf_counter() - started)
+    say(f"prefill {length} tokens: median {1000 * statistics.median(times[2:]):.1f} ms, "
+        f"{length / statistics.median(times[2:]):.0f} tokens/s", flush=True)
+    if profile:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            once()
+            sync(device)
+        sort = "self_device_time_total" if device.type == "cuda" else "cpu_time_total"
+        say(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -84,6 +114,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one process per GPU)")
     parser.add_argument("--no-graphs", action="store_true")
+    parser.add_argument("--prefill", type=int, nargs="*", default=[],
+                        help="also time (and profile the last of) prefills of these prompt lengths, batch 1")
     args = parser.parse_args()
     if args.tp == 1:
         run(0, args, "")
@@ -137,6 +169,8 @@ def run(rank: int, args: argparse.Namespace, address: str) -> None:
                 all_reduce_timing(prof, device, say)
         runner.release(seqs)
         del runner
+    for length in args.prefill:
+        prefill_profile(model, device, length, say, profile=length == args.prefill[-1])
     if args.tp > 1:
         dist.destroy_process_group()
 

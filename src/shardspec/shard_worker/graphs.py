@@ -41,7 +41,7 @@ def upload(rows: list, device: torch.device, out: torch.Tensor | None = None) ->
 
 @dataclass
 class _Bucket:
-    """The graphs of one (batch bucket, context bucket), each captured on first use."""
+    """The graphs of one (batch bucket, context bucket), captured at load (capture_all) or on first use."""
 
     context: int
     padding: torch.Tensor  # rows of padding only: what the graphs are captured on
@@ -96,18 +96,40 @@ class StepPasses:
     def draft(self, accepts: list[list[int]]) -> torch.Tensor:
         return self._draft(accepts)
 
+    def capture_all(self, max_batch: int) -> int:
+        """Capture, ahead of any step, every graph a step of up to max_batch sequences can replay:
+        otherwise the first step at each batch bucket (a batch shrinks as its sequences finish)
+        stalls on a capture, tens to hundreds of milliseconds. Only where one context bucket covers
+        every context (the kernels read the cache in place); returns the number of graphs captured."""
+        if not self.graphs or not kernels.ENABLED:
+            return 0
+        names = ["fused", "verify"] if self.draft_len else ["verify"]  # verify captures draft with it
+        captured = 0
+        for size in BATCH_BUCKETS:
+            bucket = self._bucket(size, self.max_context)
+            for name in names:
+                if name not in bucket.graphs:
+                    self._capture(bucket, name)
+                    captured += 1
+            if size >= max_batch:
+                break
+        return captured
+
     def _upload(self, rows: list[list[int]], context: int) -> _Bucket | None:
         """The rows, padded, into their bucket's input (None: no graph for this batch, run eagerly)."""
         size = next((b for b in BATCH_BUCKETS if b >= len(rows)), None) if self.graphs else None
         if size is None:
             return None
-        key = (size, self._context_bucket(context))
-        bucket = self.buckets.get(key)
+        bucket = self._bucket(size, self._context_bucket(context))
+        upload(rows + [self.pad_row] * (size - len(rows)), self.device, out=bucket.packed)
+        return bucket
+
+    def _bucket(self, size: int, context: int) -> _Bucket:
+        bucket = self.buckets.get((size, context))
         if bucket is None:
             padding = torch.tensor([self.pad_row] * size, dtype=torch.long, device=self.device)
             accepts = torch.zeros(size, 2, dtype=torch.long, device=self.device)
-            bucket = self.buckets[key] = _Bucket(key[1], padding, padding.clone(), accepts)
-        upload(rows + [self.pad_row] * (size - len(rows)), self.device, out=bucket.packed)
+            bucket = self.buckets[size, context] = _Bucket(context, padding, padding.clone(), accepts)
         return bucket
 
     def _context_bucket(self, context: int) -> int:

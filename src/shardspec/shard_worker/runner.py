@@ -12,6 +12,8 @@ states, and chains the MTP head k times to draft again. Nothing but token ids le
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +32,8 @@ from shardspec.models.qwen3_5 import Qwen3_5Model
 from shardspec.protocol.errors import ErrorCode, ProtocolError
 from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepRequest
 from shardspec.shard_worker.graphs import StepPasses
+
+log = logging.getLogger("shardspec.worker")
 
 
 @dataclass
@@ -128,6 +132,12 @@ class ModelRunner:
         self.passes = StepPasses(self._verify_pass, self._draft_pass, self._fused_pass, device, draft_len,
                                  scratch_slot=max_slots, max_context=self.context, graphs=cuda_graphs,
                                  verify_state=lambda: [layer.pending for layer in self.deltanets])
+        started = time.perf_counter()
+        with torch.inference_mode():
+            captured = self.passes.capture_all(max_slots)
+        if captured:
+            log.info("captured %d CUDA graphs (batch buckets up to %d sequences) in %.1fs", captured, max_slots,
+                     time.perf_counter() - started)
 
     # --- the step -------------------------------------------------------------------------------
 
