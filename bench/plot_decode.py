@@ -19,8 +19,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", type=Path, nargs="+")
     parser.add_argument("--out", type=Path, default=Path("docs/decode.png"))
+    parser.add_argument("--k", type=int, default=3, help="the MTP draft length plotted against batch size")
     args = parser.parse_args()
-    fig, (by_batch, by_k) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (by_batch, by_k) = plt.subplots(1, 2, figsize=(14, 4.6))
     peer = False
     for path in args.results:
         data = json.loads(path.read_text())
@@ -28,22 +29,25 @@ def main() -> None:
         rows = data["decode"]
         plain = [r for r in rows if r["k"] == 0]
         by_batch.plot([r["batch"] for r in plain], [r["tokens_per_s"] for r in plain], "o-", label=f"{label}, MTP off")
-        for k in sorted({r["k"] for r in rows if r["k"]}):
-            mtp = [r for r in rows if r["k"] == k]
+        for forced in sorted({r["forced"] for r in rows if r["k"] == args.k}):
+            mtp = [r for r in rows if r["k"] == args.k and r["forced"] == forced]
             by_batch.plot([r["batch"] for r in mtp], [r["tokens_per_s"] for r in mtp], "s--",
-                          label=f"{label}, MTP k={k} (forced {mtp[0]['forced']})")
+                          label=f"{label}, MTP k={args.k} (forced {forced})")
         for batch in sorted({r["batch"] for r in rows}):
-            series = sorted((r for r in rows if r["batch"] == batch), key=lambda r: r["k"])
-            by_k.plot([r["k"] for r in series], [r["tokens_per_s"] for r in series], "o-", label=f"{label}, batch {batch}")
+            for forced in sorted({r["forced"] for r in rows if r["k"]}):
+                series = sorted((r for r in rows if r["batch"] == batch and r["forced"] in (None, forced)),
+                                key=lambda r: r["k"])
+                by_k.plot([r["k"] for r in series], [r["tokens_per_s"] for r in series],
+                          "o-" if forced >= 0.8 else "o:", label=f"{label}, batch {batch}, forced {forced}")
         for hf in data.get("transformers", []):
             by_batch.plot([hf["batch"]], [hf["tokens_per_s"]], "kx", markersize=9)
             peer = True
     if peer:
         by_batch.plot([], [], "kx", label="transformers generate")
-    by_batch.set(xscale="log", yscale="log", xlabel="batch size", ylabel="decode tokens/s", title="tokens/s vs batch")
-    by_k.set(yscale="log", xlabel="MTP drafts per step (k; 0 = off)", ylabel="decode tokens/s", title="tokens/s vs k")
+    by_batch.set(xscale="log", yscale="log", xlabel="batch size", ylabel="decode tokens/s", title=f"tokens/s vs batch (MTP: k = {args.k})")
+    by_k.set(yscale="log", xlabel="MTP drafts per step (k; 0 = off)", ylabel="decode tokens/s", title="tokens/s vs k (dotted: forced 0.6)")
     by_batch.legend(fontsize=7, loc="upper left")
-    by_k.legend(fontsize=7)
+    by_k.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
 
