@@ -5,11 +5,13 @@
 #
 # WHEELS: a folder of the wheels the machine lacks (pyzmq; fla-core for the prefill kernel), installed
 # into /tmp/shardspec-site with no index. OUT: where logs and JSON results go. Checkpoints are written
-# under .bench/ (kept while the machine is). Each stage fits in ~10 minutes on 2 × H200:
-#   tests   tests/test_cuda.py + tests/test_kernels.py, and the TP = 2 MTP test again with the
-#           symmetric-memory all-reduce
+# under .bench/ (kept while the machine is). Each stage fits in ~10 minutes on 2 × H200 (9b: ~5) and
+# writes at most 8 files to OUT:
+#   tests   tests/test_cuda.py + tests/test_kernels.py, and the MTP tests again with the symmetric-memory
+#           all-reduce (TP = 2) and the fp8 draft head
 #   9b      9B-class, TP = 1: batch 1/8/32, MTP off and k = 1..4 at 0.6 and 0.8, prefill 2k/8k,
-#           transformers' generate in the same run
+#           transformers' generate in the same run; the in-process batch-8 step and prefill profile;
+#           the drafts' LM head (bench/lm_head.py) and batch 1/8 MTP with the fp8 draft head
 #   9b-tp2  9B-class, TP = 2: NCCL and symmetric-memory all-reduce, batch 1/8/32, MTP off and k = 3 at 0.8;
 #           the all-reduce latency table, the in-process step profile at TP = 1 and 2 (with the
 #           all-reduce kernels of both ranks)
@@ -18,7 +20,7 @@
 # Then, where matplotlib is: python bench/plot_decode.py OUT/decode-9b-tp1.json ... --out docs/decode.png
 set -euo pipefail
 if [ $# -lt 3 ]; then
-    sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,/^set -euo/{/^set -euo/!p}' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 wheels=$1 out=$2
@@ -38,11 +40,19 @@ for stage in "$@"; do
     case $stage in
     tests)
         python3 -m pytest -q tests/test_cuda.py tests/test_kernels.py --durations=10 2>&1 | tee "$out/tests.log"
-        SHARDSPEC_ALLREDUCE=symm python3 -m pytest -q tests/test_cuda.py -k "mtp and 2" 2>&1 | tee "$out/tests-symm.log"
+        {   # MTP on = off again with the opt-in variants: the symmetric-memory all-reduce, the fp8 draft head
+            SHARDSPEC_ALLREDUCE=symm python3 -m pytest -q tests/test_cuda.py -k "mtp and 2"
+            SHARDSPEC_DRAFT_HEAD=fp8 python3 -m pytest -q tests/test_cuda.py -k mtp
+        } 2>&1 | tee "$out/tests-variants.log"
         ;;
     9b)
         python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 1 --batch 1 8 32 --k 1 2 3 4 --forced 0.6 0.8 \
             --prefill 2048 8192 --hf --out "$out/decode-9b-tp1.json" 2>&1 | tee "$out/decode-9b-tp1.log"
+        python3 bench/profile_step.py --size 9b --batch 8 --k 0 3 --prefill 2048 8192 2>&1 \
+            | tee "$out/profile-9b-prefill.log"   # the batch-8 step in-process, and where a prefill's time goes
+        python3 bench/lm_head.py --out "$out/lm-head.json" 2>&1 | tee "$out/lm-head.log"   # the drafts' head
+        SHARDSPEC_DRAFT_HEAD=fp8 python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 1 --batch 1 8 --k 3 \
+            --forced 0.8 --prefill --out "$out/decode-9b-tp1-fp8head.json" 2>&1 | grep -v -i warn
         ;;
     9b-tp2)
         python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 2 --batch 1 8 32 --k 3 --forced 0.8 --prefill 2048 \

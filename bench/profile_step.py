@@ -97,6 +97,7 @@ def prefill_profile(model: Qwen3_5Model, device: torch.device, length: int, say,
             sync(device)
         sort = "self_device_time_total" if device.type == "cuda" else "cpu_time_total"
         say(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
+    runner.close()
 
 
 def sync(device: torch.device) -> None:
@@ -167,7 +168,7 @@ def run(rank: int, args: argparse.Namespace, address: str) -> None:
             say(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
             if args.tp > 1 and device.type == "cuda":
                 all_reduce_timing(prof, device, say)
-        runner.release(seqs)
+        runner.close()
         del runner
     for length in args.prefill:
         prefill_profile(model, device, length, say, profile=length == args.prefill[-1])

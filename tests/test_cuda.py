@@ -76,19 +76,24 @@ def test_bf16_greedy_with_mtp_equals_without_on_the_gpu(tp):
 def test_every_graph_a_step_replays_is_captured_at_load():
     """A batch shrinks as its sequences finish, to smaller buckets, and sampled sequences take the
     verify + draft graphs where greedy ones take the fused one: no step may stop to capture."""
+    from shardspec import kernels
     from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepRequest
     from shardspec.shard_worker.runner import ModelRunner
 
+    if not kernels.ENABLED:
+        pytest.skip("graphs are captured per context bucket on first use without the kernels")
     model = load_model(BUNDLED_MODEL, TPGroup(), torch.bfloat16, torch.device("cuda"), with_mtp=True)
     runner = ModelRunner(model, torch.device("cuda"), max_slots=6, max_seq_len=128, prefill_chunk=128, draft_len=2)
     captured = {key: set(bucket.graphs) for key, bucket in runner.passes.buckets.items()}
     assert sorted(size for size, _ in captured) == [1, 2, 4, 8]
     assert all(names == {"fused", "verify", "draft"} for names in captured.values())
     prompt = torch.tensor(Tokenizer.from_folder(BUNDLED_MODEL).encode(PROMPTS[0]))
+    sampled = 5  # the longest-lived: mixed steps at every size, greedy-only steps of up to 5 rows
     specs = [PrefillSpec(seq=i, length=len(prompt), max_tokens=4 + 3 * i,
-                         sampling=SamplingParams(temperature=0.8 * (i % 2), seed=i)) for i in range(6)]
+                         sampling=SamplingParams(temperature=0.8 if i == sampled else 0.0, seed=i)) for i in range(6)]
     runner.step(StepRequest(prefill=specs), prompt.repeat(6))
     while live := [s for s, seq in runner.sequences.items() if not seq.finished]:
         runner.step(StepRequest(decode=live), torch.empty(0, dtype=torch.long))
-        runner.step(StepRequest(decode=[s for s in live if s % 2 == 0]), torch.empty(0, dtype=torch.long))
+        runner.step(StepRequest(decode=[s for s in live if s != sampled]), torch.empty(0, dtype=torch.long))
     assert {key: set(bucket.graphs) for key, bucket in runner.passes.buckets.items()} == captured
+    runner.close()

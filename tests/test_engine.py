@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections import Counter
 
 import pytest
 import torch

@@ -18,16 +18,16 @@ if not GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton", reason="Triton is not installed (it comes with CUDA builds of torch)")
 
-from shardspec import kernels  # noqa: E402
-from shardspec.kernels import gdn as kernel_gdn  # noqa: E402
-from shardspec.kernels import norm as kernel_norm  # noqa: E402
-from shardspec.layers import gdn as reference_gdn  # noqa: E402
-from shardspec.layers.attention import GatedAttention  # noqa: E402
-from shardspec.layers.batch import Batch  # noqa: E402
-from shardspec.layers.norm import GatedRMSNorm, RMSNorm  # noqa: E402
-from shardspec.layers.parallel import TPGroup  # noqa: E402
-from shardspec.models.config import ModelConfig  # noqa: E402
-from shardspec.models.random_checkpoint import tiny_config  # noqa: E402
+from shardspec import kernels
+from shardspec.kernels import gdn as kernel_gdn
+from shardspec.kernels import norm as kernel_norm
+from shardspec.layers import gdn as reference_gdn
+from shardspec.layers.attention import GatedAttention
+from shardspec.layers.batch import Batch
+from shardspec.layers.norm import GatedRMSNorm, RMSNorm
+from shardspec.layers.parallel import TPGroup
+from shardspec.models.config import ModelConfig
+from shardspec.models.random_checkpoint import tiny_config
 
 DEVICE = torch.device("cuda" if GPU else "cpu")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -131,6 +131,25 @@ def test_gated_deltanet_kernels_match_the_reference_and_update_states_in_place(d
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [2, 37])
+def test_the_convolution_over_several_token_blocks_matches_the_reference(dtype, T):
+    """A prefill chunk's convolution runs its tokens in parallel blocks: every block reads its own
+    window, only the first reads the old state, and the new state is the chunk's last K-1 inputs
+    (for T < K-1, old state and input together). x is a slice of a wider projection, as in the layer."""
+    assert T < 3 or T > 2 * kernel_gdn.CONV_TOKENS
+    inputs = gdn_inputs(dtype, T)
+    C = inputs["x"].shape[-1]
+    wide = torch.cat([inputs["x"], torch.randn(3, T, 40, dtype=dtype)], -1)
+    ref, dev = on("cpu", inputs), on(DEVICE, inputs)
+    ref["x"], dev["x"] = wide[..., :C], wide.to(DEVICE)[..., :C]
+    expected = reference_gdn.causal_conv(ref["x"], ref["conv_state"], ref["conv_weight"], ref["slots"])
+    actual = kernel_gdn.causal_conv(dev["x"], dev["conv_state"], dev["conv_weight"], dev["slots"])
+    assert_agree(actual, expected, dtype)
+    assert_agree(dev["conv_state"], ref["conv_state"], dtype)
+    assert torch.equal(dev["conv_state"][[1, 4]].cpu(), inputs["conv_state"][[1, 4]])  # slots no row uses
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_a_speculative_pass_leaves_states_alone_and_its_replay_commits_the_accepted_prefix(dtype):
     inputs = gdn_inputs(dtype, 4)
     lengths = torch.tensor([1, 4, 2])  # accepted tokens + 1 per row
@@ -190,3 +209,58 @@ def test_prefill_through_fla_matches_the_float32_reference():
     out_k, _ = run_gdn(kernel_gdn, dev, write=True)
     torch.testing.assert_close(out_k.float().cpu(), out, rtol=0.05, atol=0.05)
     torch.testing.assert_close(dev["state"].cpu(), ref["state"], rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("M", [1, 5])
+def test_the_draft_head_argmax_matches_the_logits_argmax(fp8, M):
+    """The drafts' LM head (no logits written): the argmax and max of x @ W^T (W bf16, or fp8 with
+    a scale per row) as the dequantized matmul gives them; rows past `valid` (vocabulary padding)
+    never win, and a tie goes to the lowest index."""
+    from shardspec.kernels import head
+
+    torch.manual_seed(M)
+    N, K, valid = 300, 160, 290  # several blocks of rows, a partial one, and K not a block multiple
+    weight = torch.randn(N, K, dtype=torch.bfloat16)
+    weight[valid:] = 10.0  # padding rows that would win every argmax
+    weight[77] = weight[211]  # a tie between two blocks: the argmax of rows that pick 211 must be 77
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    x[0] = weight[211] * 2  # row 0's maximum is the tie
+    w, scale = head.quantize_rows(weight) if fp8 else (weight, None)
+    dense = w.float() * (scale[:, None] if fp8 else 1.0)
+    logits = x.float() @ dense.T
+    logits[:, valid:] = float("-inf")
+    value, index = head.argmax(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE) if fp8 else None, valid)
+    assert index.cpu().tolist() == logits.argmax(-1).tolist()
+    assert index[0].item() == 77
+    torch.testing.assert_close(value.cpu(), logits.max(-1).values, rtol=1e-4, atol=1e-4)
+
+
+def test_the_fp8_head_keeps_each_row_within_fp8_rounding():
+    from shardspec.kernels import head
+
+    weight = torch.randn(64, 96) * torch.logspace(-3, 1, 64)[:, None]  # rows of very different sizes
+    w8, scale = head.quantize_rows(weight)
+    assert w8.dtype == torch.float8_e4m3fn and scale.shape == (64,)
+    error = (w8.float() * scale[:, None] - weight).abs().amax(1) / weight.abs().amax(1)
+    assert error.max() <= 2**-4  # e4m3: 3 mantissa bits, half an ulp relative
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp8"])
+def test_the_lm_head_drafts_through_the_head_kernel(mode, monkeypatch):
+    """ParallelLMHead.draft_argmax with the kernel chosen: the argmax of each row of [B, T, H]
+    hidden states over the weight the mode reads; "cublas" goes back to the logits' argmax."""
+    from shardspec.layers.embedding import ParallelLMHead
+
+    torch.manual_seed(0)
+    lm_head = ParallelLMHead(300, 160, TPGroup()).to(torch.bfloat16)
+    lm_head.weight.data.normal_()
+    hidden = torch.randn(2, 3, 160, dtype=torch.bfloat16)
+    monkeypatch.setattr(kernels, "enabled", lambda x: True)  # the kernel path on the CPU (interpreted)
+    lm_head.use_draft_kernel(mode)
+    assert lm_head.draft_weight.dtype == (torch.float8_e4m3fn if mode == "fp8" else torch.bfloat16)
+    dense = lm_head.draft_weight.float() * (lm_head.draft_scale[:, None] if mode == "fp8" else 1.0)
+    assert lm_head.draft_argmax(hidden).tolist() == (hidden.float() @ dense.T).argmax(-1).tolist()
+    lm_head.use_draft_kernel("cublas")
+    assert lm_head.draft_weight is None and torch.equal(lm_head.draft_argmax(hidden), lm_head.argmax(hidden))
+    assert [name for name, _ in lm_head.named_parameters()] == ["weight"]

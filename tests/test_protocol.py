@@ -11,9 +11,17 @@ import pytest
 import torch
 import zmq
 
-from shardspec.protocol import DTYPES, PROTOCOL_VERSION, ErrorCode, Message, ProtocolError, decode, encode
+from shardspec.protocol import (
+    DTYPES,
+    PROTOCOL_VERSION,
+    ErrorCode,
+    Message,
+    ProtocolError,
+    decode,
+    encode,
+    transport,
+)
 from shardspec.protocol import messages as m
-from shardspec.protocol import transport
 
 SHAPES = [(), (0,), (3, 0, 2), (1,), (7,), (2, 3), (2, 3, 4, 5)]
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 from collections import Counter
 
@@ -20,7 +19,7 @@ P_VALUE_FLOOR = 1e-3  # a correct sampler fails this test one run in a thousand 
 
 async def generate_all(engine, prompts, **kwargs) -> list[list[int]]:
     async def one(prompt):
-        tokens, stats = [], None
+        tokens = []
         async for chunk in engine.generate(prompt, **kwargs):
             tokens += chunk.token_ids
         return tokens

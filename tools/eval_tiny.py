@@ -23,13 +23,13 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_tiny import EOS, is_held_out, stdlib_files  # noqa: E402
+from train_tiny import EOS, is_held_out, stdlib_files
 
-import shardspec  # noqa: E402
-from shardspec.layers.batch import Batch  # noqa: E402
-from shardspec.layers.parallel import TPGroup  # noqa: E402
-from shardspec.models.loader import load_model  # noqa: E402
-from shardspec.orchestrator.tokenizer import Tokenizer  # noqa: E402
+import shardspec
+from shardspec.layers.batch import Batch
+from shardspec.layers.parallel import TPGroup
+from shardspec.models.loader import load_model
+from shardspec.orchestrator.tokenizer import Tokenizer
 
 BUNDLED = Path(shardspec.__file__).parent / "bundled"
 

@@ -26,14 +26,16 @@ if os.environ.get("SHARDSPEC_FLA", "1") == "0":
     chunk_gated_delta_rule = None
 
 FLA_MIN_TOKENS = 64  # prefill chunks at least this long use fla's chunked form when installed
+CONV_TOKENS = 16  # tokens per program of the causal convolution
 
 
 @triton.jit
 def _causal_conv_kernel(x_ptr, state_ptr, w_ptr, slots_ptr, lengths_ptr, y_ptr, T, C, stride_xb, stride_xt,
-                        K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, HAS_LENGTHS: tl.constexpr,
-                        WRITE_OUT: tl.constexpr, WRITE_STATE: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
+                        K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, BT: tl.constexpr,
+                        HAS_LENGTHS: tl.constexpr, WRITE_OUT: tl.constexpr, WRITE_STATE: tl.constexpr):
+    t0 = tl.program_id(0) * BT  # this program's tokens: t0 .. t0 + BT - 1 (each needs only its window)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    b = tl.program_id(2).to(tl.int64)
     mask = c < C
     slot = tl.load(slots_ptr + b)
     n = T
@@ -44,7 +46,7 @@ def _causal_conv_kernel(x_ptr, state_ptr, w_ptr, slots_ptr, lengths_ptr, y_ptr, 
     dtype = y_ptr.dtype.element_ty
     zero = tl.zeros([BLOCK], dtype=tl.int32)  # (a scalar condition, as a vector like the mask)
     if WRITE_OUT:
-        for t in range(0, T):
+        for t in range(t0, tl.minimum(t0 + BT, T)):
             acc = tl.zeros([BLOCK], dtype=tl.float32)
             for j in tl.static_range(K):  # window position t + j: the state's column t + j, or input t + j - (K - 1)
                 src = t + j - (K - 1)
@@ -54,32 +56,40 @@ def _causal_conv_kernel(x_ptr, state_ptr, w_ptr, slots_ptr, lengths_ptr, y_ptr, 
                 acc += w * (from_x.to(tl.float32) + from_state.to(tl.float32))
             acc = acc.to(dtype).to(tl.float32)  # the convolution's output rounds before the SiLU
             tl.store(y_ptr + (b * T + t) * C + c, (acc * tl.sigmoid(acc)).to(dtype), mask=mask)
-    if WRITE_STATE:  # the K-1 inputs ending at token n-1: window positions n .. n+K-2
-        if WRITE_OUT:  # other warps of this program read the old state in the loop above
-            tl.debug_barrier()
-        j = tl.arange(0, KP)
-        src = n + j - (K - 1)
-        keep = mask[:, None] & (j < K - 1)[None, :]
-        from_x = tl.load(x_row[:, None] + src[None, :] * stride_xt, mask=keep & (src >= 0)[None, :], other=0.0)
-        from_state = tl.load(state[:, None] + (n + j)[None, :], mask=keep & (src < 0)[None, :], other=0.0)
-        tl.store(state[:, None] + j[None, :], from_x + from_state, mask=keep)
+    # the K-1 inputs ending at token n-1 (window positions n .. n+K-2), written by the first token
+    # block: the only one that reads the old state (tokens < K-1 <= BT)
+    if WRITE_STATE:
+        if t0 == 0:
+            if WRITE_OUT:  # other warps of this program read the old state in the loop above
+                tl.debug_barrier()
+            j = tl.arange(0, KP)
+            src = n + j - (K - 1)
+            keep = mask[:, None] & (j < K - 1)[None, :]
+            from_x = tl.load(x_row[:, None] + src[None, :] * stride_xt, mask=keep & (src >= 0)[None, :], other=0.0)
+            from_state = tl.load(state[:, None] + (n + j)[None, :], mask=keep & (src < 0)[None, :], other=0.0)
+            tl.store(state[:, None] + j[None, :], from_x + from_state, mask=keep)
 
 
 def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor,
                 write_out: bool = True, write_state: bool = True,
                 lengths: torch.Tensor | None = None) -> torch.Tensor | None:
-    """x [B, T, C] (unit stride along C); state [slots, C, K-1]; weight [C, 1, K] -> silu(conv) [B, T, C]."""
+    """x [B, T, C] (unit stride along C); state [slots, C, K-1]; weight [C, 1, K] -> silu(conv) [B, T, C].
+
+    One program per (CONV_TOKENS tokens, 256 channels, row): a prefill chunk runs in parallel over
+    its tokens, not token after token."""
     B, T, C = x.shape
     K = weight.shape[-1]
     assert x.stride(-1) == 1 and state.is_contiguous() and weight.is_contiguous()
     assert not (write_out and lengths is not None), "a replay (lengths) writes only the state"
     assert slots.is_contiguous() and (lengths is None or lengths.is_contiguous())
+    assert K - 1 <= CONV_TOKENS, "only the first token block may read the old state"
     y = torch.empty(B, T, C, dtype=x.dtype, device=x.device) if write_out else x
     BLOCK = 256
-    _causal_conv_kernel[(B, triton.cdiv(C, BLOCK))](
+    blocks = triton.cdiv(T, CONV_TOKENS) if write_out else 1
+    _causal_conv_kernel[(blocks, triton.cdiv(C, BLOCK), B)](
         x, state, weight, slots, lengths if lengths is not None else slots, y, T, C, x.stride(0), x.stride(1),
-        K=K, KP=triton.next_power_of_2(K - 1), BLOCK=BLOCK, HAS_LENGTHS=lengths is not None, WRITE_OUT=write_out, WRITE_STATE=write_state,
-        num_warps=2,
+        K=K, KP=triton.next_power_of_2(K - 1), BLOCK=BLOCK, BT=CONV_TOKENS, HAS_LENGTHS=lengths is not None,
+        WRITE_OUT=write_out, WRITE_STATE=write_state, num_warps=2,
     )
     return y if write_out else None
 

@@ -63,14 +63,17 @@ class GatedAttention(nn.Module):
         k = self.rotary(self.k_norm(k.view(B, T, self.kv_heads, self.head_dim)), batch.positions)
         v = v.view(B, T, self.kv_heads, self.head_dim)
 
-        if batch.slots is None:
+        if batch.slots is not None:
+            rows = batch.slots[:, None]
+            self.k_cache[rows, batch.positions] = k
+            self.v_cache[rows, batch.positions] = v
+        if batch.slots is None or (batch.kv_len == T and self.k_cache.dtype == k.dtype):
+            # every row's positions are 0..T-1 (T distinct positions below kv_len = T): the keys are
+            # exactly this pass's, so plain causal attention over them (the flash kernel, no mask)
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
             )
         else:
-            rows = batch.slots[:, None]
-            self.k_cache[rows, batch.positions] = k
-            self.v_cache[rows, batch.positions] = v
             keys = self.k_cache[batch.slots, : batch.kv_len].transpose(1, 2)
             values = self.v_cache[batch.slots, : batch.kv_len].transpose(1, 2)
             visible = torch.arange(batch.kv_len, device=x.device) <= batch.positions[..., None]  # [B, T, L]

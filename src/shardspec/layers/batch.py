@@ -12,8 +12,8 @@ class Batch:
     """Where the T new tokens of each of B sequences go: cache slot and absolute positions."""
 
     slots: torch.Tensor | None  # [B] long; None: no cache at all (training, scoring whole texts)
-    positions: torch.Tensor  # [B, T] long
-    kv_len: int  # keys to attend over: max(positions) + 1
+    positions: torch.Tensor  # [B, T] long, ascending in each row
+    kv_len: int  # keys to attend over: at least max(positions) + 1 (a context bucket may be more)
     speculative: bool = False  # recurrent layers leave their states alone until commit() (verify passes)
 
     @classmethod

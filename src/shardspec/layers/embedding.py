@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardspec import kernels
 from shardspec.layers.parallel import TPGroup, shard
 
 
@@ -43,6 +44,8 @@ class ParallelLMHead(nn.Module):
         weight = nn.Parameter(torch.empty(self.end - self.start, dim), requires_grad=False)
         self.weight = shard(weight, 0, [(self.start, self.end)])
         self.tp = tp
+        self.draft_weight: torch.Tensor | None = None  # see use_draft_kernel
+        self.draft_scale: torch.Tensor | None = None
 
     def local_logits(self, h: torch.Tensor) -> torch.Tensor:
         logits = F.linear(h, self.weight).float()
@@ -59,6 +62,32 @@ class ParallelLMHead(nn.Module):
         """Global argmax from one (max, index) pair per rank; ties go to the lowest index."""
         local = self.local_logits(h)
         value, index = local.max(dim=-1)
+        return self._global(value, index)
+
+    def use_draft_kernel(self, mode: str) -> None:
+        """How draft_argmax reads the head: "cublas" (the logits, as argmax does), "bf16" (the head
+        kernel on this weight: no logits) or "fp8" (the kernel on an fp8 copy: half the bytes)."""
+        if mode not in ("cublas", "bf16", "fp8"):
+            raise ValueError(f"draft head must be cublas, bf16 or fp8, got {mode!r}")
+        self.draft_weight = self.draft_scale = None
+        if mode == "bf16":
+            self.draft_weight = self.weight.data  # (a plain tensor: not registered as a parameter)
+        elif mode == "fp8":
+            self.draft_weight, self.draft_scale = kernels.head.quantize_rows(self.weight)
+
+    def draft_argmax(self, h: torch.Tensor) -> torch.Tensor:
+        """argmax for the MTP drafts: through the head kernel where use_draft_kernel chose it (a
+        draft need not equal the target's argmax bit for bit; the verify pass decides the output)."""
+        rows = h.reshape(-1, h.shape[-1])
+        weight = self.draft_weight
+        if weight is None or not kernels.enabled(h) or rows.shape[0] > kernels.head.MAX_ROWS:
+            return self.argmax(h)
+        valid = max(0, min(self.end, self.vocab_size) - self.start)
+        value, index = kernels.head.argmax(rows, weight, self.draft_scale, valid)
+        return self._global(value.view(h.shape[:-1]), index.view(h.shape[:-1]))
+
+    def _global(self, value: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The vocabulary-wide argmax from this rank's (max, local index)."""
         if self.tp.size == 1:
             return index
         pairs = torch.stack([value, (index + self.start).float()], dim=-1)  # exact below 2**24

@@ -25,7 +25,16 @@ from shardspec.orchestrator.engine import Engine, EngineError
 from shardspec.orchestrator.metrics import CONTENT_TYPE, ServingMetrics
 from shardspec.orchestrator.workers import WorkerLost
 from shardspec.protocol.errors import RemoteError
-from shardspec.server.api import ApiError, ChatBody, ChatShape, CompletionBody, GenerationBody, Shape, parse_body, usage
+from shardspec.server.api import (
+    ApiError,
+    ChatBody,
+    ChatShape,
+    CompletionBody,
+    GenerationBody,
+    Shape,
+    parse_body,
+    usage,
+)
 from shardspec.server.chat import ChatTemplate, ChatTemplateError
 
 log = logging.getLogger("shardspec.server")

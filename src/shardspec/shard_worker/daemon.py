@@ -35,7 +35,6 @@ from shardspec.models.qwen3_5 import Qwen3_5Model
 from shardspec.protocol import codec, transport
 from shardspec.protocol.codec import Message
 from shardspec.protocol.errors import ErrorCode, ProtocolError
-from shardspec.security import KeyPair
 from shardspec.protocol.messages import (
     REQUESTS,
     ErrorReply,
@@ -53,6 +52,7 @@ from shardspec.protocol.messages import (
     parse,
     to_meta,
 )
+from shardspec.security import KeyPair
 from shardspec.shard_worker.runner import ModelRunner
 from shardspec.utils import memory_stats, parse_device, resolve_dtype
 
@@ -171,7 +171,8 @@ class ShardWorker:
         if self.state == "idle" and self.owner is None:
             return
         log.info("%s: releasing model and group, back to idle", why)
-        self.runner = self.model = self.model_key = None
+        self._drop_runner()
+        self.model = self.model_key = None
         self.weight_bytes = 0
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -281,7 +282,8 @@ class ShardWorker:
         except ValueError as exc:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc)) from None
         started = time.perf_counter()
-        self.runner, self.state = None, "initialized"  # a load replaces every sequence and cache
+        self._drop_runner()  # a load replaces every sequence and cache
+        self.state = "initialized"
         self._free_memory()
         key = (body.model, dtype)
         if self.model is not None and self.model_key == key and (body.mtp == "off" or self.model.mtp is not None):
@@ -335,6 +337,11 @@ class ShardWorker:
             return load_model(body.model, self.tp, dtype, self.device, with_mtp=with_mtp, progress=progress)
         except (ConfigError, OSError) as exc:
             raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
+
+    def _drop_runner(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
 
     def _free_memory(self) -> None:
         gc.collect()

@@ -100,20 +100,26 @@ class StepPasses:
         """Capture, ahead of any step, every graph a step of up to max_batch sequences can replay:
         otherwise the first step at each batch bucket (a batch shrinks as its sequences finish)
         stalls on a capture, tens to hundreds of milliseconds. Only where one context bucket covers
-        every context (the kernels read the cache in place); returns the number of graphs captured."""
+        every context (the kernels read the cache in place). Largest bucket first, so that the
+        smaller ones reuse its freed temporaries in the shared pool. Returns the graphs captured."""
         if not self.graphs or not kernels.ENABLED:
             return 0
+        sizes = [b for b in BATCH_BUCKETS if b < max_batch]
+        sizes.append(next((b for b in BATCH_BUCKETS if b >= max_batch), BATCH_BUCKETS[-1]))
         names = ["fused", "verify"] if self.draft_len else ["verify"]  # verify captures draft with it
-        captured = 0
-        for size in BATCH_BUCKETS:
+        before = sum(len(bucket.graphs) for bucket in self.buckets.values())
+        for size in reversed(sizes):
             bucket = self._bucket(size, self.max_context)
             for name in names:
                 if name not in bucket.graphs:
                     self._capture(bucket, name)
-                    captured += 1
-            if size >= max_batch:
-                break
-        return captured
+        return sum(len(bucket.graphs) for bucket in self.buckets.values()) - before
+
+    def close(self) -> None:
+        """Drop every graph and what they hold (the pool's memory goes back once nothing else
+        holds it: the caller also drops the layers' references to the last pass)."""
+        self.buckets.clear()
+        self._draft = None
 
     def _upload(self, rows: list[list[int]], context: int) -> _Bucket | None:
         """The rows, padded, into their bucket's input (None: no graph for this batch, run eagerly)."""
@@ -157,7 +163,7 @@ class StepPasses:
             # besides its outputs (layer attributes at capture time); the bucket owns them, so no
             # later capture can take their memory from the pool
             bucket.graphs["verify"] = self._graph(lambda: self.verify_fn(packed, context))
-            bucket.verify_state = self.verify_state()
+            bucket.verify_state = self.verify_state() if self.draft_len else None
             if self.draft_len:
                 hidden = bucket.graphs["verify"][1][0]
                 bucket.graphs["draft"] = self._graph(lambda: self.draft_fn(packed, accepts, hidden, context))

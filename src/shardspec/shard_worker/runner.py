@@ -13,11 +13,13 @@ states, and chains the MTP head k times to draft again. Nothing but token ids le
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from shardspec import kernels
 from shardspec.layers.batch import Batch
 from shardspec.layers.gdn import GatedDeltaNet
 from shardspec.layers.sampling import (
@@ -34,6 +36,9 @@ from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepRequest
 from shardspec.shard_worker.graphs import StepPasses
 
 log = logging.getLogger("shardspec.worker")
+# how the MTP drafts read the LM head on CUDA: "cublas" (logits, then argmax), "bf16" or "fp8"
+# (shardspec.kernels.head: no logits; fp8 reads half the bytes)
+DRAFT_HEAD = os.environ.get("SHARDSPEC_DRAFT_HEAD", "cublas")
 
 
 @dataclass
@@ -127,17 +132,35 @@ class ModelRunner:
         # those (also for a sequence that finishes in that step): room for them; one more slot is
         # scratch space for the padding rows of graphed batches
         self.context = max_seq_len + 2 * draft_len
+        self.cache_dtype = dtype
+        if draft_len:  # the drafts' LM head: see ParallelLMHead.use_draft_kernel
+            kernel_ok = kernels.enabled(model.lm_head.weight) and dtype in (torch.bfloat16, torch.float16)
+            model.lm_head.use_draft_kernel(DRAFT_HEAD if kernel_ok else "cublas")
         self.cache_bytes = model.allocate_caches(max_slots + 1, self.context, dtype, device)
         self.deltanets = [layer.mixer for layer in model.layers if isinstance(layer.mixer, GatedDeltaNet)]
         self.passes = StepPasses(self._verify_pass, self._draft_pass, self._fused_pass, device, draft_len,
                                  scratch_slot=max_slots, max_context=self.context, graphs=cuda_graphs,
                                  verify_state=lambda: [layer.pending for layer in self.deltanets])
         started = time.perf_counter()
-        with torch.inference_mode():
-            captured = self.passes.capture_all(max_slots)
+        try:
+            with torch.inference_mode():
+                captured = self.passes.capture_all(max_slots)
+        except BaseException:  # out of memory, say: leave no caches or graphs behind
+            self.close()
+            raise
         if captured:
-            log.info("captured %d CUDA graphs (batch buckets up to %d sequences) in %.1fs", captured, max_slots,
+            log.info("captured %d CUDA graphs (batch buckets for up to %d sequences) in %.1fs", captured, max_slots,
                      time.perf_counter() - started)
+
+    def close(self) -> None:
+        """Free the caches and the graphs (with the layers' references into the graphs' memory
+        pool), so that a new runner on the same model does not hold both."""
+        self.passes.close()
+        for layer in self.deltanets:
+            layer.pending = None
+        self.model.allocate_caches(0, 0, self.cache_dtype, self.device)
+        self.model.lm_head.use_draft_kernel("cublas")
+        self.sequences.clear()
 
     # --- the step -------------------------------------------------------------------------------
 
@@ -349,7 +372,7 @@ class ModelRunner:
         """Chain the MTP head: draft i is its argmax; its output and draft i feed draft i+1 ([B, k])."""
         drafts = []
         for i in range(self.draft_len):
-            token = self.model.lm_head.argmax(head)  # vocabulary-parallel: (max, index) per rank
+            token = self.model.lm_head.draft_argmax(head)  # vocabulary-parallel: (max, index) per rank
             drafts.append(token)
             if i + 1 < self.draft_len:
                 head = self._mtp(token[:, None], head[:, None], slots, (lengths + i)[:, None], context)[:, 0]
