@@ -36,6 +36,7 @@ from shardspec.models.random_checkpoint import (
 )
 from shardspec.orchestrator.engine import FORCED_ACCEPTANCE_ENV
 from shardspec.protocol.messages import LoadRequest
+from shardspec.shard_worker.runner import DRAFT_HEAD
 
 SIZES = {"tiny": tiny_config, "9b": nine_b_config, "27b": twenty_seven_b_config}
 PROMPT_LEN = 128
@@ -207,6 +208,7 @@ def setup() -> dict:
     return {"commit": commit, "torch": torch.__version__, "triton": installed("triton"),
             "fla-core": installed("fla-core"), "transformers": installed("transformers"),
             "allreduce": os.environ.get("SHARDSPEC_ALLREDUCE", "nccl"),
+            "draft_head": DRAFT_HEAD,
             "kernels": os.environ.get("SHARDSPEC_KERNELS", "1") != "0"}
 
 

@@ -8,10 +8,10 @@
 # under .bench/ (kept while the machine is). Each stage fits in ~10 minutes on 2 × H200 (9b: ~5) and
 # writes at most 8 files to OUT:
 #   tests   tests/test_cuda.py + tests/test_kernels.py, and the MTP tests again with the symmetric-memory
-#           all-reduce (TP = 2) and the fp8 draft head
+#           all-reduce (TP = 2) and the cuBLAS draft head
 #   9b      9B-class, TP = 1: batch 1/8/32, MTP off and k = 1..4 at 0.6 and 0.8, prefill 2k/8k,
 #           transformers' generate in the same run; the in-process batch-8 step and prefill profile;
-#           the drafts' LM head (bench/lm_head.py) and batch 1/8 MTP with the fp8 draft head
+#           the drafts' LM head (bench/lm_head.py) and batch 1/8 MTP with the cuBLAS draft head (the peer)
 #   9b-tp2  9B-class, TP = 2: NCCL and symmetric-memory all-reduce, batch 1/8/32, MTP off and k = 3 at 0.8;
 #           the all-reduce latency table, the in-process step profile at TP = 1 and 2 (with the
 #           all-reduce kernels of both ranks)
@@ -40,9 +40,9 @@ for stage in "$@"; do
     case $stage in
     tests)
         python3 -m pytest -q tests/test_cuda.py tests/test_kernels.py --durations=10 2>&1 | tee "$out/tests.log"
-        {   # MTP on = off again with the opt-in variants: the symmetric-memory all-reduce, the fp8 draft head
+        {   # MTP on = off again with the other variants: the symmetric-memory all-reduce, the cuBLAS draft head
             SHARDSPEC_ALLREDUCE=symm python3 -m pytest -q tests/test_cuda.py -k "mtp and 2"
-            SHARDSPEC_DRAFT_HEAD=fp8 python3 -m pytest -q tests/test_cuda.py -k mtp
+            SHARDSPEC_DRAFT_HEAD=cublas python3 -m pytest -q tests/test_cuda.py -k mtp
         } 2>&1 | tee "$out/tests-variants.log"
         ;;
     9b)
@@ -51,8 +51,8 @@ for stage in "$@"; do
         python3 bench/profile_step.py --size 9b --batch 8 --k 0 3 --prefill 2048 8192 2>&1 \
             | tee "$out/profile-9b-prefill.log"   # the batch-8 step in-process, and where a prefill's time goes
         python3 bench/lm_head.py --out "$out/lm-head.json" 2>&1 | tee "$out/lm-head.log"   # the drafts' head
-        SHARDSPEC_DRAFT_HEAD=fp8 python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 1 --batch 1 8 --k 3 \
-            --forced 0.8 --prefill --out "$out/decode-9b-tp1-fp8head.json" 2>&1 | grep -v -i warn
+        SHARDSPEC_DRAFT_HEAD=cublas python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 1 --batch 1 8 --k 3 \
+            --forced 0.8 --prefill --out "$out/decode-9b-tp1-cublas-head.json" 2>&1 | grep -v -i warn
         ;;
     9b-tp2)
         python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 2 --batch 1 8 32 --k 3 --forced 0.8 --prefill 2048 \

@@ -1,5 +1,5 @@
 """The drafts' LM head: the argmax of x @ W^T without the logits, W in bf16 or in fp8 with a scale
-per row.
+per row (the default for MTP drafts on CUDA: SHARDSPEC_DRAFT_HEAD=fp8).
 
 A draft token is only the argmax of its logits, and a draft's LM-head pass reads the whole head
 (2 GB on a 9B-class Qwen3.5) for one to a few rows: bound by the bytes read. This kernel reads W
@@ -20,10 +20,16 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
 
-def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [V, K] -> (float8 e4m3 [V, K], fp32 scale [V]) with weight ≈ w8 * scale[:, None]."""
-    scale = weight.float().abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
-    w8 = (weight.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+def quantize_rows(weight: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [V, K] -> (float8 e4m3 [V, K], fp32 scale [V]) with weight ≈ w8 * scale[:, None];
+    a chunk of rows at a time, so that no fp32 copy of the whole head is ever made."""
+    w8 = torch.empty(weight.shape, dtype=FP8, device=weight.device)
+    scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    for start in range(0, weight.shape[0], chunk):
+        rows = weight[start : start + chunk].float()
+        s = rows.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
+        w8[start : start + chunk] = (rows / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        scale[start : start + chunk] = s
     return w8, scale
 
 
