@@ -11,7 +11,8 @@
 #           all-reduce (TP = 2) and the cuBLAS draft head
 #   9b      9B-class, TP = 1: batch 1/8/32, MTP off and k = 1..4 at 0.6 and 0.8, prefill 2k/8k,
 #           transformers' generate in the same run; the in-process batch-8 step and prefill profile;
-#           the drafts' LM head (bench/lm_head.py) and batch 1/8 MTP with the cuBLAS draft head (the peer)
+#           the drafts' LM head (bench/lm_head.py), the delta rule's tiles (bench/kernels.py), and batch 1/8
+#           MTP with the cuBLAS draft head (the peer)
 #   9b-tp2  9B-class, TP = 2: NCCL and symmetric-memory all-reduce, batch 1/8/32, MTP off and k = 3 at 0.8;
 #           the all-reduce latency table, the in-process step profile at TP = 1 and 2 (with the
 #           all-reduce kernels of both ranks)
@@ -50,7 +51,8 @@ for stage in "$@"; do
             --prefill 2048 8192 --hf --out "$out/decode-9b-tp1.json" 2>&1 | tee "$out/decode-9b-tp1.log"
         python3 bench/profile_step.py --size 9b --batch 8 --k 0 3 --prefill 2048 8192 2>&1 \
             | tee "$out/profile-9b-prefill.log"   # the batch-8 step in-process, and where a prefill's time goes
-        python3 bench/lm_head.py --out "$out/lm-head.json" 2>&1 | tee "$out/lm-head.log"   # the drafts' head
+        python3 bench/lm_head.py --out "$out/lm-head.json"    # the drafts' LM head, cuBLAS against the kernel
+        python3 bench/kernels.py --out "$out/kernels.json"    # the gated delta rule's tile shapes
         SHARDSPEC_DRAFT_HEAD=cublas python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 1 --batch 1 8 --k 3 \
             --forced 0.8 --prefill --out "$out/decode-9b-tp1-cublas-head.json" 2>&1 | grep -v -i warn
         ;;

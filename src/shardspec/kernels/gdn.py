@@ -137,11 +137,13 @@ def _delta_rule_kernel(qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, state_ptr,
 
 def delta_rule(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                state: torch.Tensor, slots: torch.Tensor, k_heads: int, dk: int, write_out: bool = True,
-               write_state: bool = True, lengths: torch.Tensor | None = None) -> torch.Tensor | None:
+               write_state: bool = True, lengths: torch.Tensor | None = None, block_v: int = 16,
+               num_warps: int = 2) -> torch.Tensor | None:
     """qkv [B, T, q|k|v] after the convolution; a, b [B, T, HV] projections; state [slots, HV, dk, DV] fp32.
 
     Returns the output [B, T, HV, DV] in qkv's dtype (when write_out). `lengths` (replay) writes
-    no output."""
+    no output. Each program holds a [dk, block_v] tile of one head's state (bench/kernels.py times
+    the choices)."""
     B, T, _ = qkv.shape
     HV, DK, DV = state.shape[1:]
     assert DK == dk and not (write_out and lengths is not None)
@@ -152,12 +154,12 @@ def delta_rule(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch
     assert state.is_contiguous() and state.dtype == torch.float32
     assert slots.is_contiguous() and (lengths is None or lengths.is_contiguous())
     out = torch.empty(B, T, HV, DV, dtype=qkv.dtype, device=qkv.device) if write_out else None
-    BV = min(16, DV)
+    BV = min(block_v, DV)
     _delta_rule_kernel[(triton.cdiv(DV, BV), B * HV)](
         qkv, a, b, A_log, dt_bias, state, slots, lengths if lengths is not None else slots,
         out if write_out else qkv, T, qkv.stride(0), qkv.stride(1), a.stride(0), a.stride(1), DK**-0.5,
         HK=k_heads, HV=HV, DK=DK, DV=DV, BV=BV, HAS_LENGTHS=lengths is not None, WRITE_OUT=write_out,
-        WRITE_STATE=write_state, num_warps=2,
+        WRITE_STATE=write_state, num_warps=num_warps,
     )
     return out
 
