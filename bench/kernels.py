@@ -19,8 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode import copy_bandwidth  # noqa: E402
-from lm_head import graph_time  # noqa: E402
+from lm_head import graph_time, start  # noqa: E402
 
 from shardspec.kernels import gdn  # noqa: E402
 
@@ -33,14 +32,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--out", type=Path, default=Path("kernels.json"))
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench/kernels.py needs a CUDA GPU")
-    device = torch.device("cuda")
-    bandwidth = copy_bandwidth(device)
-    out = {"device": torch.cuda.get_device_name(), "bandwidth_GBps": bandwidth / 1e9, "rows": []}
-    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    print("| batch | pass | block_v × warps | µs | floor µs | of floor |")
-    print("|---|---|---|---|---|---|")
+    device, bandwidth, out = start("kernels.py", ["batch", "pass", "block_v × warps"])
     width = 2 * HK * D + HV * D
     for batch in args.batch:
         state = torch.randn(batch + 1, HV, D, D, device=device) * 0.01

@@ -51,20 +51,27 @@ def graph_time(fn, repeat: int = 20, samples: int = 15) -> float:
     return statistics.median(times)
 
 
+def start(script: str, columns: list[str]) -> tuple[torch.device, float, dict]:
+    """A GPU micro-benchmark's start: the device, its copy bandwidth (bytes/s, measured now), the
+    results dict, and the table's header printed."""
+    if not torch.cuda.is_available():
+        sys.exit(f"bench/{script} needs a CUDA GPU")
+    device = torch.device("cuda")
+    bandwidth = copy_bandwidth(device)
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    header = [*columns, "µs", "floor µs", "of floor"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    return device, bandwidth, {"device": torch.cuda.get_device_name(), "bandwidth_GBps": bandwidth / 1e9, "rows": []}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, nargs="+", default=[4096, 5120])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--out", type=Path, default=Path("lm_head.json"))
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench/lm_head.py needs a CUDA GPU")
-    device = torch.device("cuda")
-    bandwidth = copy_bandwidth(device)
-    out = {"device": torch.cuda.get_device_name(), "bandwidth_GBps": bandwidth / 1e9, "rows": []}
-    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    print("| hidden | rows | way | µs | floor µs | of floor |")
-    print("|---|---|---|---|---|---|")
+    device, bandwidth, out = start("lm_head.py", ["hidden", "rows", "way"])
     for hidden in args.hidden:
         weight = torch.randn(VOCAB, hidden, device=device, dtype=torch.bfloat16)
         w8, scale = head.quantize_rows(weight)
@@ -85,7 +92,7 @@ def main() -> None:
                 out["rows"].append(row)
                 print(f"| {hidden} | {rows} | {way} | {seconds * 1e6:.0f} | {floor * 1e6:.0f} | {floor / seconds:.0%} |",
                       flush=True)
-        del weight, w8, scale
+        weight = w8 = scale = None  # (before the next size is allocated)
         torch.cuda.empty_cache()
     args.out.write_text(json.dumps(out, indent=1))
 
