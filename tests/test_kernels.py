@@ -283,3 +283,25 @@ def test_the_lm_head_drafts_through_the_head_kernel(mode, monkeypatch):
     lm_head.use_draft_kernel("cublas")
     assert lm_head.draft_weight is None and torch.equal(lm_head.draft_argmax(hidden), lm_head.argmax(hidden))
     assert [name for name, _ in lm_head.named_parameters()] == ["weight"]
+
+
+def test_the_draft_head_mode_falls_back_where_the_kernel_cannot_run(monkeypatch):
+    """fp8 needs CUDA with compute capability 8.9 or later and a bf16/fp16 model; a bad
+    SHARDSPEC_DRAFT_HEAD is an error on every device, not only where the kernel runs."""
+    from shardspec.models.qwen3_5 import Qwen3_5Model
+    from shardspec.shard_worker import runner
+
+    with torch.device("meta"):
+        model = Qwen3_5Model(ModelConfig.from_dict(tiny_config()), TPGroup(), with_mtp=True)
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(runner, "DRAFT_HEAD", "fp8")  # the default, whatever this shell sets
+    assert runner.draft_head_mode(model, torch.bfloat16, cpu) == "cublas"  # no CUDA tensors here
+    monkeypatch.setattr(kernels, "enabled", lambda x: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert runner.draft_head_mode(model, torch.bfloat16, cpu) == "bf16"  # an A100: no fp8 loads
+    assert runner.draft_head_mode(model, torch.float32, cpu) == "cublas"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert runner.draft_head_mode(model, torch.bfloat16, cpu) == "fp8"
+    monkeypatch.setattr(runner, "DRAFT_HEAD", "fp9")
+    with pytest.raises(ValueError, match="SHARDSPEC_DRAFT_HEAD"):
+        runner.draft_head_mode(model, torch.bfloat16, cpu)

@@ -155,6 +155,7 @@ def delta_rule(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch
     assert slots.is_contiguous() and (lengths is None or lengths.is_contiguous())
     out = torch.empty(B, T, HV, DV, dtype=qkv.dtype, device=qkv.device) if write_out else None
     BV = min(block_v, DV)
+    assert DV % BV == 0 and BV & (BV - 1) == 0, "block_v: a power of two that divides the value head dim"
     _delta_rule_kernel[(triton.cdiv(DV, BV), B * HV)](
         qkv, a, b, A_log, dt_bias, state, slots, lengths if lengths is not None else slots,
         out if write_out else qkv, T, qkv.stride(0), qkv.stride(1), a.stride(0), a.stride(1), DK**-0.5,

@@ -37,7 +37,7 @@ def quantize_rows(weight: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor
 def _argmax_kernel(x_ptr, w_ptr, scale_ptr, value_ptr, index_ptr, M, N, K, valid, stride_x, stride_w, blocks,
                    HAS_SCALE: tl.constexpr, EXACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid = tl.program_id(0)
-    n = pid * BN + tl.arange(0, BN)
+    n = pid.to(tl.int64) * BN + tl.arange(0, BN)  # (a head of 2**31 elements or more: 64-bit offsets)
     m = tl.arange(0, BM)
     kk = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], dtype=tl.float32)

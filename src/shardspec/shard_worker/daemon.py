@@ -339,9 +339,9 @@ class ShardWorker:
             raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
 
     def _drop_runner(self) -> None:
-        if self.runner is not None:
-            self.runner.close()
-            self.runner = None
+        runner, self.runner = self.runner, None
+        if runner is not None:
+            runner.close()
 
     def _free_memory(self) -> None:
         gc.collect()

@@ -40,6 +40,19 @@ log = logging.getLogger("shardspec.worker")
 # logits, half the bytes; 316 vs 509 µs per 9B-class draft on an H200), "bf16" (the kernel on the
 # head itself) or "cublas" (logits, then argmax, as the target's own passes)
 DRAFT_HEAD = os.environ.get("SHARDSPEC_DRAFT_HEAD", "fp8")
+DRAFT_HEADS = ("fp8", "bf16", "cublas")
+
+
+def draft_head_mode(model: Qwen3_5Model, dtype: torch.dtype, device: torch.device) -> str:
+    """DRAFT_HEAD where it can run: the kernel needs CUDA, Triton and a bf16/fp16 model, and fp8
+    weights need compute capability 8.9 (Ada, Hopper) or later; bf16 before that."""
+    if DRAFT_HEAD not in DRAFT_HEADS:
+        raise ValueError(f"SHARDSPEC_DRAFT_HEAD must be one of {', '.join(DRAFT_HEADS)}, got {DRAFT_HEAD!r}")
+    if not kernels.enabled(model.lm_head.weight) or dtype not in (torch.bfloat16, torch.float16):
+        return "cublas"
+    if DRAFT_HEAD == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
+        return "bf16"
+    return DRAFT_HEAD
 
 
 @dataclass
@@ -134,28 +147,27 @@ class ModelRunner:
         # scratch space for the padding rows of graphed batches
         self.context = max_seq_len + 2 * draft_len
         self.cache_dtype = dtype
-        if draft_len:  # the drafts' LM head: see ParallelLMHead.use_draft_kernel
-            kernel_ok = kernels.enabled(model.lm_head.weight) and dtype in (torch.bfloat16, torch.float16)
-            model.lm_head.use_draft_kernel(DRAFT_HEAD if kernel_ok else "cublas")
-        self.cache_bytes = model.allocate_caches(max_slots + 1, self.context, dtype, device)
         self.deltanets = [layer.mixer for layer in model.layers if isinstance(layer.mixer, GatedDeltaNet)]
         self.passes = StepPasses(self._verify_pass, self._draft_pass, self._fused_pass, device, draft_len,
                                  scratch_slot=max_slots, max_context=self.context, graphs=cuda_graphs,
                                  verify_state=lambda: [layer.pending for layer in self.deltanets])
-        started = time.perf_counter()
-        try:
+        try:  # out of memory, say: leave no caches, fp8 head or graphs behind on the (kept) model
+            self.draft_head = draft_head_mode(model, dtype, device) if draft_len else "cublas"
+            model.lm_head.use_draft_kernel(self.draft_head)
+            self.cache_bytes = model.allocate_caches(max_slots + 1, self.context, dtype, device)
+            started = time.perf_counter()
             with torch.inference_mode():
                 captured = self.passes.capture_all(max_slots)
-        except BaseException:  # out of memory, say: leave no caches or graphs behind
+        except BaseException:
             self.close()
             raise
         if captured:
-            log.info("captured %d CUDA graphs (batch buckets for up to %d sequences) in %.1fs", captured, max_slots,
-                     time.perf_counter() - started)
+            log.info("captured %d CUDA graphs (batch buckets for up to %d sequences) in %.1fs; drafts' LM head: %s",
+                     captured, max_slots, time.perf_counter() - started, self.draft_head)
 
     def close(self) -> None:
-        """Free the caches and the graphs (with the layers' references into the graphs' memory
-        pool), so that a new runner on the same model does not hold both."""
+        """Free the caches, the fp8 head and the graphs (with the layers' references into the
+        graphs' memory pool), so that a new runner on the same model does not hold both."""
         self.passes.close()
         for layer in self.deltanets:
             layer.pending = None
