@@ -5,7 +5,7 @@
 #
 # WHEELS: a folder of the wheels the machine lacks (pyzmq; fla-core for the prefill kernel), installed
 # into /tmp/shardspec-site with no index. OUT: where logs and JSON results go. Checkpoints are written
-# under .bench/ (kept while the machine is). Each stage fits in ~10 minutes on 2 × H200 (9b: ~5) and
+# under .bench/ (kept while the machine is). Each stage fits in ~10 minutes on 2 × H200 (9b: ~9 estimated) and
 # writes at most 8 files to OUT:
 #   tests   tests/test_cuda.py + tests/test_kernels.py, and the MTP tests again with the symmetric-memory
 #           all-reduce (TP = 2) and the cuBLAS draft head
