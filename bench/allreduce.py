@@ -17,29 +17,10 @@ import json
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gpu_timing import graph_time
 
 from shardspec.layers.parallel import SymmetricReducer
 from shardspec.orchestrator.workers import free_port
-
-
-def graph_time(fn, calls: int, repeats: int = 5) -> float:
-    """Seconds per call of fn(), captured `calls` times in one CUDA graph."""
-    fn()  # eager once: NCCL and symmetric memory set themselves up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1000 / (repeats * calls)
 
 
 def run(rank: int, args: argparse.Namespace, address: str) -> None:
@@ -56,8 +37,8 @@ def run(rank: int, args: argparse.Namespace, address: str) -> None:
             dist.all_reduce(check)
             assert torch.all(check == expected) and torch.all(reducer(x) == expected), "wrong sum"
             x.fill_(1e-3)  # NCCL's in-place sums overflow to inf after ~130 calls: the timing does not care
-            nccl = graph_time(lambda x=x: dist.all_reduce(x), args.calls)
-            symm = graph_time(lambda x=x: reducer(x), args.calls)
+            nccl = graph_time(lambda x=x: dist.all_reduce(x), args.calls, before=dist.barrier)
+            symm = graph_time(lambda x=x: reducer(x), args.calls, before=dist.barrier)
             results.append({"hidden": hidden, "rows": rows, "bytes": x.nbytes,
                             "nccl_us": 1e6 * nccl, "symm_us": 1e6 * symm})
             if rank == 0:

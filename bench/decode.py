@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from gpu_timing import copy_bandwidth, sync
 
 import shardspec
 from shardspec.models.config import ModelConfig
@@ -40,27 +41,6 @@ from shardspec.shard_worker.runner import DRAFT_HEAD
 
 SIZES = {"tiny": tiny_config, "9b": nine_b_config, "27b": twenty_seven_b_config}
 PROMPT_LEN = 128
-
-
-def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
-    """Bytes per second moved (read + written) by a device-to-device copy: the best of 20, after
-    10 to warm the clocks up (the floor is what the device can do, so the best, not the median)."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(30):
-        sync(device.type)
-        started = time.perf_counter()
-        dst.copy_(src)
-        sync(device.type)
-        if i >= 10:
-            times.append(time.perf_counter() - started)
-    return 2 * src.nbytes / min(times)
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def step_bytes(config: ModelConfig, tp: int, weight_bytes: int, batch: int, context: int, k: int) -> int:

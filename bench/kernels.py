@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
+from gpu_timing import graph_time, start
 
-sys.path.insert(0, str(Path(__file__).parent))
-from lm_head import graph_time, start  # noqa: E402
-
-from shardspec.kernels import gdn  # noqa: E402
+from shardspec.kernels import gdn
 
 HK, HV, D = 16, 32, 128
 TILES = [(16, 2), (16, 4), (32, 2), (32, 4), (64, 4), (64, 8)]

@@ -13,56 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import sys
 from pathlib import Path
 
 import torch
+from gpu_timing import graph_time, start
 
-sys.path.insert(0, str(Path(__file__).parent))
-from decode import copy_bandwidth  # noqa: E402
-
-from shardspec.kernels import head  # noqa: E402
+from shardspec.kernels import head
 
 VOCAB = 248_320
 BLOCKS = [(32, 128), (64, 128), (64, 256), (128, 128)]  # (block_n, block_k)
-
-
-def graph_time(fn, repeat: int = 20, samples: int = 15) -> float:
-    """Median seconds per call of fn, replayed from a CUDA graph of `repeat` calls."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeat):
-            fn()
-    times = []
-    for _ in range(samples):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000 / repeat)
-    return statistics.median(times)
-
-
-def start(script: str, columns: list[str]) -> tuple[torch.device, float, dict]:
-    """A GPU micro-benchmark's start: the device, its copy bandwidth (bytes/s, measured now), the
-    results dict, and the table's header printed."""
-    if not torch.cuda.is_available():
-        sys.exit(f"bench/{script} needs a CUDA GPU")
-    device = torch.device("cuda")
-    bandwidth = copy_bandwidth(device)
-    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    header = [*columns, "µs", "floor µs", "of floor"]
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
-    return device, bandwidth, {"device": torch.cuda.get_device_name(), "bandwidth_GBps": bandwidth / 1e9, "rows": []}
 
 
 def main() -> None:

@@ -19,6 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gpu_timing import sync
 
 from shardspec.layers.parallel import TPGroup
 from shardspec.models.config import ModelConfig
@@ -98,11 +99,6 @@ def prefill_profile(model: Qwen3_5Model, device: torch.device, length: int, say,
         sort = "self_device_time_total" if device.type == "cuda" else "cpu_time_total"
         say(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
     runner.close()
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def main() -> None:
