@@ -34,6 +34,9 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
 
+DRAFT_HEADS = ("fp8", "bf16", "cublas")  # how draft_argmax can read the head: see use_draft_kernel
+
+
 class ParallelLMHead(nn.Module):
     """Local logits over this rank's vocab slice; full logits or the argmax on request."""
 
@@ -67,7 +70,7 @@ class ParallelLMHead(nn.Module):
     def use_draft_kernel(self, mode: str) -> None:
         """How draft_argmax reads the head: "cublas" (the logits, as argmax does), "bf16" (the head
         kernel on this weight: no logits) or "fp8" (the kernel on an fp8 copy: half the bytes)."""
-        if mode not in ("cublas", "bf16", "fp8"):
+        if mode not in DRAFT_HEADS:
             raise ValueError(f"draft head must be cublas, bf16 or fp8, got {mode!r}")
         self.draft_weight = self.draft_scale = None
         if mode == "bf16":

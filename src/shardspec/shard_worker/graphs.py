@@ -28,6 +28,11 @@ DraftFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor
 FusedFn = Callable[[torch.Tensor, int], torch.Tensor]  # (packed, context) -> [B, 2 + k]
 
 
+def bucket_size(n: int) -> int | None:
+    """The batch bucket of n sequences (None: more than the largest bucket)."""
+    return next((b for b in BATCH_BUCKETS if b >= n), None)
+
+
 def upload(rows: list, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
     """Host ints to a device int64 tensor in one copy (pinned and asynchronous on a GPU)."""
     host = torch.tensor(rows, dtype=torch.long)
@@ -104,8 +109,8 @@ class StepPasses:
         smaller ones reuse its freed temporaries in the shared pool. Returns the graphs captured."""
         if not self.graphs or not kernels.ENABLED:
             return 0
-        sizes = [b for b in BATCH_BUCKETS if b < max_batch]
-        sizes.append(next((b for b in BATCH_BUCKETS if b >= max_batch), BATCH_BUCKETS[-1]))
+        top = bucket_size(max_batch) or BATCH_BUCKETS[-1]  # larger batches run eagerly
+        sizes = [b for b in BATCH_BUCKETS if b <= top]
         names = ["fused", "verify"] if self.draft_len else ["verify"]  # verify captures draft with it
         before = sum(len(bucket.graphs) for bucket in self.buckets.values())
         for size in reversed(sizes):
@@ -123,7 +128,7 @@ class StepPasses:
 
     def _upload(self, rows: list[list[int]], context: int) -> _Bucket | None:
         """The rows, padded, into their bucket's input (None: no graph for this batch, run eagerly)."""
-        size = next((b for b in BATCH_BUCKETS if b >= len(rows)), None) if self.graphs else None
+        size = bucket_size(len(rows)) if self.graphs else None
         if size is None:
             return None
         bucket = self._bucket(size, self._context_bucket(context))

@@ -21,6 +21,7 @@ import torch
 
 from shardspec import kernels
 from shardspec.layers.batch import Batch
+from shardspec.layers.embedding import DRAFT_HEADS
 from shardspec.layers.gdn import GatedDeltaNet
 from shardspec.layers.sampling import (
     accept_greedy,
@@ -40,7 +41,6 @@ log = logging.getLogger("shardspec.worker")
 # logits, half the bytes; 316 vs 509 µs per 9B-class draft on an H200), "bf16" (the kernel on the
 # head itself) or "cublas" (logits, then argmax, as the target's own passes)
 DRAFT_HEAD = os.environ.get("SHARDSPEC_DRAFT_HEAD", "fp8")
-DRAFT_HEADS = ("fp8", "bf16", "cublas")
 
 
 def draft_head_mode(model: Qwen3_5Model, dtype: torch.dtype, device: torch.device) -> str:
