@@ -1,0 +1,75 @@
+"""What the GPU benchmarks share: synchronising, the copy bandwidth their floors divide by, and
+timing a function inside a CUDA graph."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+
+
+def sync(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Bytes per second moved (read + written) by a device-to-device copy: the best of 20, after
+    10 to warm the clocks up (the floor is what the device can do, so the best, not the median)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(30):
+        sync(device)
+        started = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        if i >= 10:
+            times.append(time.perf_counter() - started)
+    return 2 * src.nbytes / min(times)
+
+
+def graph_time(fn: Callable[[], object], calls: int = 20, samples: int = 15,
+               before: Callable[[], object] = lambda: None) -> float:
+    """Median seconds per call of fn, captured `calls` times back to back in one CUDA graph (warmed
+    up outside the capture first); `before` runs ahead of the timed replays (a barrier between
+    processes, say)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    before()
+    times = []
+    for _ in range(samples):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000 / calls)
+    return statistics.median(times)
+
+
+def start(script: str, columns: list[str]) -> tuple[torch.device, float, dict]:
+    """A GPU micro-benchmark's start: the device, its copy bandwidth (bytes/s, measured now), the
+    results dict, and the table's header printed."""
+    if not torch.cuda.is_available():
+        sys.exit(f"bench/{script} needs a CUDA GPU")
+    device = torch.device("cuda")
+    bandwidth = copy_bandwidth(device)
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    header = [*columns, "µs", "floor µs", "of floor"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    return device, bandwidth, {"device": torch.cuda.get_device_name(), "bandwidth_GBps": bandwidth / 1e9, "rows": []}
