@@ -23,6 +23,7 @@ import random
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from gpu_timing import copy_bandwidth, sync
@@ -98,11 +99,19 @@ class Bench:
         return result
 
     async def prefill(self, length: int) -> dict:
+        """Time to first token, and the prefill step's time on the worker (the rest is the orchestrator
+        and the wire)."""
         prompt = random.Random(length).choices(range(self.config.vocab_size), k=length)
+        steps = []
+        self.engine.observer = SimpleNamespace(on_step=lambda step_s, accepted: steps.append(step_s))
         for _ in range(2):  # the first run warms up kernels for this shape
+            steps.clear()
             async for chunk in self.engine.generate(prompt, max_tokens=1, stop_at_eos=False):
                 final = chunk
-        return {"prompt_tokens": length, "tokens_per_s": length / final.stats["time_to_first_token_s"]}
+        self.engine.observer = None
+        ttft = final.stats["time_to_first_token_s"]
+        return {"prompt_tokens": length, "tokens_per_s": length / ttft, "ttft_ms": 1000 * ttft,
+                "worker_step_ms": 1000 * sum(steps)}
 
     def floor_ms(self, weight_bytes: int, tp: int, batch: int, k: int) -> float:
         context = PROMPT_LEN + 32
@@ -167,7 +176,8 @@ async def run(args: argparse.Namespace, out: dict, save) -> None:
         out["prefill"] = [await bench.prefill(length) for length in args.prefill]
         save()
         for row in out["prefill"]:
-            print(f"prefill {row['prompt_tokens']} tokens: {row['tokens_per_s']:.0f} tokens/s", flush=True)
+            print(f"prefill {row['prompt_tokens']} tokens: {row['tokens_per_s']:.0f} tokens/s (first token "
+                  f"{row['ttft_ms']:.1f} ms, of which the worker's step {row['worker_step_ms']:.1f})", flush=True)
 
 
 def setup() -> dict:

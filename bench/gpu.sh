@@ -5,7 +5,7 @@
 #
 # WHEELS: a folder of the wheels the machine lacks (pyzmq; fla-core for the prefill kernel), installed
 # into /tmp/shardspec-site with no index. OUT: where logs and JSON results go. Checkpoints are written
-# under .bench/ (kept while the machine is). Each stage fits in ~10 minutes on 2 × H200 (9b: ~9 estimated) and
+# under .bench/ (kept while the machine is). Each stage fits in ~10 minutes on 2 × H200 (9b took 6, tests 4) and
 # writes at most 8 files to OUT:
 #   tests   tests/test_cuda.py + tests/test_kernels.py, and the MTP tests again with the symmetric-memory
 #           all-reduce (TP = 2) and the cuBLAS draft head
@@ -49,7 +49,7 @@ for stage in "$@"; do
     9b)
         python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 1 --batch 1 8 32 --k 1 2 3 4 --forced 0.6 0.8 \
             --prefill 2048 8192 --hf --out "$out/decode-9b-tp1.json" 2>&1 | tee "$out/decode-9b-tp1.log"
-        python3 bench/profile_step.py --size 9b --batch 8 --k 0 3 --prefill 2048 8192 2>&1 \
+        python3 bench/profile_step.py --size 9b --batch 8 --k 0 3 --prefill 2048 8192 --prefill-chunk 512 2048 2>&1 \
             | tee "$out/profile-9b-prefill.log"   # the batch-8 step in-process, and where a prefill's time goes
         python3 bench/lm_head.py --out "$out/lm-head.json"    # the drafts' LM head, cuBLAS against the kernel
         python3 bench/kernels.py --out "$out/kernels.json"    # the gated delta rule's tile shapes

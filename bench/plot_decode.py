@@ -1,12 +1,15 @@
 """Plots of bench/decode.py results: tokens/s vs batch size, and vs MTP draft length.
 
     python bench/plot_decode.py docs/data/decode-9b-tp1.json docs/data/decode-9b-tp2.json --out docs/decode.png
+
+Files that differ only in a -bN suffix (decode-27b-tp1.json, decode-27b-tp1-b8.json) are one series.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import matplotlib
@@ -23,10 +26,15 @@ def main() -> None:
     args = parser.parse_args()
     fig, (by_batch, by_k) = plt.subplots(1, 2, figsize=(14, 4.6))
     peer = False
+    series: dict[str, dict] = {}  # decode-27b-tp1.json and decode-27b-tp1-b8.json: one series, 27b-tp1
     for path in args.results:
         data = json.loads(path.read_text())
-        label = path.stem.removeprefix("decode-")
-        rows = data["decode"]
+        label = re.sub(r"-b\d+$", "", path.stem.removeprefix("decode-"))
+        merged = series.setdefault(label, {"decode": [], "transformers": []})
+        merged["decode"] += data["decode"]
+        merged["transformers"] += data.get("transformers", [])
+    for label, data in series.items():
+        rows = sorted(data["decode"], key=lambda r: r["batch"])
         plain = [r for r in rows if r["k"] == 0]
         by_batch.plot([r["batch"] for r in plain], [r["tokens_per_s"] for r in plain], "o-", label=f"{label}, MTP off")
         for forced in sorted({r["forced"] for r in rows if r["k"] == args.k}):

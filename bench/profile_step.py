@@ -71,10 +71,10 @@ def all_reduce_timing(prof, device: torch.device, say) -> None:
         + f"; the last arrival's kernel took {duration.gather(0, last[None])[0].mean():.1f} µs")
 
 
-def prefill_profile(model: Qwen3_5Model, device: torch.device, length: int, say, profile: bool) -> None:
-    """Median prefill tokens/s of one prompt (through the runner: 512-token chunks, as served),
-    and the operators of one prefill by device time."""
-    runner = ModelRunner(model, device, 1, length + 8, 512, 0, None)
+def prefill_profile(model: Qwen3_5Model, device: torch.device, length: int, chunk: int, say, profile: bool) -> None:
+    """Median prefill tokens/s of one prompt through the runner, in chunks of `chunk` tokens (the
+    engine's prefill_chunk), and the operators of one prefill by device time."""
+    runner = ModelRunner(model, device, 1, length + 8, chunk, 0, None)
     torch.manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (length,))
 
@@ -89,7 +89,7 @@ def prefill_profile(model: Qwen3_5Model, device: torch.device, length: int, say,
         once()
         sync(device)
         times.append(time.perf_counter() - started)
-    say(f"prefill {length} tokens: median {1000 * statistics.median(times[2:]):.1f} ms, "
+    say(f"prefill {length} tokens in chunks of {chunk}: median {1000 * statistics.median(times[2:]):.1f} ms, "
         f"{length / statistics.median(times[2:]):.0f} tokens/s", flush=True)
     if profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -98,6 +98,10 @@ def prefill_profile(model: Qwen3_5Model, device: torch.device, length: int, say,
             sync(device)
         sort = "self_device_time_total" if device.type == "cuda" else "cpu_time_total"
         say(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
+        if device.type == "cuda":  # a prefill whose kernels keep the device busy takes as long as they do
+            kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+            busy = sum(e.self_device_time_total for e in kernels) / 1e3
+            say(f"device busy {busy:.1f} ms of a {1000 * statistics.median(times[2:]):.1f} ms prefill")
     runner.close()
 
 
@@ -113,6 +117,8 @@ def main() -> None:
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--prefill", type=int, nargs="*", default=[],
                         help="also time (and profile the last of) prefills of these prompt lengths, batch 1")
+    parser.add_argument("--prefill-chunk", type=int, nargs="+", default=[2048],
+                        help="the prefills' chunk sizes (the engine's prefill_chunk; default 2048)")
     args = parser.parse_args()
     if args.tp == 1:
         run(0, args, "")
@@ -166,8 +172,10 @@ def run(rank: int, args: argparse.Namespace, address: str) -> None:
                 all_reduce_timing(prof, device, say)
         runner.close()
         del runner
-    for length in args.prefill:
-        prefill_profile(model, device, length, say, profile=length == args.prefill[-1])
+    for chunk in args.prefill_chunk:
+        for length in args.prefill:
+            last = chunk == args.prefill_chunk[-1] and length == args.prefill[-1]
+            prefill_profile(model, device, length, chunk, say, profile=last)
     if args.tp > 1:
         dist.destroy_process_group()
 

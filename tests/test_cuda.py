@@ -49,7 +49,8 @@ def test_fp32_greedy_output_on_the_gpu_equals_the_cpu_output():
 @torch.inference_mode()
 def test_bf16_logits_agree_with_the_fp32_reference_on_held_out_text():
     """Teacher-forced top-1 agreement over 256 held-out positions, through the serving paths: one
-    prefill pass, and 256 one-token decode passes (the kernels that read the cache in place)."""
+    prefill pass, a prefill in chunks (the later ones attend over the cache through the flash kernel,
+    causal from the last key), and 256 one-token decode passes (the kernels that read the cache in place)."""
     ids = torch.tensor(held_out_ids(257))[None, :-1]
     cpu = load_model(BUNDLED_MODEL, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=False)
     reference = cpu.lm_head.logits(cpu(ids, Batch.uncached(1, 256, ids.device)))[0].argmax(-1)
@@ -59,9 +60,12 @@ def test_bf16_logits_agree_with_the_fp32_reference_on_held_out_text():
     model.allocate_caches(1, 256, torch.bfloat16, x.device)
     prefill = model(x, Batch(slots, positions, 256))
     model.reset_slots(slots)
+    chunked = torch.cat([model(x[:, t : t + 96], Batch(slots, positions[:, t : t + 96], min(t + 96, 256), tail=True))
+                         for t in range(0, 256, 96)], 1)
+    model.reset_slots(slots)
     decode = torch.cat([model(x[:, t : t + 1], Batch(slots, positions[:, t : t + 1], t + 1)) for t in range(256)], 1)
     agreement = {name: (model.lm_head.logits(hidden)[0].argmax(-1).cpu() == reference).float().mean().item()
-                 for name, hidden in (("prefill", prefill), ("decode", decode))}
+                 for name, hidden in (("prefill", prefill), ("chunked", chunked), ("decode", decode))}
     assert min(agreement.values()) >= 0.98, agreement
 
 

@@ -144,3 +144,22 @@ def test_filters_apply_per_row_of_a_batch_of_distributions():
     batched = filtered_logits(logits, params)
     assert torch.equal(batched, torch.stack([filtered_logits(row, params) for row in logits]))
     assert (batched.isfinite().sum(-1) <= 3).all()
+
+
+@pytest.mark.parametrize(("prompts", "pass_tokens"), [(1, [256, 44]), (2, [128, 128, 44]), (8, [64] * 4 + [44])])
+def test_prompts_prefilled_together_share_the_prefill_chunk_down_to_64_tokens_each(tiny_model, prompts, pass_tokens):
+    """prefill_chunk bounds the tokens of one prefill pass over all its prompts (its activations),
+    but a prompt's share never drops below 64 tokens, the chunk of the prefill kernels."""
+    from shardspec.layers.parallel import TPGroup
+    from shardspec.models.loader import load_model
+    from shardspec.protocol.messages import PrefillSpec, StepRequest
+    from shardspec.shard_worker.runner import ModelRunner
+
+    model = load_model(tiny_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=False)
+    runner = ModelRunner(model, torch.device("cpu"), 8, 512, 256, 0)
+    seen = []
+    forward = model.forward
+    model.forward = lambda ids, batch: (seen.append(tuple(ids.shape)), forward(ids, batch))[1]
+    specs = [PrefillSpec(seq=i, length=300, max_tokens=1) for i in range(prompts)]
+    runner.step(StepRequest(prefill=specs), torch.randint(0, model.config.vocab_size, (300 * prompts,)))
+    assert seen == [(prompts, t) for t in pass_tokens]

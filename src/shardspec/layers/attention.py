@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from shardspec import kernels
 from shardspec.layers.batch import Batch
@@ -76,10 +77,13 @@ class GatedAttention(nn.Module):
         else:
             keys = self.k_cache[batch.slots, : batch.kv_len].transpose(1, 2)
             values = self.v_cache[batch.slots, : batch.kv_len].transpose(1, 2)
-            visible = torch.arange(batch.kv_len, device=x.device) <= batch.positions[..., None]  # [B, T, L]
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys, values, attn_mask=visible[:, None], enable_gqa=True
-            )
+            if batch.tail and x.is_cuda and self.k_cache.dtype == k.dtype:
+                # the queries are the last T of the keys: causal aligned to the last key, which the
+                # flash kernel takes without a mask (a [B, T, L] mask sends SDPA to its fp32 math path)
+                visible = causal_lower_right(T, batch.kv_len)
+            else:
+                visible = (torch.arange(batch.kv_len, device=x.device) <= batch.positions[..., None])[:, None]
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=visible, enable_gqa=True)
         out = out.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate)
         return self.o_proj(out)
 

@@ -636,7 +636,7 @@ async def connect(
     dtype: str = "auto",
     max_slots: int = 8,
     max_seq_len: int = 4096,
-    prefill_chunk: int = 512,
+    prefill_chunk: int = 2048,
     mtp: bool | None = None,
     draft_tokens: int = DEFAULT_DRAFT_TOKENS,
     pipeline: bool = True,
@@ -651,8 +651,9 @@ async def connect(
     """Connect to (or spawn) workers, load `model` on them, and yield a ready Engine.
 
     mtp: None = speculative decoding with the checkpoint's MTP head when it has one; True = require
-    it; False = plain decoding. draft_tokens: MTP drafts per step. pipeline: keep the next step on
-    the wire while the current one runs. forced_acceptance: benchmarks only (see FORCED_ACCEPTANCE_ENV).
+    it; False = plain decoding. prefill_chunk: the most prompt tokens one prefill pass takes (prompts
+    prefilled together share it, at least 64 tokens each). draft_tokens: MTP drafts per step.
+    pipeline: keep the next step on the wire while the current one runs. forced_acceptance: benchmarks only (see FORCED_ACCEPTANCE_ENV).
     keys / server_keys: CURVE for tcp:// workers — this side's key pair (a folder or .key_secret file)
     and the workers' public keys (one .key file for all, or a folder with one per worker, rank order).
     heartbeat_timeout: seconds after which a worker that exited or stopped answering is declared

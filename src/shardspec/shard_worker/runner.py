@@ -240,22 +240,27 @@ class ModelRunner:
             self.sequences[seq.seq] = seq
             result.add(seq, [seq.next_token], -1)
 
+    def chunk_length(self, prompts: int) -> int:
+        """Tokens per prompt in one prefill pass: the pass takes at most prefill_chunk tokens in all,
+        but no prompt gets fewer than 64 (fla's chunk), or prefill_chunk where that is less."""
+        return max(min(64, self.prefill_chunk), self.prefill_chunk // prompts)
+
     def _prefill_slots(self, specs, slot_ids, prompts, result: StepResult, want_logits: bool) -> list[Sequence]:
         slots = torch.tensor(slot_ids, device=self.device)
         self.model.reset_slots(slots)
         length = prompts.shape[1]
         hidden_before = None  # the target's hidden state just before the current chunk (for MTP)
-        for start in range(0, length, self.prefill_chunk):
-            ids = prompts[:, start : start + self.prefill_chunk]
+        for start in range(0, length, chunk := self.chunk_length(len(specs))):
+            ids = prompts[:, start : start + chunk]
             positions = torch.arange(start, start + ids.shape[1], device=self.device).expand(len(specs), -1)
-            hidden = self.model(ids, Batch(slots, positions, start + ids.shape[1]))
+            hidden = self.model(ids, Batch(slots, positions, start + ids.shape[1], tail=True))
             if want_logits:
                 result.logits.append(self.model.lm_head.logits(hidden).reshape(-1, self.model.config.vocab_size))
             if self.draft_len:  # MTP entry i pairs hidden i with token i+1: one position behind
                 pairs = hidden[:, :-1] if hidden_before is None else torch.cat([hidden_before, hidden[:, :-1]], 1)
                 if pairs.shape[1]:
                     n = pairs.shape[1]
-                    self._mtp(ids[:, -n:], pairs, slots, positions[:, -n:] - 1, start + ids.shape[1] - 1)
+                    self._mtp(ids[:, -n:], pairs, slots, positions[:, -n:] - 1, start + ids.shape[1] - 1, tail=True)
                 hidden_before = hidden[:, -1:]
         last_logits = self.model.lm_head.logits(hidden[:, -1])
         seqs = []
@@ -376,9 +381,9 @@ class ModelRunner:
         return accepted, tokens
 
     def _mtp(self, next_ids: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-             context: int):
+             context: int, tail: bool = False):
         """MTP layer over (token t+1, target hidden t) pairs at positions t < context; -> its normed output."""
-        batch = Batch(slots, positions, context)
+        batch = Batch(slots, positions, context, tail=tail)
         return self.model.mtp(self.model.embed_tokens(next_ids), hidden, batch)
 
     def _chain(self, head: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, context: int) -> torch.Tensor:
