@@ -146,10 +146,13 @@ def test_filters_apply_per_row_of_a_batch_of_distributions():
     assert (batched.isfinite().sum(-1) <= 3).all()
 
 
-@pytest.mark.parametrize(("prompts", "pass_tokens"), [(1, [256, 44]), (2, [128, 128, 44]), (8, [64] * 4 + [44])])
+@pytest.mark.parametrize(
+    ("prompts", "pass_tokens"), [(1, [256, 44]), (2, [128, 128, 44]), (3, [64] * 4 + [44]), (8, [64] * 4 + [44])]
+)
 def test_prompts_prefilled_together_share_the_prefill_chunk_down_to_64_tokens_each(tiny_model, prompts, pass_tokens):
     """prefill_chunk bounds the tokens of one prefill pass over all its prompts (its activations),
-    but a prompt's share never drops below 64 tokens, the chunk of the prefill kernels."""
+    in whole multiples of 64 tokens per prompt (the chunk of the prefill kernels; 3 prompts: 64, not
+    85), and never fewer than 64 each."""
     from shardspec.layers.parallel import TPGroup
     from shardspec.models.loader import load_model
     from shardspec.protocol.messages import PrefillSpec, StepRequest

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
+from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
 from shardspec import kernels
 from shardspec.layers.batch import Batch
@@ -18,6 +18,18 @@ from shardspec.models.config import ModelConfig
 # Passes of up to this many tokens per sequence (decode, verify) use the kernels that read the
 # cache in place; prefill chunks gather the keys and use PyTorch's flash attention.
 KERNEL_MAX_TOKENS = 16
+
+
+def tail_causal_flash(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor | None:
+    """Attention of queries that are the last T of the L keys ([B, H, T, D] against [B, HK, L, D]),
+    or None where the flash kernel cannot run it. With more keys than queries, flash aligns its
+    causal mask to the last key: what PyTorch's causal_lower_right bias dispatches to on CUDA, without
+    the [2, T, L] tensor that bias allocates on construction."""
+    if not q.is_cuda or q.shape[-1] % 8:
+        return None
+    if not can_use_flash_attention(SDPAParams(q, keys, values, None, 0.0, False, True)):  # True: GQA
+        return None
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, True)[0]
 
 
 def kv_head_ranges(config: ModelConfig, tp: TPGroup) -> tuple[int, list[tuple[int, int]]]:
@@ -77,13 +89,14 @@ class GatedAttention(nn.Module):
         else:
             keys = self.k_cache[batch.slots, : batch.kv_len].transpose(1, 2)
             values = self.v_cache[batch.slots, : batch.kv_len].transpose(1, 2)
-            if batch.tail and x.is_cuda and self.k_cache.dtype == k.dtype:
-                # the queries are the last T of the keys: causal aligned to the last key, which the
-                # flash kernel takes without a mask (a [B, T, L] mask sends SDPA to its fp32 math path)
-                visible = causal_lower_right(T, batch.kv_len)
-            else:
-                visible = (torch.arange(batch.kv_len, device=x.device) <= batch.positions[..., None])[:, None]
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=visible, enable_gqa=True)
+            out = None
+            if batch.tail and self.k_cache.dtype == k.dtype:
+                out = tail_causal_flash(q.transpose(1, 2), keys, values)
+            if out is None:  # a [B, T, L] mask: SDPA's math path (fp32 for bf16 inputs)
+                visible = torch.arange(batch.kv_len, device=x.device) <= batch.positions[..., None]
+                out = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), keys, values, attn_mask=visible[:, None], enable_gqa=True
+                )
         out = out.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate)
         return self.o_proj(out)
 

@@ -15,7 +15,7 @@ class Batch:
     positions: torch.Tensor  # [B, T] long, ascending in each row
     kv_len: int  # keys to attend over: at least max(positions) + 1 (a context bucket may be more)
     speculative: bool = False  # recurrent layers leave their states alone until commit() (verify passes)
-    tail: bool = False  # every row's positions are kv_len - T .. kv_len - 1 (a prompt chunk after the first)
+    tail: bool = False  # every row's positions are kv_len - T .. kv_len - 1 (prefill passes)
 
     @classmethod
     def uncached(cls, batch_size: int, length: int, device: torch.device) -> Batch:

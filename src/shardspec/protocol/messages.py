@@ -102,7 +102,7 @@ class LoadRequest:
     dtype: str = "auto"
     max_slots: int = bounded(1, 4096, 8)
     max_seq_len: int = bounded(1, 1 << 22, 4096)
-    prefill_chunk: int = bounded(1, 1 << 20, 2048)  # tokens per prefill pass, all prompts together
+    prefill_chunk: int = bounded(1, 1 << 20, 2048)  # tokens per prefill pass (>= 64 per prompt)
     mtp: str = "auto"  # "auto": on when the checkpoint has mtp.*; "on": required; "off"
     draft_tokens: int = bounded(1, MAX_DRAFT_TOKENS, 3)
     forced_acceptance: float = bounded(-1.0, 1.0, -1.0)  # benchmarks only; < 0 = off

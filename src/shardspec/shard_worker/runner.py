@@ -242,8 +242,12 @@ class ModelRunner:
 
     def chunk_length(self, prompts: int) -> int:
         """Tokens per prompt in one prefill pass: the pass takes at most prefill_chunk tokens in all,
-        but no prompt gets fewer than 64 (fla's chunk), or prefill_chunk where that is less."""
-        return max(min(64, self.prefill_chunk), self.prefill_chunk // prompts)
+        in whole multiples of 64 (fla's chunk) per prompt, but never fewer than 64 each (so more than
+        prefill_chunk / 64 prompts overrun it); a prefill_chunk below 64 is taken as it is."""
+        if self.prefill_chunk < 64:
+            return self.prefill_chunk
+        share = self.prefill_chunk // prompts
+        return max(64, share - share % 64)
 
     def _prefill_slots(self, specs, slot_ids, prompts, result: StepResult, want_logits: bool) -> list[Sequence]:
         slots = torch.tensor(slot_ids, device=self.device)
