@@ -7,6 +7,10 @@ reduces) it captures `calls` back-to-back all-reduces in one graph and prints th
 all-reduce, for NCCL and for the symmetric-memory one-shot kernel (SHARDSPEC_ALLREDUCE=symm), and
 the peer-to-peer copy bandwidth. A Qwen3.5 decode step makes 2 all-reduces per layer plus one for
 the vocabulary-parallel embedding, so this times the collectives' share of a TP step.
+
+Every all-reduce of a layer feeds the residual add and RMSNorm, so it also times what a step runs:
+NCCL then the add + norm kernel, the one-shot kernel then the add + norm, and the one kernel that
+does all three (kernels.norm.all_reduce_rms_norm, the SHARDSPEC_ALLREDUCE=symm path).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from gpu_timing import graph_time
 
+from shardspec.kernels.norm import rms_norm
 from shardspec.layers.parallel import SymmetricReducer
 from shardspec.orchestrator.workers import free_port
 
@@ -36,14 +41,24 @@ def run(rank: int, args: argparse.Namespace, address: str) -> None:
             check = x.clone()
             dist.all_reduce(check)
             assert torch.all(check == expected) and torch.all(reducer(x) == expected), "wrong sum"
+            residual, weight = torch.full_like(x, 0.5), torch.zeros(hidden, dtype=x.dtype, device=device)
+            assert torch.all(reducer.rms_norm(x, residual, weight, 1e-6)[1] == expected + 0.5), "wrong fused sum"
             x.fill_(1e-3)  # NCCL's in-place sums overflow to inf after ~130 calls: the timing does not care
             nccl = graph_time(lambda x=x: dist.all_reduce(x), args.calls, before=dist.barrier)
             symm = graph_time(lambda x=x: reducer(x), args.calls, before=dist.barrier)
+            nccl_norm = graph_time(lambda x=x: rms_norm(dist.all_reduce(x) or x, weight, 1e-6, residual), args.calls,
+                                   before=dist.barrier)
+            symm_norm = graph_time(lambda x=x: rms_norm(reducer(x), weight, 1e-6, residual), args.calls,
+                                   before=dist.barrier)
+            fused = graph_time(lambda x=x: reducer.rms_norm(x, residual, weight, 1e-6), args.calls, before=dist.barrier)
             results.append({"hidden": hidden, "rows": rows, "bytes": x.nbytes,
-                            "nccl_us": 1e6 * nccl, "symm_us": 1e6 * symm})
+                            "nccl_us": 1e6 * nccl, "symm_us": 1e6 * symm, "nccl_norm_us": 1e6 * nccl_norm,
+                            "symm_norm_us": 1e6 * symm_norm, "fused_norm_us": 1e6 * fused})
             if rank == 0:
                 print(f"{rows:>3} × {hidden} bf16 ({x.nbytes / 1024:.0f} KiB): NCCL {1e6 * nccl:6.1f} µs, "
-                      f"symm one-shot {1e6 * symm:6.1f} µs per all-reduce", flush=True)
+                      f"symm one-shot {1e6 * symm:6.1f} µs per all-reduce; with the add + norm: NCCL "
+                      f"{1e6 * nccl_norm:6.1f}, one-shot {1e6 * symm_norm:6.1f}, fused {1e6 * fused:6.1f} µs",
+                      flush=True)
     if rank == 0:  # peer-to-peer copy bandwidth, GPU 0 -> GPU 1
         src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
         dst = torch.empty(1 << 30, dtype=torch.uint8, device=torch.device("cuda", 1))

@@ -8,13 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import shardspec
 from shardspec.cli import BUNDLED_MODEL
 from shardspec.layers.batch import Batch
-from shardspec.layers.parallel import TPGroup
+from shardspec.layers.parallel import SymmetricReducer, TPGroup
 from shardspec.models.loader import load_model
 from shardspec.orchestrator.tokenizer import Tokenizer
+from shardspec.orchestrator.workers import free_port
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef main():\n"]
@@ -74,6 +76,82 @@ def test_bf16_greedy_with_mtp_equals_without_on_the_gpu(tp):
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} GPUs")
     assert greedy("cuda", "bfloat16", tp, mtp=True) == greedy("cuda", "bfloat16", tp, mtp=False)
+
+
+def test_the_all_reduce_fused_with_the_norm_equals_all_reduce_then_norm():
+    """Two GPUs, the fused kernel against NCCL's all-reduce then the add + norm kernel, bit for bit:
+    eagerly at a decode's and a verify's row counts, then from a CUDA graph of three calls replayed
+    with new inputs (an odd count, so each row's buffer slot alternates across replays)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    context = torch.multiprocessing.get_context("spawn")
+    address = f"tcp://127.0.0.1:{free_port()}"
+    ranks = [context.Process(target=_fused_norm_rank, args=(rank, address)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=300)
+    hung = [process for process in ranks if process.is_alive()]
+    for process in hung:
+        process.kill()
+    assert not hung, "a rank hung waiting for its peer's flag"
+    assert [process.exitcode for process in ranks] == [0, 0]
+
+
+@torch.inference_mode()
+def _fused_norm_rank(rank: int, address: str) -> None:
+    from shardspec.kernels.norm import rms_norm
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=address, rank=rank, world_size=2, device_id=device)
+    D, eps = 4096, 1e-6
+    weight = torch.randn(D, generator=torch.Generator().manual_seed(0)).to(device, torch.bfloat16)
+
+    def inputs(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's partial sum, and a residual that is the same on both ranks."""
+        generator = torch.Generator().manual_seed(seed)
+        residual, parts = torch.randn(rows, D, generator=generator), torch.randn(2, rows, D, generator=generator)
+        return parts[rank].to(device, torch.bfloat16), residual.to(device, torch.bfloat16)
+
+    def check(x: torch.Tensor, residual: torch.Tensor, fused: tuple[torch.Tensor, torch.Tensor]) -> None:
+        summed = x.clone()
+        dist.all_reduce(summed)
+        expected = rms_norm(summed, weight, eps, residual)
+        assert torch.equal(fused[1], expected[1]) and torch.equal(fused[0], expected[0]), (rank, x.shape)
+
+    reducer = SymmetricReducer(None)
+    x, residual = inputs(1, 0)
+    check(x, residual, reducer.rms_norm(x, residual, weight, eps))
+    most = reducer.norm_rings[torch.bfloat16, D].rows
+    assert most >= 128, most  # a verify pass of 32 sequences with 3 drafts
+    for seed, rows in enumerate([3, 8, 32, 128, most, 1, 1], 1):
+        x, residual = inputs(rows, seed)
+        check(x, residual, reducer.rms_norm(x, residual, weight, eps))
+    assert reducer.rms_norm(*inputs(most + 1, 9), weight, eps) is None
+
+    static = [inputs(rows, 10 + i) for i, rows in enumerate([4, 1, 4])]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for x, residual in static:
+            reducer.rms_norm(x, residual, weight, eps)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = [reducer.rms_norm(x, residual, weight, eps) for x, residual in static]
+    for replay in range(20):
+        for i, (x, residual) in enumerate(static):
+            new_x, new_residual = inputs(x.shape[0], 100 * replay + i)
+            x.copy_(new_x)
+            residual.copy_(new_residual)
+        graph.replay()
+        for (x, residual), fused in zip(static, outputs):
+            check(x, residual, fused)
+        if replay % 3 == 0:  # an eager call between replays shifts the first row's slot again
+            x, residual = inputs(2, 7 * replay)
+            check(x, residual, reducer.rms_norm(x, residual, weight, eps))
+    dist.destroy_process_group()
 
 
 @torch.inference_mode()

@@ -1,5 +1,6 @@
-"""RMSNorm kernels: the zero-centred norm (optionally fused with the residual add before it), the
-gated norm of Gated DeltaNet's output, and SiLU(gate) * up of the MLP."""
+"""RMSNorm kernels: the zero-centred norm (optionally fused with the residual add before it, and with
+the tensor-parallel all-reduce before that), the gated norm of Gated DeltaNet's output, and
+SiLU(gate) * up of the MLP."""
 
 from __future__ import annotations
 
@@ -11,12 +12,8 @@ from shardspec.kernels import rows
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, D, eps, stride_x, stride_r,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < D
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+def _add_norm_store(x, res_ptr, w_ptr, y_ptr, sum_ptr, row, cols, mask, D, eps, stride_r, HAS_RES: tl.constexpr):
+    """Store norm(x + residual) · (1 + w) and, with a residual, x + residual: one row."""
     if HAS_RES:  # the sum rounds to the input dtype first, as `x + residual` does
         x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32))
         x = x.to(sum_ptr.dtype.element_ty)
@@ -27,17 +24,91 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, D, eps, stride_x, st
     tl.store(y_ptr + row * D + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, D, eps, stride_x, stride_r,
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    _add_norm_store(x, res_ptr, w_ptr, y_ptr, sum_ptr, row, cols, mask, D, eps, stride_r, HAS_RES)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """norm(x) · (1 + w); with `residual`: (norm(x + residual), x + residual)."""
+    return _launch_norm(_rms_norm_kernel, x, weight, eps, residual)
+
+
+def _launch_norm(kernel, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+                 *extra, **constants):
+    """One program per row of x; `extra` and `constants` go after the common arguments."""
     shape, D = x.shape, x.shape[-1]
     x2 = rows(x)
     r2 = rows(residual) if residual is not None else x2
     y = torch.empty(shape, dtype=x.dtype, device=x.device)
     total = torch.empty(shape, dtype=x.dtype, device=x.device) if residual is not None else y
-    _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, total, D, eps, x2.stride(0), r2.stride(0),
-                                     HAS_RES=residual is not None,
-                                     BLOCK=triton.next_power_of_2(D), num_warps=4 if D >= 1024 else 1)
+    kernel[(x2.shape[0],)](x2, r2, weight, y, total, D, eps, x2.stride(0), r2.stride(0), *extra,
+                           HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(D),
+                           num_warps=4 if D >= 1024 else 1, **constants)
     return y if residual is None else (y, total)
+
+
+@triton.jit
+def _all_reduce_rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, D, eps, stride_x, stride_r,
+                                buffers, pads, epochs, SLOT_ROWS,
+                                RANK: tl.constexpr, WORLD: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    """Row `row` of x summed over the group's ranks, then as _rms_norm_kernel.
+
+    Each rank writes its row into its own symmetric buffer and flags each peer's signal pad; once
+    every peer has flagged this rank's pad, it reads the peers' rows over NVLink and sums them in
+    rank order (the same bits on every rank). Flags go from 0 to 1 and back, so the pads are zero
+    between calls and a CUDA graph can replay the kernel. Program `row` of every rank uses flag
+    row · WORLD + rank and buffer row `row` of slot epochs[row] % 2: the slots alternate, so a rank
+    writing a slot again (two calls later) knows, from the flags of the call between, that every
+    peer has finished reading it."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    dtype = y_ptr.dtype.element_ty
+    epoch = tl.load(epochs + row)
+    offset = ((epoch % 2) * SLOT_ROWS + row) * D
+    mine = tl.multiple_of(tl.load(buffers + RANK).to(tl.pointer_type(dtype)), 16)  # D % 16 == 0: 16-byte loads
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    tl.store(mine + offset + cols, x, mask=mask)
+    tl.debug_barrier()  # the whole row is written before any flag says so
+    for peer in tl.static_range(WORLD):
+        if peer != RANK:
+            flag = tl.load(pads + peer).to(tl.pointer_type(tl.int32)) + row * WORLD + RANK
+            while tl.atomic_cas(flag, 0, 1, sem="release", scope="sys") != 0:  # the last call's flag is taken
+                pass
+    own_pad = tl.load(pads + RANK).to(tl.pointer_type(tl.int32))
+    for peer in tl.static_range(WORLD):
+        if peer != RANK:
+            while tl.atomic_cas(own_pad + row * WORLD + peer, 1, 0, sem="acquire", scope="sys") != 1:
+                pass
+    tl.debug_barrier()
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for r in tl.static_range(WORLD):
+        if r == RANK:
+            total += x.to(tl.float32)
+        else:
+            part = tl.multiple_of(tl.load(buffers + r).to(tl.pointer_type(dtype)), 16)
+            total += tl.load(part + offset + cols, mask=mask, other=0.0, volatile=True).to(tl.float32)  # not L1
+    tl.store(epochs + row, epoch + 1)
+    _add_norm_store(total.to(dtype), res_ptr, w_ptr, y_ptr, sum_ptr, row, cols, mask, D, eps, stride_r, HAS_RES)
+
+
+def all_reduce_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor,
+                        buffers: torch.Tensor, pads: torch.Tensor, epochs: torch.Tensor, slot_rows: int, rank: int,
+                        world: int):
+    """rms_norm(x summed over a tensor-parallel group, residual) in one kernel (see the kernel).
+    buffers, pads: int64 tensors of the addresses of the group's symmetric buffers and signal pads,
+    by rank; the buffers hold two slots of slot_rows rows of x's width and dtype;
+    epochs: int64, a counter per row, zero on every rank at the start; at most slot_rows rows, a
+    width that is a multiple of 16."""
+    assert rows(x).shape[0] <= slot_rows and epochs.numel() >= slot_rows and x.shape[-1] % 16 == 0
+    return _launch_norm(_all_reduce_rms_norm_kernel, x, weight, eps, residual, buffers, pads, epochs, slot_rows,
+                        RANK=rank, WORLD=world)
 
 
 @triton.jit

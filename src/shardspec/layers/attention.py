@@ -52,7 +52,7 @@ class GatedAttention(nn.Module):
         self.qkv_proj = MergedColumnParallelLinear(hidden, {
             "q_proj": head_ranges(tp, config.num_attention_heads, 2 * dim), "k_proj": kv_ranges, "v_proj": kv_ranges,
         })
-        self.o_proj = RowParallelLinear(head_ranges(tp, config.num_attention_heads, dim), hidden, tp)
+        self.o_proj = RowParallelLinear(head_ranges(tp, config.num_attention_heads, dim), hidden)
         self.q_norm = RMSNorm(dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(dim, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(dim, config.rotary_dim, config.rope_theta)

@@ -142,7 +142,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = shard(nn.Parameter(torch.empty(self.v_heads), requires_grad=False), 0, head_ranges(tp, nv, 1))
         self.dt_bias = shard(nn.Parameter(torch.empty(self.v_heads), requires_grad=False), 0, head_ranges(tp, nv, 1))
         self.norm = GatedRMSNorm(dv, config.rms_norm_eps)
-        self.out_proj = RowParallelLinear(head_ranges(tp, nv, dv), hidden, tp)
+        self.out_proj = RowParallelLinear(head_ranges(tp, nv, dv), hidden)
         self.kernel = kernel
         self.conv_state = torch.empty(0)
         self.recurrent_state = torch.empty(0)

@@ -24,16 +24,17 @@ class MergedColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """Holds the input columns `ranges`; the partial outputs are summed across the group."""
+    """Holds the input columns `ranges` and returns this rank's partial output, unreduced: every
+    one of these layers feeds an RMSNorm, which sums it across the group (RMSNorm's `reduce`), in
+    the same kernel as its residual add where it can."""
 
-    def __init__(self, ranges: Ranges, out_features: int, tp: TPGroup):
+    def __init__(self, ranges: Ranges, out_features: int):
         super().__init__()
         in_features = sum(end - start for start, end in ranges)
         self.weight = shard(nn.Parameter(torch.empty(out_features, in_features), requires_grad=False), 1, ranges)
-        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        return F.linear(x, self.weight)
 
 
 class ReplicatedLinear(nn.Module):

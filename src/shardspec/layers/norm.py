@@ -7,20 +7,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardspec import kernels
+from shardspec.layers.parallel import TPGroup
 
 
 class RMSNorm(nn.Module):
     """Zero-centred RMSNorm: x̂ · (1 + w), the weight stored as an offset from one.
 
     With `residual`, the residual add before the norm is part of it: returns (norm(x + residual),
-    x + residual), the sum rounded to x's dtype as `x + residual` would be."""
+    x + residual), the sum rounded to x's dtype as `x + residual` would be. With `reduce`, x is this
+    rank's partial sum (a row-parallel layer's output), summed across the group first: in the same
+    kernel as the add and the norm where TPGroup.all_reduce_rms_norm applies."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce: TPGroup | None = None):
+        if reduce is not None and reduce.size > 1:
+            fused = reduce.all_reduce_rms_norm(x, residual, self.weight, self.eps) if residual is not None else None
+            if fused is not None:
+                return fused
+            x = reduce.all_reduce(x)
         if kernels.enabled(x):
             return kernels.norm.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:

@@ -10,8 +10,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardspec import kernels
+
 Ranges = list[tuple[int, int]]
 SYMMETRIC_ALLREDUCE = os.environ.get("SHARDSPEC_ALLREDUCE") == "symm"  # see SymmetricReducer
+FUSED_NORM = os.environ.get("SHARDSPEC_FUSED_NORM", "1") != "0"  # 0: all-reduce, then the norm (comparisons)
 
 
 @dataclass(frozen=True)
@@ -27,11 +30,22 @@ class TPGroup:
         if self.size == 1:
             return x
         if SYMMETRIC_ALLREDUCE and x.is_cuda and x.nbytes <= SymmetricReducer.MAX_BYTES:
-            if self._reducer is None:  # made at the first (eager) all-reduce, the same one on every rank
-                object.__setattr__(self, "_reducer", SymmetricReducer(self.group))
-            return self._reducer(x)
+            return self._symmetric()(x)
         dist.all_reduce(x, group=self.group)
         return x
+
+    def all_reduce_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+        """(norm(sum of x over the group + residual), that sum) in one kernel, or None where the
+        fused kernel does not apply: the symmetric-memory all-reduce only (it reads the peers'
+        buffers), CUDA with the kernels, up to SymmetricReducer.NORM_ROWS rows."""
+        if self.size == 1 or not (SYMMETRIC_ALLREDUCE and FUSED_NORM and kernels.enabled(x)):
+            return None
+        return self._symmetric().rms_norm(x, residual, weight, eps)
+
+    def _symmetric(self) -> SymmetricReducer:
+        if self._reducer is None:  # made at the first (eager) all-reduce, the same one on every rank
+            object.__setattr__(self, "_reducer", SymmetricReducer(self.group))
+        return self._reducer
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         if self.size == 1:
@@ -52,6 +66,7 @@ class SymmetricReducer:
     NCCL's ring takes tens (opt-in: SHARDSPEC_ALLREDUCE=symm)."""
 
     MAX_BYTES = 1 << 20
+    NORM_ROWS = 256  # the rows of a decode or verify pass; a prefill's all-reduce goes through NCCL
 
     def __init__(self, group: Any):
         from torch.distributed import _symmetric_memory as symm_mem
@@ -59,6 +74,7 @@ class SymmetricReducer:
         self.symm_mem = symm_mem
         self.group_name = (group or dist.group.WORLD).group_name
         self.buffers: dict[torch.dtype, torch.Tensor] = {}
+        self.norm_rings: dict[tuple[torch.dtype, int], _NormRing] = {}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         buffer = self.buffers.get(x.dtype)
@@ -70,6 +86,39 @@ class SymmetricReducer:
         out = torch.empty_like(x)
         torch.ops.symm_mem.one_shot_all_reduce_copy_out(buffer[: x.numel()].view_as(x), x, "sum", self.group_name, out)
         return out
+
+    def rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+        """The all-reduce fused with the residual add and RMSNorm after it (kernels.norm), or None
+        for more rows than its buffers hold or a width its 16-byte loads do not divide. One kernel
+        where there were two (the one-shot all-reduce, the add + norm) and the gap between them, 64
+        times in a 9B decode step."""
+        D = x.shape[-1]
+        ring = self.norm_rings.get((x.dtype, D))
+        if ring is None:
+            ring = self.norm_rings[x.dtype, D] = _NormRing(self.symm_mem, self.group_name, x.dtype, D, x.device,
+                                                           self.NORM_ROWS)
+        if x.numel() // D > ring.rows or D % 16:
+            return None
+        return kernels.norm.all_reduce_rms_norm(x, weight, eps, residual, ring.buffers, ring.pads, ring.epochs,
+                                                ring.rows, ring.rank, ring.world)
+
+
+class _NormRing:
+    """The fused all-reduce + norm's state on one rank: a symmetric buffer of two slots of `rows`
+    rows (each rank's copy readable by every peer), the device addresses of every rank's copy and
+    signal pad, and a counter per row that picks the slot (see kernels.norm)."""
+
+    def __init__(self, symm_mem: Any, group_name: str, dtype: torch.dtype, width: int, device: torch.device,
+                 rows: int):
+        buffer = symm_mem.empty(2 * rows * width, dtype=dtype, device=device)
+        handle = symm_mem.rendezvous(buffer, group_name)
+        self.rank, self.world = handle.rank, handle.world_size
+        self.rows = min(rows, handle.signal_pad_size // (4 * self.world))  # a 4-byte flag per row and peer
+        offset = buffer.data_ptr() - handle.buffer_ptrs[self.rank]  # the same on every rank
+        self.buffers = torch.tensor([ptr + offset for ptr in handle.buffer_ptrs], dtype=torch.int64, device=device)
+        self.pads = torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device)
+        self.epochs = torch.zeros(rows, dtype=torch.int64, device=device)
+        self._keep = buffer, handle
 
 
 def shard(param: nn.Parameter, dim: int, ranges: Ranges) -> nn.Parameter:

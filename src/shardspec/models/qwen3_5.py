@@ -22,7 +22,7 @@ class MLP(nn.Module):
         super().__init__()
         rows = [tp.split(config.intermediate_size)]
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, {"gate_proj": rows, "up_proj": rows})
-        self.down_proj = RowParallelLinear(rows, config.hidden_size, tp)
+        self.down_proj = RowParallelLinear(rows, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x)
@@ -42,12 +42,18 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: Batch):
-        """(this layer's output, the residual stream before it): each norm adds the previous
-        layer's output to the residual first, so the add and the norm are one kernel on CUDA."""
-        h, residual = self.input_layernorm(x, residual) if residual is not None else (self.input_layernorm(x), x)
-        h, residual = self.post_attention_layernorm(self.mixer(h, batch), residual)
+        """(this layer's output, the residual stream before it). The output is this rank's partial
+        sum (a row-parallel projection's), as is the input when `residual` is given (the previous
+        layer's output): each norm sums its input across the group and adds it to the residual
+        first, so that all-reduce, add and norm are one kernel where they can be (RMSNorm)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual, self.tp)
+        h, residual = self.post_attention_layernorm(self.mixer(h, batch), residual, self.tp)
         return self.mlp(h), residual
 
 
@@ -61,13 +67,14 @@ class MTPHead(nn.Module):
         self.pre_fc_norm_hidden = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList([DecoderLayer(config, "full_attention", tp)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tp = tp
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], -1))
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, batch)
-        return self.norm(x, residual)[0]
+        return self.norm(x, residual, self.tp)[0]
 
 
 class Qwen3_5Model(nn.Module):
@@ -87,7 +94,7 @@ class Qwen3_5Model(nn.Module):
         x, residual = self.embed_tokens(ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, batch)
-        return self.norm(x, residual)[0]
+        return self.norm(x, residual, self.tp)[0]
 
     def stateful_layers(self) -> list[GatedAttention | GatedDeltaNet]:
         mixers = [layer.mixer for layer in self.layers]
