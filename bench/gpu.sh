@@ -13,11 +13,13 @@
 #           transformers' generate in the same run; the in-process batch-8 step and prefill profile;
 #           the drafts' LM head (bench/lm_head.py), the delta rule's tiles (bench/kernels.py), and batch 1/8
 #           MTP with the cuBLAS draft head (the peer)
-#   9b-tp2  9B-class, TP = 2: NCCL and symmetric-memory all-reduce, batch 1/8/32, MTP off and k = 3 at 0.8;
-#           the all-reduce latency table, the in-process step profile at TP = 1 and 2 (with the
-#           all-reduce kernels of both ranks)
-#   27b     27B-class (written first, ~1.5 min): TP = 2 (symmetric memory) and TP = 1, batch 1/8/32,
-#           MTP off and k = 3 at 0.8
+#   9b-tp2  9B-class, TP = 2, batch 1/8/32, MTP off and k = 3 at 0.8: the symmetric-memory all-reduce
+#           fused with the norm, the same unfused (SHARDSPEC_FUSED_NORM=0, the peer), NCCL; and TP = 1
+#           in the same call, the reference of the ratios
+#   tp2-profile  the all-reduce latency table (with the add + norm paths), the in-process 9B step at
+#           TP = 1 and at TP = 2 fused and unfused (with the all-reduce kernels of both ranks)
+#   27b     27B-class (written first, ~1.5 min): TP = 2 (symmetric memory, fused) and TP = 1, batch
+#           1/8/32, MTP off and k = 3 at 0.8; TP = 2 unfused without MTP
 # Then, where matplotlib is: python bench/plot_decode.py OUT/decode-9b-tp1.json ... --out docs/decode.png
 set -euo pipefail
 if [ $# -lt 3 ]; then
@@ -28,8 +30,8 @@ wheels=$1 out=$2
 shift 2
 for stage in "$@"; do
     case $stage in
-    tests | 9b | 9b-tp2 | 27b) ;;
-    *) echo "gpu.sh: unknown stage '$stage' (tests, 9b, 9b-tp2, 27b)" >&2; exit 2 ;;
+    tests | 9b | 9b-tp2 | tp2-profile | 27b) ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, 9b, 9b-tp2, tp2-profile, 27b)" >&2; exit 2 ;;
     esac
 done
 mkdir -p "$out" .bench
@@ -57,14 +59,23 @@ for stage in "$@"; do
             --forced 0.8 --prefill --out "$out/decode-9b-tp1-cublas-head.json" 2>&1 | grep -v -i warn
         ;;
     9b-tp2)
-        python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 2 --batch 1 8 32 --k 3 --forced 0.8 --prefill 2048 \
-            --out "$out/decode-9b-tp2.json" 2>&1 | tee "$out/decode-9b-tp2.log"
+        python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 1 --batch 1 8 32 --k 3 --forced 0.8 \
+            --prefill 2048 8192 --out "$out/decode-9b-tp1-k3.json" 2>&1 | tee "$out/decode-9b-tp1-k3.log"
         SHARDSPEC_ALLREDUCE=symm python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 2 --batch 1 8 32 --k 3 \
-            --forced 0.8 --prefill --out "$out/decode-9b-tp2-symm.json" 2>&1 | tee "$out/decode-9b-tp2-symm.log"
+            --forced 0.8 --prefill 2048 --out "$out/decode-9b-tp2-symm.json" 2>&1 | tee "$out/decode-9b-tp2-symm.log"
+        SHARDSPEC_ALLREDUCE=symm SHARDSPEC_FUSED_NORM=0 python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 2 \
+            --batch 1 8 32 --k 3 --forced 0.8 --prefill --out "$out/decode-9b-tp2-symm-unfused.json" 2>&1 \
+            | tee "$out/decode-9b-tp2-symm-unfused.log"
+        python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 2 --batch 1 8 32 --k 3 --forced 0.8 --prefill \
+            --out "$out/decode-9b-tp2.json" 2>&1 | tee "$out/decode-9b-tp2.log"
+        ;;
+    tp2-profile)
         python3 bench/allreduce.py --out "$out/allreduce.json" 2>&1 | tee "$out/allreduce.log"
         python3 bench/profile_step.py --size 9b --batch 1 --k 0 3 2>&1 | tee "$out/profile-9b.log"
-        SHARDSPEC_ALLREDUCE=symm python3 bench/profile_step.py --size 9b --tp 2 --batch 1 --k 0 2>&1 \
+        SHARDSPEC_ALLREDUCE=symm python3 bench/profile_step.py --size 9b --tp 2 --batch 1 --k 0 3 2>&1 \
             | tee "$out/profile-9b-tp2.log"   # both ranks' all-reduce kernels: durations, arrival gaps
+        SHARDSPEC_ALLREDUCE=symm SHARDSPEC_FUSED_NORM=0 python3 bench/profile_step.py --size 9b --tp 2 --batch 1 \
+            --k 0 3 2>&1 | tee "$out/profile-9b-tp2-unfused.log"
         ;;
     27b)
         [ -f .bench/27b/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/27b --size 27b
@@ -72,6 +83,9 @@ for stage in "$@"; do
             --forced 0.8 --prefill --out "$out/decode-27b-tp2-symm.json" 2>&1 | tee "$out/decode-27b-tp2-symm.log"
         python3 bench/decode.py --size 27b --ckpt .bench/27b --tp 1 --batch 1 8 32 --k 3 --forced 0.8 --prefill \
             --out "$out/decode-27b-tp1.json" 2>&1 | tee "$out/decode-27b-tp1.log"
+        SHARDSPEC_ALLREDUCE=symm SHARDSPEC_FUSED_NORM=0 python3 bench/decode.py --size 27b --ckpt .bench/27b --tp 2 \
+            --batch 1 8 32 --k --forced --prefill --out "$out/decode-27b-tp2-symm-unfused.json" 2>&1 \
+            | tee "$out/decode-27b-tp2-symm-unfused.log"
         ;;
     esac
 done
