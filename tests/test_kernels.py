@@ -9,6 +9,8 @@ the GPU to nearest).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -305,3 +307,33 @@ def test_the_draft_head_mode_falls_back_where_the_kernel_cannot_run(monkeypatch)
     monkeypatch.setattr(runner, "DRAFT_HEAD", "fp9")
     with pytest.raises(ValueError, match="SHARDSPEC_DRAFT_HEAD"):
         runner.draft_head_mode(model, torch.bfloat16, cpu)
+
+
+def test_the_fused_all_reduce_swaps_each_flag_from_one_thread_and_shares_the_result():
+    """The fused all-reduce's protocol needs each program's flag compare-and-swaps to run once (if
+    every thread ran them, all but one would spin on a flag already swapped). Triton runs a scalar
+    atomic in one thread and broadcasts its result through shared memory; this checks that in the
+    kernel's compiled code for an H100/H200 (sm_90), with no GPU needed (in a process of its own:
+    this module may run the kernels through the interpreter, which compiles nothing)."""
+    compile_ptx = """
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import triton
+from shardspec.kernels.norm import _all_reduce_rms_norm_kernel as kernel
+types = {"D": "i32", "eps": "fp32", "stride_x": "i32", "stride_r": "i32", "SLOT_ROWS": "i32",
+         "buffers": "*i64", "pads": "*i64", "epochs": "*i64"}
+constants = {"RANK": 0, "WORLD": 2, "HAS_RES": True, "BLOCK": 4096}
+signature = {a: "constexpr" if a in constants else types.get(a, "*bf16") for a in kernel.arg_names}
+source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+print(triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])
+"""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", compile_ptx], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line.strip() for line in done.stdout.splitlines()]
+    swaps = [i for i, line in enumerate(lines) if ".sys.cas." in line]
+    assert [("release" in lines[i], "acquire" in lines[i]) for i in swaps] == [(True, False), (False, True)]
+    for i in swaps:
+        assert lines[i].startswith("@%p"), lines[i]  # predicated: not every thread
+        shared = next(line for line in lines[i + 1 :] if "st.shared" in line or "bar.sync" in line)
+        assert shared.startswith("@%p") and "st.shared" in shared, shared  # the result, to shared memory

@@ -54,6 +54,19 @@ def _launch_norm(kernel, x: torch.Tensor, weight: torch.Tensor, eps: float, resi
 
 
 @triton.jit
+def _swap_flag(flag, expected, new, SEM: tl.constexpr):
+    """Spin until the flag at `flag` goes from `expected` to `new` (a scalar atomic: one thread of the
+    program runs it and Triton broadcasts the result). A peer that never comes (a rank that died)
+    traps the kernel after 2^28 tries, minutes, rather than spinning forever: the worker then fails
+    with a CUDA error instead of hanging."""
+    spins = 0
+    while (tl.atomic_cas(flag, expected, new, sem=SEM, scope="sys") != expected) & (spins < 268435456):
+        spins += 1
+    if spins >= 268435456:
+        tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _all_reduce_rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, D, eps, stride_x, stride_r,
                                 buffers, pads, epochs, SLOT_ROWS,
                                 RANK: tl.constexpr, WORLD: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
@@ -79,13 +92,11 @@ def _all_reduce_rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, D, eps, s
     for peer in tl.static_range(WORLD):
         if peer != RANK:
             flag = tl.load(pads + peer).to(tl.pointer_type(tl.int32)) + row * WORLD + RANK
-            while tl.atomic_cas(flag, 0, 1, sem="release", scope="sys") != 0:  # the last call's flag is taken
-                pass
+            _swap_flag(flag, 0, 1, "release")  # waits only if the peer has not taken the last call's flag
     own_pad = tl.load(pads + RANK).to(tl.pointer_type(tl.int32))
     for peer in tl.static_range(WORLD):
         if peer != RANK:
-            while tl.atomic_cas(own_pad + row * WORLD + peer, 1, 0, sem="acquire", scope="sys") != 1:
-                pass
+            _swap_flag(own_pad + row * WORLD + peer, 1, 0, "acquire")
     tl.debug_barrier()
     total = tl.zeros([BLOCK], dtype=tl.float32)
     for r in tl.static_range(WORLD):

@@ -72,7 +72,8 @@ class SymmetricReducer:
         from torch.distributed import _symmetric_memory as symm_mem
 
         self.symm_mem = symm_mem
-        self.group_name = (group or dist.group.WORLD).group_name
+        self.group = group or dist.group.WORLD
+        self.group_name = self.group.group_name
         self.buffers: dict[torch.dtype, torch.Tensor] = {}
         self.norm_rings: dict[tuple[torch.dtype, int], _NormRing] = {}
 
@@ -93,11 +94,13 @@ class SymmetricReducer:
         where there were two (the one-shot all-reduce, the add + norm) and the gap between them, 64
         times in a 9B decode step."""
         D = x.shape[-1]
+        if D % 16:
+            return None
         ring = self.norm_rings.get((x.dtype, D))
         if ring is None:
-            ring = self.norm_rings[x.dtype, D] = _NormRing(self.symm_mem, self.group_name, x.dtype, D, x.device,
+            ring = self.norm_rings[x.dtype, D] = _NormRing(self.symm_mem, self.group, x.dtype, D, x.device,
                                                            self.NORM_ROWS)
-        if x.numel() // D > ring.rows or D % 16:
+        if x.numel() // D > ring.rows:
             return None
         return kernels.norm.all_reduce_rms_norm(x, weight, eps, residual, ring.buffers, ring.pads, ring.epochs,
                                                 ring.rows, ring.rank, ring.world)
@@ -108,14 +111,17 @@ class _NormRing:
     rows (each rank's copy readable by every peer), the device addresses of every rank's copy and
     signal pad, and a counter per row that picks the slot (see kernels.norm)."""
 
-    def __init__(self, symm_mem: Any, group_name: str, dtype: torch.dtype, width: int, device: torch.device,
+    def __init__(self, symm_mem: Any, group: Any, dtype: torch.dtype, width: int, device: torch.device,
                  rows: int):
         buffer = symm_mem.empty(2 * rows * width, dtype=dtype, device=device)
-        handle = symm_mem.rendezvous(buffer, group_name)
+        handle = symm_mem.rendezvous(buffer, group.group_name)
         self.rank, self.world = handle.rank, handle.world_size
         self.rows = min(rows, handle.signal_pad_size // (4 * self.world))  # a 4-byte flag per row and peer
-        offset = buffer.data_ptr() - handle.buffer_ptrs[self.rank]  # the same on every rank
-        self.buffers = torch.tensor([ptr + offset for ptr in handle.buffer_ptrs], dtype=torch.int64, device=device)
+        # where the buffer starts in each rank's symmetric allocation (a pool may place it anywhere)
+        offset = torch.tensor([buffer.data_ptr() - handle.buffer_ptrs[self.rank]], dtype=torch.int64, device=device)
+        offsets = torch.empty(self.world, dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(offsets, offset, group=group)
+        self.buffers = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device) + offsets
         self.pads = torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device)
         self.epochs = torch.zeros(rows, dtype=torch.int64, device=device)
         self._keep = buffer, handle
