@@ -197,7 +197,7 @@ def setup() -> dict:
         commit = None
     return {"commit": commit, "torch": torch.__version__, "triton": installed("triton"),
             "fla-core": installed("fla-core"), "transformers": installed("transformers"),
-            "allreduce": os.environ.get("SHARDSPEC_ALLREDUCE", "nccl"),
+            "allreduce": os.environ.get("SHARDSPEC_ALLREDUCE", "auto"),
             "fused_norm": os.environ.get("SHARDSPEC_FUSED_NORM", "1") != "0",  # with symm: all-reduce + norm
             "draft_head_requested": DRAFT_HEAD,  # the worker logs the one it could use
             "kernels": os.environ.get("SHARDSPEC_KERNELS", "1") != "0"}

@@ -7,8 +7,8 @@
 # into /tmp/shardspec-site with no index. OUT: where logs and JSON results go. Checkpoints are written
 # under .bench/ (kept while the machine is). Each stage fits in ~10 minutes on 2 × H200 (9b took 6, tests 4) and
 # writes at most 8 files to OUT:
-#   tests   tests/test_cuda.py + tests/test_kernels.py, and the MTP tests again with the symmetric-memory
-#           all-reduce (TP = 2) and the cuBLAS draft head
+#   tests   tests/test_cuda.py + tests/test_kernels.py, and the MTP tests again with NCCL only (TP = 2)
+#           and the cuBLAS draft head
 #   9b      9B-class, TP = 1: batch 1/8/32, MTP off and k = 1..4 at 0.6 and 0.8, prefill 2k/8k,
 #           transformers' generate in the same run; the in-process batch-8 step and prefill profile;
 #           the drafts' LM head (bench/lm_head.py), the delta rule's tiles (bench/kernels.py), and batch 1/8
@@ -43,8 +43,8 @@ for stage in "$@"; do
     case $stage in
     tests)
         python3 -m pytest -q tests/test_cuda.py tests/test_kernels.py --durations=10 2>&1 | tee "$out/tests.log"
-        {   # MTP on = off again with the other variants: the symmetric-memory all-reduce, the cuBLAS draft head
-            SHARDSPEC_ALLREDUCE=symm python3 -m pytest -q tests/test_cuda.py -k "mtp and 2"
+        {   # MTP on = off again with the other variants: NCCL only (not the symmetric-memory all-reduce), the cuBLAS draft head
+            SHARDSPEC_ALLREDUCE=nccl python3 -m pytest -q tests/test_cuda.py -k "mtp and 2"
             SHARDSPEC_DRAFT_HEAD=cublas python3 -m pytest -q tests/test_cuda.py -k mtp
         } 2>&1 | tee "$out/tests-variants.log"
         ;;
@@ -66,8 +66,8 @@ for stage in "$@"; do
         SHARDSPEC_ALLREDUCE=symm SHARDSPEC_FUSED_NORM=0 python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 2 \
             --batch 1 8 32 --k 3 --forced 0.8 --prefill --out "$out/decode-9b-tp2-symm-unfused.json" 2>&1 \
             | tee "$out/decode-9b-tp2-symm-unfused.log"
-        python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 2 --batch 1 8 32 --k 3 --forced 0.8 --prefill \
-            --out "$out/decode-9b-tp2.json" 2>&1 | tee "$out/decode-9b-tp2.log"
+        SHARDSPEC_ALLREDUCE=nccl python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 2 --batch 1 8 32 --k 3 \
+            --forced 0.8 --prefill --out "$out/decode-9b-tp2.json" 2>&1 | tee "$out/decode-9b-tp2.log"
         ;;
     tp2-profile)
         python3 bench/allreduce.py --out "$out/allreduce.json" 2>&1 | tee "$out/allreduce.log"

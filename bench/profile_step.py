@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from gpu_timing import sync
 
-from shardspec.layers.parallel import TPGroup
+from shardspec.layers.parallel import TPGroup, use_symmetric_memory
 from shardspec.models.config import ModelConfig
 from shardspec.models.qwen3_5 import Qwen3_5Model
 from shardspec.models.random_checkpoint import nine_b_config, tiny_config, twenty_seven_b_config
@@ -135,7 +135,7 @@ def run(rank: int, args: argparse.Namespace, address: str) -> None:
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=address, rank=rank,
                                 world_size=args.tp, device_id=device if device.type == "cuda" else None)
-        tp = TPGroup(rank, args.tp)
+        tp = TPGroup(rank, args.tp, symmetric=use_symmetric_memory(device, args.tp))
     say = print if rank == 0 else (lambda *a, **k: None)
     if device.type == "cuda":  # as the worker daemon sets them
         torch.backends.cuda.enable_cudnn_sdp(False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import sys
 import time
@@ -16,7 +17,7 @@ import torch.distributed as dist
 import shardspec
 from shardspec.cli import BUNDLED_MODEL
 from shardspec.layers.batch import Batch
-from shardspec.layers.parallel import SymmetricReducer, TPGroup
+from shardspec.layers.parallel import SymmetricReducer, TPGroup, use_symmetric_memory
 from shardspec.models.loader import load_model
 from shardspec.orchestrator.tokenizer import Tokenizer
 from shardspec.orchestrator.workers import free_port
@@ -142,6 +143,8 @@ def _fused_norm_checks(rank: int, address: str) -> None:
         expected = rms_norm(summed, weight, eps, residual)
         assert torch.equal(fused[1], expected[1]) and torch.equal(fused[0], expected[0]), (rank, x.shape)
 
+    if os.environ.get("SHARDSPEC_ALLREDUCE", "auto") == "auto":  # two GPUs of one host: the default takes it
+        assert use_symmetric_memory(device, 2)
     reducer = SymmetricReducer(None)
     x, residual = inputs(1, 0)
     check(x, residual, reducer.rms_norm(x, residual, weight, eps))
@@ -183,9 +186,9 @@ def test_tp2_greedy_output_with_the_fused_symmetric_all_reduce_equals_the_nccl_o
     NCCL does for two ranks, so the hidden states agree bit for bit)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    monkeypatch.delenv("SHARDSPEC_ALLREDUCE", raising=False)
+    monkeypatch.setenv("SHARDSPEC_ALLREDUCE", "nccl")  # the workers read it at start
     nccl = greedy("cuda", "bfloat16", 2, mtp=True)
-    monkeypatch.setenv("SHARDSPEC_ALLREDUCE", "symm")  # the workers read it at start
+    monkeypatch.setenv("SHARDSPEC_ALLREDUCE", "symm")
     assert greedy("cuda", "bfloat16", 2, mtp=True) == nccl
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,23 +16,25 @@ from torch import nn
 from shardspec import kernels
 
 Ranges = list[tuple[int, int]]
-SYMMETRIC_ALLREDUCE = os.environ.get("SHARDSPEC_ALLREDUCE") == "symm"  # see SymmetricReducer
+ALLREDUCE = os.environ.get("SHARDSPEC_ALLREDUCE", "auto")  # auto, symm or nccl: see use_symmetric_memory
 FUSED_NORM = os.environ.get("SHARDSPEC_FUSED_NORM", "1") != "0"  # 0: all-reduce, then the norm (comparisons)
 
 
 @dataclass(frozen=True)
 class TPGroup:
-    """This rank's tensor-parallel group; size 1 needs no torch.distributed at all."""
+    """This rank's tensor-parallel group; size 1 needs no torch.distributed at all. `symmetric`:
+    small all-reduces go through symmetric memory (SymmetricReducer; see use_symmetric_memory)."""
 
     rank: int = 0
     size: int = 1
     group: Any = None
+    symmetric: bool = False
     _reducer: Any = field(default=None, init=False, compare=False, repr=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
-        if SYMMETRIC_ALLREDUCE and x.is_cuda and x.nbytes <= SymmetricReducer.MAX_BYTES:
+        if self.symmetric and x.is_cuda and x.nbytes <= SymmetricReducer.MAX_BYTES:
             return self._symmetric()(x)
         dist.all_reduce(x, group=self.group)
         return x
@@ -38,7 +43,7 @@ class TPGroup:
         """(norm(sum of x over the group + residual), that sum) in one kernel, or None where the
         fused kernel does not apply: the symmetric-memory all-reduce only (it reads the peers'
         buffers), CUDA with the kernels, up to SymmetricReducer.NORM_ROWS rows."""
-        if self.size == 1 or not (SYMMETRIC_ALLREDUCE and FUSED_NORM and kernels.enabled(x)):
+        if self.size == 1 or not (self.symmetric and FUSED_NORM and kernels.enabled(x)):
             return None
         return self._symmetric().rms_norm(x, residual, weight, eps)
 
@@ -60,10 +65,39 @@ class TPGroup:
         return self.rank * per, (self.rank + 1) * per
 
 
+def check_allreduce_setting() -> None:
+    if ALLREDUCE not in ("auto", "symm", "nccl"):
+        raise ValueError(f"SHARDSPEC_ALLREDUCE must be auto, symm or nccl, not {ALLREDUCE!r}")
+
+
+def use_symmetric_memory(device: torch.device, size: int, group: Any = None) -> bool:
+    """Whether a CUDA group takes the symmetric-memory all-reduce. SHARDSPEC_ALLREDUCE=symm says
+    yes and =nccl no; by default (auto) yes where every rank is on this host and its GPU can reach
+    every other rank's GPU directly (NVLink or PCIe peer access), which symmetric memory needs; a
+    group that spans hosts keeps NCCL. A collective: every rank of the group calls it."""
+    check_allreduce_setting()
+    if ALLREDUCE in ("symm", "nccl") or device.type != "cuda" or size == 1:
+        return ALLREDUCE == "symm" and device.type == "cuda" and size > 1
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()  # two hosts can share a name
+    except OSError:
+        boot = ""
+    host = int.from_bytes(hashlib.blake2b(f"{socket.gethostname()}/{boot}".encode(), digest_size=7).digest(), "little")
+    gpu = device.index if device.index is not None else torch.cuda.current_device()
+    every = torch.empty(2 * size, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(every, torch.tensor([host, gpu], dtype=torch.int64, device=device), group=group)
+    hosts, gpus = every.view(size, 2).T.tolist()
+    reachable = len(set(hosts)) == 1 and all(torch.cuda.can_device_access_peer(gpu, other)
+                                             for other in gpus if other != gpu)
+    agreed = torch.tensor([int(reachable)], dtype=torch.int64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)  # every rank takes the same path
+    return bool(agreed.item())
+
+
 class SymmetricReducer:
     """One-shot all-reduce through PyTorch's symmetric memory: every rank reads its peers' buffers
     directly over NVLink. For the small tensors of a decode step it takes a few microseconds where
-    NCCL's ring takes tens (opt-in: SHARDSPEC_ALLREDUCE=symm)."""
+    NCCL's ring takes tens."""
 
     MAX_BYTES = 1 << 20
     NORM_ROWS = 256  # the rows of a decode or verify pass; a prefill's all-reduce goes through NCCL

@@ -28,7 +28,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from shardspec import __version__, security
-from shardspec.layers.parallel import TPGroup
+from shardspec.layers.parallel import TPGroup, check_allreduce_setting, use_symmetric_memory
 from shardspec.models.config import ConfigError
 from shardspec.models.loader import load_model
 from shardspec.models.qwen3_5 import Qwen3_5Model
@@ -239,6 +239,10 @@ class ShardWorker:
         if body.rank >= body.world_size:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"rank {body.rank} is not below world_size {body.world_size}")
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        try:
+            check_allreduce_setting()
+        except ValueError as exc:
+            raise ProtocolError(ErrorCode.BAD_STATE, f"this worker's {exc}") from None
         if body.world_size > 1:
             if not body.dist_addr.startswith("tcp://"):
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"dist_addr must be tcp://HOST:PORT, got {body.dist_addr!r}")
@@ -256,7 +260,10 @@ class ShardWorker:
                 )
             except Exception as exc:  # a peer that never came, a port in use
                 raise ProtocolError(ErrorCode.BAD_STATE, f"could not join the process group: {exc}") from None
-        self.tp = TPGroup(body.rank, body.world_size)
+        symmetric = use_symmetric_memory(self.device, body.world_size)
+        if symmetric:
+            log.info("small all-reduces go through symmetric memory (SHARDSPEC_ALLREDUCE=nccl: NCCL only)")
+        self.tp = TPGroup(body.rank, body.world_size, symmetric=symmetric)
         self.state = "initialized"
         return InitReply(rank=body.rank, world_size=body.world_size, backend=backend), None
 
