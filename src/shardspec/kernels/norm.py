@@ -117,7 +117,7 @@ def all_reduce_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, resid
     by rank; the buffers hold two slots of slot_rows rows of x's width and dtype;
     epochs: int64, a counter per row, zero on every rank at the start; at most slot_rows rows, a
     width that is a multiple of 16."""
-    assert rows(x).shape[0] <= slot_rows and epochs.numel() >= slot_rows and x.shape[-1] % 16 == 0
+    assert x.numel() // x.shape[-1] <= slot_rows <= epochs.numel() and x.shape[-1] % 16 == 0
     return _launch_norm(_all_reduce_rms_norm_kernel, x, weight, eps, residual, buffers, pads, epochs, slot_rows,
                         RANK=rank, WORLD=world)
 

@@ -24,11 +24,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce: TPGroup | None = None):
-        if reduce is not None and reduce.size > 1:
+        if reduce is not None:
             fused = reduce.all_reduce_rms_norm(x, residual, self.weight, self.eps) if residual is not None else None
             if fused is not None:
                 return fused
-            x = reduce.all_reduce(x)
+            x = reduce.all_reduce(x)  # x itself in a group of one
         if kernels.enabled(x):
             return kernels.norm.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:

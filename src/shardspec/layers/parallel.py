@@ -76,8 +76,10 @@ def use_symmetric_memory(device: torch.device, size: int, group: Any = None) -> 
     every other rank's GPU directly (NVLink or PCIe peer access), which symmetric memory needs; a
     group that spans hosts keeps NCCL. A collective: every rank of the group calls it."""
     check_allreduce_setting()
-    if ALLREDUCE in ("symm", "nccl") or device.type != "cuda" or size == 1:
-        return ALLREDUCE == "symm" and device.type == "cuda" and size > 1
+    if device.type != "cuda" or size == 1 or ALLREDUCE == "nccl":
+        return False
+    if ALLREDUCE == "symm":
+        return True
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()  # two hosts can share a name
     except OSError:
@@ -100,7 +102,7 @@ class SymmetricReducer:
     NCCL's ring takes tens."""
 
     MAX_BYTES = 1 << 20
-    NORM_ROWS = 256  # the rows of a decode or verify pass; a prefill's all-reduce goes through NCCL
+    NORM_ROWS = 256  # rows of the fused all-reduce + norm: decode and verify passes, not long prefills
 
     def __init__(self, group: Any):
         from torch.distributed import _symmetric_memory as symm_mem
