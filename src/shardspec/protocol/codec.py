@@ -19,10 +19,9 @@ import msgpack
 import torch
 
 from shardspec.protocol.errors import ErrorCode, ProtocolError
+from shardspec.protocol.messages import OPS
 
-PROTOCOL_VERSION = 1
-
-OPS = frozenset({"hello", "init", "load", "step", "release", "stats", "shutdown", "error"})
+PROTOCOL_VERSION = 2
 
 DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,

@@ -76,13 +76,30 @@ class HelloReply:
 
 @dataclass(frozen=True)
 class InitRequest:
-    """Join a torch.distributed group; rank 0 hosts the rendezvous at dist_addr."""
+    """Join a torch.distributed group; rank 0 hosts the rendezvous at dist_addr. The world is `stages`
+    pipeline stages of world_size / stages tensor-parallel ranks each, stage-major: rank r is in
+    stage r // tp at TP rank r % tp."""
 
     OP: ClassVar[str] = "init"
     rank: int = bounded(0, 4095)
     world_size: int = bounded(1, 4096)
     dist_addr: str = "tcp://127.0.0.1:29500"
     timeout_s: float = bounded(1.0, 3600.0, 120.0)
+    stages: int = bounded(1, 4096, 1)
+
+    def __post_init__(self) -> None:
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} is not below world_size {self.world_size}")
+        if self.world_size % self.stages:
+            raise ValueError(f"world_size {self.world_size} is not a multiple of stages {self.stages}")
+
+    @property
+    def tp_size(self) -> int:
+        return self.world_size // self.stages
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.tp_size
 
 
 @dataclass(frozen=True)
@@ -91,6 +108,9 @@ class InitReply:
     rank: int
     world_size: int
     backend: str
+    stage: int
+    tp_rank: int
+    tp_size: int
 
 
 @dataclass(frozen=True)
@@ -106,10 +126,13 @@ class LoadRequest:
     mtp: str = "auto"  # "auto": on when the checkpoint has mtp.*; "on": required; "off"
     draft_tokens: int = bounded(1, MAX_DRAFT_TOKENS, 3)
     forced_acceptance: float = bounded(-1.0, 1.0, -1.0)  # benchmarks only; < 0 = off
+    layer_split: list[int] = field(default_factory=list)  # decoder layers per stage; []: as even as can be
 
     def __post_init__(self) -> None:
         if self.mtp not in ("auto", "on", "off"):
             raise ValueError(f"mtp must be 'auto', 'on' or 'off', got {self.mtp!r}")
+        if any(n < 1 for n in self.layer_split):
+            raise ValueError(f"layer_split must list positive layer counts, got {self.layer_split}")
 
 
 @dataclass(frozen=True)
@@ -120,6 +143,7 @@ class LoadReply:
     dtype: str
     vocab_size: int
     num_layers: int
+    layers: list[int]  # [first, end) of the decoder layers this rank's stage holds
     has_mtp: bool
     draft_tokens: int  # 0: MTP off
     max_seq_len: int
@@ -228,6 +252,7 @@ class ErrorReply:
     message: str
 
 
+# the op set: these two maps are the one place that defines it (the codec's OPS derives from them)
 REQUESTS: dict[str, type] = {
     cls.OP: cls
     for cls in (HelloRequest, InitRequest, LoadRequest, StepRequest, ReleaseRequest, StatsRequest, ShutdownRequest)
@@ -236,6 +261,7 @@ REPLIES: dict[str, type] = {
     cls.OP: cls
     for cls in (HelloReply, InitReply, LoadReply, StepReply, ReleaseReply, StatsReply, ShutdownReply, ErrorReply)
 }
+OPS = frozenset(REQUESTS) | frozenset(REPLIES)
 
 # --- validation -------------------------------------------------------------------------------
 

@@ -236,8 +236,8 @@ class ShardWorker:
     def _init(self, body: InitRequest, _tensors: dict) -> tuple[InitReply, None]:
         if self.state != "idle":
             raise ProtocolError(ErrorCode.BAD_STATE, f"worker is {self.state}; send shutdown before init")
-        if body.rank >= body.world_size:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"rank {body.rank} is not below world_size {body.world_size}")
+        if body.stages > 1:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "this worker runs one pipeline stage only (stages = 1)")
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         try:
             check_allreduce_setting()
@@ -265,7 +265,8 @@ class ShardWorker:
             log.info("small all-reduces go through symmetric memory (SHARDSPEC_ALLREDUCE=nccl: NCCL only)")
         self.tp = TPGroup(body.rank, body.world_size, symmetric=symmetric)
         self.state = "initialized"
-        return InitReply(rank=body.rank, world_size=body.world_size, backend=backend), None
+        return InitReply(rank=body.rank, world_size=body.world_size, backend=backend, stage=0, tp_rank=body.rank,
+                         tp_size=body.world_size), None
 
     def _choose_gloo_interface(self, dist_addr: str) -> None:
         """Gloo binds to the address of this host's name, which is often a loopback address that the
@@ -321,6 +322,7 @@ class ShardWorker:
             dtype=str(dtype).removeprefix("torch."),
             vocab_size=config.vocab_size,
             num_layers=config.num_hidden_layers,
+            layers=[0, config.num_hidden_layers],
             has_mtp=model.mtp is not None,
             draft_tokens=draft_len,
             max_seq_len=max_seq_len,
