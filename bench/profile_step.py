@@ -22,8 +22,7 @@ import torch.multiprocessing as mp
 from gpu_timing import sync
 
 from shardspec.layers.parallel import TPGroup, use_symmetric_memory
-from shardspec.models.config import ModelConfig
-from shardspec.models.qwen3_5 import Qwen3_5Model
+from shardspec.models.qwen3_5 import Qwen3_5Config, Qwen3_5Model
 from shardspec.models.random_checkpoint import nine_b_config, tiny_config, twenty_seven_b_config
 from shardspec.orchestrator.workers import free_port
 from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepRequest
@@ -33,7 +32,7 @@ SIZES = {"tiny": tiny_config, "9b": nine_b_config, "27b": twenty_seven_b_config}
 
 
 def random_model(size: str, device: torch.device, dtype: torch.dtype, tp: TPGroup | None = None) -> Qwen3_5Model:
-    config = ModelConfig.from_dict(SIZES[size]())
+    config = Qwen3_5Config.from_dict(SIZES[size]())
     with torch.device("meta"):
         model = Qwen3_5Model(config, tp or TPGroup(), with_mtp=True)
     model = model.to(dtype).to_empty(device=device)

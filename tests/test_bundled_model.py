@@ -11,7 +11,7 @@ import pytest
 
 import shardspec
 from shardspec.cli import BUNDLED_MODEL
-from shardspec.models.config import ModelConfig
+from shardspec.models.qwen3_5 import Qwen3_5Config
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -26,7 +26,7 @@ def test_bundled_model_is_a_small_bf16_qwen3_5_folder_with_mtp():
     files = {p.name for p in BUNDLED_MODEL.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md"} <= files
     assert sum(p.stat().st_size for p in BUNDLED_MODEL.iterdir()) <= 25 * 2**20
-    config = ModelConfig.from_folder(BUNDLED_MODEL)
+    config = Qwen3_5Config.from_folder(BUNDLED_MODEL)
     assert config.dtype == "bfloat16" and config.mtp_num_hidden_layers == 1
     assert set(config.layer_types) == {"linear_attention", "full_attention"}
 

@@ -24,11 +24,10 @@ from shardspec import kernels
 from shardspec.kernels import gdn as kernel_gdn
 from shardspec.kernels import norm as kernel_norm
 from shardspec.layers import gdn as reference_gdn
-from shardspec.layers.attention import GatedAttention
 from shardspec.layers.batch import Batch
 from shardspec.layers.norm import GatedRMSNorm, RMSNorm
 from shardspec.layers.parallel import TPGroup
-from shardspec.models.config import ModelConfig
+from shardspec.models.qwen3_5 import Qwen3_5Config, Qwen3_5Model, mixer
 from shardspec.models.random_checkpoint import tiny_config
 
 DEVICE = torch.device("cuda" if GPU else "cpu")
@@ -193,9 +192,9 @@ def test_a_speculative_pass_leaves_states_alone_and_its_replay_commits_the_accep
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_kernels_match_the_reference_and_fill_the_cache(dtype, monkeypatch):
-    config = ModelConfig.from_dict(tiny_config())
+    config = Qwen3_5Config.from_dict(tiny_config())
     torch.manual_seed(0)
-    layer = GatedAttention(config, TPGroup())
+    layer = mixer(config, "full_attention", TPGroup())
     for p in layer.parameters():
         p.data.normal_(0, 0.3)
     layer = layer.to(dtype)
@@ -290,11 +289,10 @@ def test_the_lm_head_drafts_through_the_head_kernel(mode, monkeypatch):
 def test_the_draft_head_mode_falls_back_where_the_kernel_cannot_run(monkeypatch):
     """fp8 needs CUDA with compute capability 8.9 or later and a bf16/fp16 model; a bad
     SHARDSPEC_DRAFT_HEAD is an error on every device, not only where the kernel runs."""
-    from shardspec.models.qwen3_5 import Qwen3_5Model
     from shardspec.shard_worker import runner
 
     with torch.device("meta"):
-        model = Qwen3_5Model(ModelConfig.from_dict(tiny_config()), TPGroup(), with_mtp=True)
+        model = Qwen3_5Model(Qwen3_5Config.from_dict(tiny_config()), TPGroup(), with_mtp=True)
     cpu = torch.device("cpu")
     monkeypatch.setattr(runner, "DRAFT_HEAD", "fp8")  # the default, whatever this shell sets
     assert runner.draft_head_mode(model, torch.bfloat16, cpu) == "cublas"  # no CUDA tensors here

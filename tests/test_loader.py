@@ -27,10 +27,10 @@ def test_a_merged_projection_stacks_this_ranks_rows_of_each_checkpoint_tensor(tm
         rows = slice(rank * half, (rank + 1) * half)
         expected = torch.cat([state_dict["model.layers.0.mlp.gate_proj.weight"][rows],
                               state_dict["model.layers.0.mlp.up_proj.weight"][rows]])
-        assert torch.equal(model.layers[0].mlp.gate_up_proj.weight, expected)
+        assert torch.equal(model.layers["0"].mlp.gate_up_proj.weight, expected)
         # a, b: one row per value head; this rank's heads of each, after its q, k, v and z rows
         heads = slice(rank * c["linear_num_value_heads"] // 2, (rank + 1) * c["linear_num_value_heads"] // 2)
-        weight = model.layers[0].linear_attn.in_proj.weight
+        weight = model.layers["0"].linear_attn.in_proj.weight
         nv = c["linear_num_value_heads"] // 2
         assert torch.equal(weight[-2 * nv : -nv], state_dict["model.layers.0.linear_attn.in_proj_b.weight"][heads])
         assert torch.equal(weight[-nv:], state_dict["model.layers.0.linear_attn.in_proj_a.weight"][heads])

@@ -30,8 +30,7 @@ import torch.nn.functional as F
 
 from shardspec.layers.batch import Batch
 from shardspec.layers.parallel import TPGroup
-from shardspec.models.config import ModelConfig
-from shardspec.models.qwen3_5 import Qwen3_5Model, checkpoint_name
+from shardspec.models.qwen3_5 import Qwen3_5Config, Qwen3_5Model
 
 EOS = "<|endoftext|>"
 HELD_OUT_PERCENT = 2
@@ -140,7 +139,7 @@ def prepare(out: Path, seed: int) -> None:
 
 
 def build_model(device: torch.device, seed: int) -> Qwen3_5Model:
-    config = ModelConfig.from_dict(CONFIG)
+    config = Qwen3_5Config.from_dict(CONFIG)
     with torch.device(device):
         model = Qwen3_5Model(config, TPGroup(), with_mtp=True)
     generator = torch.Generator(device="cpu").manual_seed(seed)
@@ -175,7 +174,7 @@ def losses(model: Qwen3_5Model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.
     hidden = model(ids, Batch.uncached(B, T, ids.device))
     logits = model.lm_head.local_logits(hidden[:, :-1])
     main = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
-    mtp_hidden = model.mtp(model.embed_tokens(ids[:, 1:-1]), hidden[:, :-2], Batch.uncached(B, T - 2, ids.device))
+    mtp_hidden = model.draft(ids[:, 1:-1], hidden[:, :-2], Batch.uncached(B, T - 2, ids.device))
     mtp_logits = model.lm_head.local_logits(mtp_hidden)
     mtp = F.cross_entropy(mtp_logits.flatten(0, 1), ids[:, 2:].flatten())
     return main, mtp
@@ -259,7 +258,7 @@ def export(model: Qwen3_5Model, out: Path) -> None:
 
     tensors = {}
     for name, param in model.named_parameters():
-        tensors[checkpoint_name(name, model.config)] = param.detach().to("cpu", torch.bfloat16).contiguous()
+        tensors[model.checkpoint_key(name)] = param.detach().to("cpu", torch.bfloat16).contiguous()
     model_dir = out / "model"
     model_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})

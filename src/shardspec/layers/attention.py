@@ -1,4 +1,5 @@
-"""Gated full attention of Qwen3.5 with a fixed-size per-slot KV cache."""
+"""Gated full attention (Qwen3.5's: an output gate per head, q/k norms, partial rotary) with a
+fixed-size per-slot KV cache."""
 
 from __future__ import annotations
 
@@ -8,12 +9,11 @@ from torch import nn
 from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
 from shardspec import kernels
-from shardspec.layers.batch import Batch
+from shardspec.layers.batch import Batch, CachedLayer
 from shardspec.layers.linear import MergedColumnParallelLinear, RowParallelLinear, head_ranges
 from shardspec.layers.norm import RMSNorm
 from shardspec.layers.parallel import TPGroup
 from shardspec.layers.rotary import RotaryEmbedding
-from shardspec.models.config import ModelConfig
 
 # Passes of up to this many tokens per sequence (decode, verify) use the kernels that read the
 # cache in place; prefill chunks gather the keys and use PyTorch's flash attention.
@@ -32,30 +32,32 @@ def tail_causal_flash(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
     return torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, True)[0]
 
 
-def kv_head_ranges(config: ModelConfig, tp: TPGroup) -> tuple[int, list[tuple[int, int]]]:
+def kv_head_ranges(heads: int, dim: int, tp: TPGroup) -> tuple[int, list[tuple[int, int]]]:
     """This rank's KV heads; with more ranks than KV heads each rank keeps a replica of one."""
-    heads, dim = config.num_key_value_heads, config.head_dim
     if heads >= tp.size:
         return heads // tp.size, head_ranges(tp, heads, dim)
     head = tp.rank * heads // tp.size
     return 1, [(head * dim, (head + 1) * dim)]
 
 
-class GatedAttention(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup):
+class GatedAttention(CachedLayer):
+    """`heads` query heads and `kv_heads` key/value heads of `head_dim`, split by KV-head groups;
+    rotary embedding over the first `rotary_dim` channels of each head."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, rotary_dim: int, rope_theta: float,
+                 eps: float, tp: TPGroup):
         super().__init__()
-        dim, hidden = config.head_dim, config.hidden_size
-        self.head_dim = dim
-        self.heads = config.num_attention_heads // tp.size
-        self.kv_heads, kv_ranges = kv_head_ranges(config, tp)
+        dim = self.head_dim = head_dim
+        self.heads = heads // tp.size
+        self.kv_heads, kv_ranges = kv_head_ranges(kv_heads, dim, tp)
         # q_proj rows hold [query | gate] per head, so whole heads are 2*dim rows
         self.qkv_proj = MergedColumnParallelLinear(hidden, {
-            "q_proj": head_ranges(tp, config.num_attention_heads, 2 * dim), "k_proj": kv_ranges, "v_proj": kv_ranges,
+            "q_proj": head_ranges(tp, heads, 2 * dim), "k_proj": kv_ranges, "v_proj": kv_ranges,
         })
-        self.o_proj = RowParallelLinear(head_ranges(tp, config.num_attention_heads, dim), hidden)
-        self.q_norm = RMSNorm(dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(dim, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(dim, config.rotary_dim, config.rope_theta)
+        self.o_proj = RowParallelLinear(head_ranges(tp, heads, dim), hidden)
+        self.q_norm = RMSNorm(dim, eps)
+        self.k_norm = RMSNorm(dim, eps)
+        self.rotary = RotaryEmbedding(dim, rotary_dim, rope_theta)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 

@@ -14,11 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardspec import kernels
-from shardspec.layers.batch import Batch
+from shardspec.layers.batch import Batch, CachedLayer
 from shardspec.layers.linear import MergedColumnParallelLinear, RowParallelLinear, head_ranges
 from shardspec.layers.norm import GatedRMSNorm
 from shardspec.layers.parallel import TPGroup, shard
-from shardspec.models.config import ModelConfig
 
 CHUNK = 64
 
@@ -122,12 +121,12 @@ def delta_rule(qkv, a, b, A_log, dt_bias, state, slots, k_heads, dk, write_out=T
     return out.transpose(1, 2).to(qkv.dtype) if write_out else None
 
 
-class GatedDeltaNet(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup):
+class GatedDeltaNet(CachedLayer):
+    """nk key heads of dk channels and nv value heads of dv (nv a multiple of nk), a causal conv of
+    `kernel` taps over [q | k | v], split by key heads with their value heads."""
+
+    def __init__(self, hidden: int, nk: int, nv: int, dk: int, dv: int, kernel: int, eps: float, tp: TPGroup):
         super().__init__()
-        nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
-        dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
-        hidden, kernel = config.hidden_size, config.linear_conv_kernel_dim
         self.k_heads, self.v_heads, self.dk, self.dv = nk // tp.size, nv // tp.size, dk, dv
         # in_proj_qkv and conv1d are [q | k | v] along their rows: take this rank's heads of each
         qkv = [*head_ranges(tp, nk, dk), *head_ranges(tp, nk, dk, nk * dk), *head_ranges(tp, nv, dv, 2 * nk * dk)]
@@ -141,12 +140,11 @@ class GatedDeltaNet(nn.Module):
         self.conv1d_weight = shard(nn.Parameter(torch.empty(self.conv_dim, 1, kernel), requires_grad=False), 0, qkv)
         self.A_log = shard(nn.Parameter(torch.empty(self.v_heads), requires_grad=False), 0, head_ranges(tp, nv, 1))
         self.dt_bias = shard(nn.Parameter(torch.empty(self.v_heads), requires_grad=False), 0, head_ranges(tp, nv, 1))
-        self.norm = GatedRMSNorm(dv, config.rms_norm_eps)
+        self.norm = GatedRMSNorm(dv, eps)
         self.out_proj = RowParallelLinear(head_ranges(tp, nv, dv), hidden)
         self.kernel = kernel
         self.conv_state = torch.empty(0)
         self.recurrent_state = torch.empty(0)
-        self.pending: tuple[torch.Tensor, ...] | None = None  # a speculative pass's inputs, for commit()
 
     def allocate(self, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device) -> int:
         self.conv_state = torch.zeros(num_slots, self.conv_dim, self.kernel - 1, dtype=dtype, device=device)
@@ -169,15 +167,14 @@ class GatedDeltaNet(nn.Module):
         mixed = conv(qkv, self.conv_state if cached else None, self.conv1d_weight, batch.slots, write_state=write)
         out = delta(mixed, a, b, self.A_log, self.dt_bias, self.recurrent_state if cached else None, batch.slots,
                     self.k_heads, self.dk, write_state=write)
-        if batch.speculative:
-            self.pending = (qkv, mixed, a, b)
+        if batch.speculative:  # what commit() replays
+            batch.saved[self] = (qkv, mixed, a, b)
         return self.out_proj(self.norm(out, z.view(B, T, self.v_heads, self.dv)).reshape(B, T, -1))
 
-    def commit(self, slots: torch.Tensor, index: torch.Tensor) -> None:
-        """Advance each slot's states past tokens 0..index[b] of the last (speculative) pass, by
-        replaying them with the same arithmetic."""
-        assert self.pending is not None, "commit() needs a speculative forward pass first"
-        qkv, mixed, a, b = self.pending
+    def commit(self, saved: tuple[torch.Tensor, ...], slots: torch.Tensor, index: torch.Tensor) -> None:
+        """Advance each slot's states past tokens 0..index[b] of a speculative pass, by replaying
+        them with the same arithmetic."""
+        qkv, mixed, a, b = saved
         conv, delta = self._ops(qkv, True)
         lengths = index + 1
         conv(qkv, self.conv_state, self.conv1d_weight, slots, write_out=False, lengths=lengths)

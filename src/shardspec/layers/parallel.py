@@ -20,16 +20,17 @@ ALLREDUCE = os.environ.get("SHARDSPEC_ALLREDUCE", "auto")  # auto, symm or nccl:
 FUSED_NORM = os.environ.get("SHARDSPEC_FUSED_NORM", "1") != "0"  # 0: all-reduce, then the norm (comparisons)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class TPGroup:
-    """This rank's tensor-parallel group; size 1 needs no torch.distributed at all. `symmetric`:
-    small all-reduces go through symmetric memory (SymmetricReducer; see use_symmetric_memory)."""
+    """This rank's tensor-parallel group; size 1 needs no torch.distributed at all. `group`: the
+    torch.distributed group (None: the default one). `symmetric`: small all-reduces go through
+    symmetric memory (SymmetricReducer; see use_symmetric_memory)."""
 
     rank: int = 0
     size: int = 1
     group: Any = None
     symmetric: bool = False
-    _reducer: Any = field(default=None, init=False, compare=False, repr=False)
+    _reducer: SymmetricReducer | None = field(default=None, init=False, repr=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
@@ -49,7 +50,7 @@ class TPGroup:
 
     def _symmetric(self) -> SymmetricReducer:
         if self._reducer is None:  # made at the first (eager) all-reduce, the same one on every rank
-            object.__setattr__(self, "_reducer", SymmetricReducer(self.group))
+            self._reducer = SymmetricReducer(self.group)
         return self._reducer
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:

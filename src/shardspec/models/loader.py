@@ -1,4 +1,5 @@
-"""Build a rank's shard of a model and fill it from a Hugging Face folder, reading only its slices."""
+"""Build a rank's shard of a model stage and fill it from a Hugging Face folder, reading only its
+slices of the tensors the stage holds."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import torch
 from safetensors import safe_open
 
 from shardspec.layers.parallel import TPGroup
-from shardspec.models.config import ConfigError, ModelConfig
-from shardspec.models.qwen3_5 import Qwen3_5Model, checkpoint_name
+from shardspec.models import registry
+from shardspec.models.base import CausalLM, Stage, split_layers
+from shardspec.models.config import ConfigError
 
 Progress = Callable[[int, int], None]
 
@@ -30,8 +32,15 @@ def checkpoint_files(folder: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def has_mtp(folder: Path) -> bool:
-    return any(name.startswith("mtp.") for name in checkpoint_files(folder))
+def has_mtp(folder: str | Path) -> bool:
+    family, _ = registry.read(folder)
+    return family.has_mtp(checkpoint_files(Path(folder)))
+
+
+def stage_of(folder: str | Path, index: int, stages: int, layer_split: list[int] | None = None) -> Stage:
+    """Stage `index` of `stages` of the model in `folder` (layer_split: layers per stage, or even)."""
+    _, config = registry.read(folder)
+    return split_layers(config.num_hidden_layers, stages, layer_split)[index]
 
 
 def load_model(
@@ -41,24 +50,30 @@ def load_model(
     device: torch.device,
     with_mtp: bool | None = None,
     progress: Progress | None = None,
-) -> Qwen3_5Model:
-    """This rank's shard, weights in `dtype` on `device`; peak host memory ≈ the shard, not the model."""
+    stage: Stage | None = None,
+) -> CausalLM:
+    """This rank's shard of `stage` (default: the whole model), weights in `dtype` on `device`;
+    peak host memory ≈ the shard, not the model."""
     folder = Path(folder)
-    config = ModelConfig.from_folder(folder)
+    family, config = registry.read(folder)
     config.check_tp(tp.size)
+    stage = stage or Stage.whole(config.num_hidden_layers)
     files = checkpoint_files(folder)
-    mtp_present = any(name.startswith("mtp.") for name in files)
+    mtp_present = family.has_mtp(files)
     if with_mtp and not mtp_present:
-        raise ConfigError(f"{folder} has no MTP weights (mtp.*)")
+        raise ConfigError(f"{folder} has no MTP weights ({family.draft_prefix or 'its family has no MTP'}*)")
     mtp = mtp_present if with_mtp is None else with_mtp
     with torch.device("meta"):
-        model = Qwen3_5Model(config, tp, with_mtp=mtp)
-        whole = Qwen3_5Model(config, TPGroup(), with_mtp=mtp)  # one rank's view of every full tensor
+        model = family.build(config, tp, stage, mtp)
+        whole = family.build(config, TPGroup(), stage, mtp)  # one rank's view of every full tensor
     specs = {name: (getattr(param, "shard", None), getattr(param, "parts", None))
              for name, param in model.named_parameters()}
-    model = model.to(dtype).to_empty(device=device)  # new parameter objects: `specs` keeps them
+    model = model.to(dtype).to_empty(device=device)  # new parameter objects: give them their specs back
+    for name, param in model.named_parameters():
+        param.shard, param.parts = specs[name]  # type: ignore[attr-defined]
 
-    text_prefix = "model.language_model." if "model.language_model.embed_tokens.weight" in files else "model."
+    # multimodal wrappers keep the text model under model.language_model.
+    text_prefix = "model.language_model." if any(k.startswith("model.language_model.") for k in files) else "model."
     params = list(model.named_parameters())
     with ExitStack() as stack:
         handles: dict[Path, object] = {}
@@ -74,24 +89,41 @@ def load_model(
                 raise ConfigError(f"tensor {key!r} has shape {list(full.get_shape())}, the config implies {shape}")
             return _read_shard(full, spec)
 
+        def in_file(key: str) -> str:
+            return text_prefix + key[len("model.") :] if key.startswith("model.") else key
+
         for done, (name, param) in enumerate(params, 1):
-            key = checkpoint_name(name, config)
-            key = text_prefix + key[len("model.") :] if key.startswith("model.") else key
             spec, parts = specs[name]
+            keys = [in_file(key) for key in sources(model, name, parts)]
             shape = list(whole.get_parameter(name).shape)
             if parts is None:
-                tensor = read(key, spec, shape)
+                tensor = read(keys[0], spec, shape)
             else:  # stacked rows of sibling tensors: .../in_proj.weight from .../in_proj_qkv.weight, ...
-                module, leaf = key.rsplit(".", 2)[0], key.rsplit(".", 1)[1]
                 sizes = whole.get_submodule(name.rsplit(".", 1)[0]).sizes
-                tensor = torch.cat([read(f"{module}.{part}.{leaf}", (0, ranges), [rows, *shape[1:]])
-                                    for (part, ranges), rows in zip(parts, sizes, strict=True)])
+                tensor = torch.cat([read(key, (0, ranges), [rows, *shape[1:]])
+                                    for key, (_, ranges), rows in zip(keys, parts, sizes, strict=True)])
             assert list(tensor.shape) == list(param.shape), (name, tensor.shape, param.shape)
             with torch.no_grad():
                 param.copy_(tensor)
             if progress:
                 progress(done, len(params))
     return model
+
+
+def sources(model: CausalLM, name: str, parts: list | None) -> list[str]:
+    """The checkpoint tensors (text layout) parameter `name` is read from: one, or one per part of
+    a stacked parameter (layers.parallel.stack)."""
+    key = model.checkpoint_key(name)
+    if parts is None:
+        return [key]
+    module, leaf = key.rsplit(".", 2)[0], key.rsplit(".", 1)[1]
+    return [f"{module}.{part}.{leaf}" for part, _ in parts]
+
+
+def checkpoint_keys(model: CausalLM) -> set[str]:
+    """Every checkpoint tensor (text layout) the model's parameters are read from."""
+    return {key for name, param in model.named_parameters()
+            for key in sources(model, name, getattr(param, "parts", None))}
 
 
 def _read_shard(full, spec: tuple | None) -> torch.Tensor:

@@ -1,6 +1,11 @@
-"""Qwen3.5 dense text model (Gated DeltaNet + gated attention) and its MTP head, tensor-parallel."""
+"""Qwen3.5 dense (Gated DeltaNet + gated attention) with its MTP module, tensor-parallel, one
+pipeline stage at a time; its config, read from a Hugging Face config.json; its registry entry."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -14,11 +19,121 @@ from shardspec.layers.gdn import GatedDeltaNet
 from shardspec.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from shardspec.layers.norm import RMSNorm
 from shardspec.layers.parallel import TPGroup
-from shardspec.models.config import ModelConfig
+from shardspec.models.base import CausalLM, Stage
+from shardspec.models.config import ConfigError, read_config, text_config
+from shardspec.models.registry import Family, register
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+@dataclass(slots=True)
+class Qwen3_5Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    layer_types: list[str]
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int = 4
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    mtp_num_hidden_layers: int = 0
+    eos_token_ids: list[int] = field(default_factory=list)
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is {self.num_hidden_layers}"
+            )
+        bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if bad:
+            raise ConfigError(f"unsupported layer types {bad}; supported: {list(LAYER_TYPES)}")
+        if self.hidden_act != "silu":
+            raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def check_tp(self, tp: int) -> None:
+        """Raise ConfigError unless the model can be split tp ways."""
+        heads = {
+            "num_attention_heads": self.num_attention_heads,
+            "linear_num_key_heads": self.linear_num_key_heads,
+            "linear_num_value_heads": self.linear_num_value_heads,
+        }
+        for name, count in heads.items():
+            if count % tp:
+                raise ConfigError(f"tensor-parallel degree {tp} does not divide {name}={count}")
+        kv = self.num_key_value_heads
+        if kv % tp and tp % kv:  # tp > kv works by replicating each KV head tp/kv times
+            raise ConfigError(f"tensor-parallel degree {tp} and num_key_value_heads={kv} must divide one another")
+        if self.intermediate_size % tp:
+            raise ConfigError(f"tensor-parallel degree {tp} does not divide intermediate_size={self.intermediate_size}")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Qwen3_5Config:
+        text = text_config(raw)
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        if rope.get("rope_type", "default") not in ("default", "mrope"):
+            raise ConfigError(f"rope_type {rope.get('rope_type')!r} is not supported")
+        try:
+            n_layers = text["num_hidden_layers"]
+            layer_types = text.get("layer_types") or [
+                "full_attention" if (i + 1) % text.get("full_attention_interval", 4) == 0 else "linear_attention"
+                for i in range(n_layers)
+            ]
+            eos = text.get("eos_token_id", raw.get("eos_token_id"))
+            tie = text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+            return cls(
+                vocab_size=text["vocab_size"],
+                hidden_size=text["hidden_size"],
+                intermediate_size=text["intermediate_size"],
+                num_hidden_layers=n_layers,
+                num_attention_heads=text["num_attention_heads"],
+                num_key_value_heads=text["num_key_value_heads"],
+                head_dim=text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"],
+                layer_types=list(layer_types),
+                linear_num_key_heads=text["linear_num_key_heads"],
+                linear_num_value_heads=text["linear_num_value_heads"],
+                linear_key_head_dim=text["linear_key_head_dim"],
+                linear_value_head_dim=text["linear_value_head_dim"],
+                linear_conv_kernel_dim=text.get("linear_conv_kernel_dim", 4),
+                rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+                rope_theta=rope.get("rope_theta", text.get("rope_theta", 10_000_000.0)),
+                partial_rotary_factor=rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)),
+                max_position_embeddings=text.get("max_position_embeddings", 32768),
+                tie_word_embeddings=bool(tie),
+                hidden_act=text.get("hidden_act", "silu"),
+                mtp_num_hidden_layers=text.get("mtp_num_hidden_layers", 0),
+                eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+                dtype=str(text.get("dtype") or text.get("torch_dtype") or raw.get("torch_dtype") or "bfloat16"),
+            )
+        except KeyError as exc:
+            raise ConfigError(f"config.json lacks required field {exc.args[0]!r}") from None
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> Qwen3_5Config:
+        return cls.from_dict(read_config(path))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup):
+    def __init__(self, config: Qwen3_5Config, tp: TPGroup):
         super().__init__()
         rows = [tp.split(config.intermediate_size)]
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, {"gate_proj": rows, "up_proj": rows})
@@ -31,13 +146,21 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+def mixer(config: Qwen3_5Config, layer_type: str, tp: TPGroup) -> GatedDeltaNet | GatedAttention:
+    """A layer's token mixer: Gated DeltaNet ("linear_attention") or gated attention."""
+    if layer_type == "linear_attention":
+        return GatedDeltaNet(config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads,
+                             config.linear_key_head_dim, config.linear_value_head_dim,
+                             config.linear_conv_kernel_dim, config.rms_norm_eps, tp)
+    return GatedAttention(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                          config.head_dim, config.rotary_dim, config.rope_theta, config.rms_norm_eps, tp)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_type: str, tp: TPGroup):
+    def __init__(self, config: Qwen3_5Config, layer_type: str, tp: TPGroup):
         super().__init__()
-        if layer_type == "linear_attention":
-            self.linear_attn = GatedDeltaNet(config, tp)
-        else:
-            self.self_attn = GatedAttention(config, tp)
+        # the checkpoint's module names: linear_attn or self_attn; `mixer` is the same module
+        setattr(self, "linear_attn" if layer_type == "linear_attention" else "self_attn", mixer(config, layer_type, tp))
         self.mixer: GatedDeltaNet | GatedAttention = getattr(self, "linear_attn", None) or self.self_attn
         self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -60,7 +183,7 @@ class DecoderLayer(nn.Module):
 class MTPHead(nn.Module):
     """Predicts token t+2 from the embedding of token t+1 and the target's final hidden state at t."""
 
-    def __init__(self, config: ModelConfig, tp: TPGroup):
+    def __init__(self, config: Qwen3_5Config, tp: TPGroup):
         super().__init__()
         self.fc = ReplicatedLinear(2 * config.hidden_size, config.hidden_size)
         self.pre_fc_norm_embedding = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -77,49 +200,57 @@ class MTPHead(nn.Module):
         return self.norm(x, residual, self.tp)[0]
 
 
-class Qwen3_5Model(nn.Module):
-    """The text model; `forward` returns the final (post-norm) hidden states."""
+class Qwen3_5Model(CausalLM):
+    """One stage of the text model. The last stage also holds the embedding when it has the MTP
+    module, which embeds the token it drafts from."""
 
-    def __init__(self, config: ModelConfig, tp: TPGroup, with_mtp: bool = False):
+    def __init__(self, config: Qwen3_5Config, tp: TPGroup, stage: Stage | None = None, with_mtp: bool = False):
         super().__init__()
-        self.config = config
-        self.tp = tp
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList([DecoderLayer(config, t, tp) for t in config.layer_types])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+        stage = stage or Stage.whole(config.num_hidden_layers)
+        self.config, self.tp, self.stage = config, tp, stage
+        with_mtp = with_mtp and stage.last
+        needs_embedding = stage.first or with_mtp
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp) if needs_embedding else None
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config, config.layer_types[i], tp)
+                                     for i in range(stage.start, stage.end)})  # keys: the checkpoint's indices
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.last else None
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp) if stage.last else None
         self.mtp = MTPHead(config, tp) if with_mtp else None
 
-    def forward(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor:
-        x, residual = self.embed_tokens(ids), None
-        for layer in self.layers:
+    @property
+    def has_mtp(self) -> bool:
+        return self.mtp is not None
+
+    def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        if self.stage.first:
+            x = self.embed_tokens(x)
+        residual = None
+        for layer in self.layers.values():
             x, residual = layer(x, residual, batch)
-        return self.norm(x, residual, self.tp)[0]
+        if self.stage.last:
+            return self.norm(x, residual, self.tp)[0]
+        return self.tp.all_reduce(x) + residual  # the residual stream after this stage's last layer
 
-    def stateful_layers(self) -> list[GatedAttention | GatedDeltaNet]:
-        mixers = [layer.mixer for layer in self.layers]
-        if self.mtp is not None:
-            mixers += [layer.mixer for layer in self.mtp.layers]
-        return mixers
+    def draft(self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
+        return self.mtp(self.embed_tokens(next_ids), hidden, batch)
 
-    def allocate_caches(self, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device) -> int:
-        """Allocate every layer's per-slot state; returns the bytes allocated."""
-        return sum(m.allocate(num_slots, max_len, dtype, device) for m in self.stateful_layers())
+    def checkpoint_key(self, param_name: str) -> str:
+        name = param_name.replace(".mixer.", ".")  # `mixer` is an alias of linear_attn / self_attn
+        name = name.replace("linear_attn.conv1d_weight", "linear_attn.conv1d.weight")
+        if name.startswith("mtp."):
+            return name
+        if name.startswith("lm_head.") and self.config.tie_word_embeddings:
+            return "model.embed_tokens.weight"
+        if name.startswith("lm_head."):
+            return name
+        return "model." + name
 
-    def reset_slots(self, slots: torch.Tensor) -> None:
-        for mixer in self.stateful_layers():
-            if isinstance(mixer, GatedDeltaNet):
-                mixer.reset(slots)
 
-
-def checkpoint_name(param_name: str, config: ModelConfig) -> str:
-    """The text-layout checkpoint key of one of our parameters."""
-    name = param_name.replace(".mixer.", ".")  # `mixer` is an alias of linear_attn / self_attn
-    name = name.replace("linear_attn.conv1d_weight", "linear_attn.conv1d.weight")
-    if name.startswith("mtp."):
-        return name
-    if name.startswith("lm_head.") and config.tie_word_embeddings:
-        return "model.embed_tokens.weight"
-    if name.startswith("lm_head."):
-        return name
-    return "model." + name
+register(Family(
+    name="qwen3_5",
+    architectures=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
+    model_types=("qwen3_5", "qwen3_5_text"),
+    parse_config=Qwen3_5Config.from_dict,
+    build=Qwen3_5Model,
+    draft_prefix="mtp.",
+))

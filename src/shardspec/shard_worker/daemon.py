@@ -30,8 +30,8 @@ from zmq.utils.monitor import recv_monitor_message
 from shardspec import __version__, security
 from shardspec.layers.parallel import TPGroup, check_allreduce_setting, use_symmetric_memory
 from shardspec.models.config import ConfigError
-from shardspec.models.loader import load_model
-from shardspec.models.qwen3_5 import Qwen3_5Model
+from shardspec.models.base import CausalLM, Stage
+from shardspec.models.loader import load_model, stage_of
 from shardspec.protocol import codec, transport
 from shardspec.protocol.codec import Message
 from shardspec.protocol.errors import ErrorCode, ProtocolError
@@ -92,8 +92,9 @@ class ShardWorker:
         self.owner: bytes | None = None
         self.owner_fd: int | None = None
         self.tp: TPGroup | None = None
+        self.stage, self.stages = 0, 1  # this rank's pipeline stage, of how many
         self.runner: ModelRunner | None = None
-        self.model: Qwen3_5Model | None = None
+        self.model: CausalLM | None = None
         self.model_key: tuple | None = None  # (path, dtype) of the loaded weights
         self.weight_bytes = 0
         self.steps = 0
@@ -102,15 +103,7 @@ class ShardWorker:
         self.last_step_sent: float | None = None
         self.stopping = False
         self.gloo_ifname = os.environ.get("GLOO_SOCKET_IFNAME")  # the user's choice, if any
-        self.handlers = {
-            "hello": self._hello,
-            "init": self._init,
-            "load": self._load,
-            "step": self._step,
-            "release": self._release,
-            "stats": self._stats,
-            "shutdown": self._shutdown,
-        }
+        self.handlers = {op: getattr(self, f"_{op}") for op in REQUESTS}  # an op's handler: _<op>
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -264,9 +257,10 @@ class ShardWorker:
         if symmetric:
             log.info("small all-reduces go through symmetric memory (SHARDSPEC_ALLREDUCE=nccl: NCCL only)")
         self.tp = TPGroup(body.rank, body.world_size, symmetric=symmetric)
+        self.stage, self.stages = body.stage, body.stages
         self.state = "initialized"
-        return InitReply(rank=body.rank, world_size=body.world_size, backend=backend, stage=0, tp_rank=body.rank,
-                         tp_size=body.world_size), None
+        return InitReply(rank=body.rank, world_size=body.world_size, backend=backend, stage=body.stage,
+                         tp_rank=self.tp.rank, tp_size=self.tp.size), None
 
     def _choose_gloo_interface(self, dist_addr: str) -> None:
         """Gloo binds to the address of this host's name, which is often a loopback address that the
@@ -293,18 +287,22 @@ class ShardWorker:
         self._drop_runner()  # a load replaces every sequence and cache
         self.state = "initialized"
         self._free_memory()
-        key = (body.model, dtype)
-        if self.model is not None and self.model_key == key and (body.mtp == "off" or self.model.mtp is not None):
+        try:
+            stage = stage_of(body.model, self.stage, self.stages, body.layer_split)
+        except (ConfigError, OSError) as exc:
+            raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
+        key = (body.model, dtype, stage)
+        if self.model is not None and self.model_key == key and (body.mtp == "off" or self.model.has_mtp):
             log.info("keeping the loaded weights of %s; new caches", body.model)
         else:
             self.model = self.model_key = None
             self._free_memory()
-            self.model = self._read_model(body, dtype)
+            self.model = self._read_model(body, dtype, stage)
             self.model_key = key
         model = self.model
         self.weight_bytes = sum(p.nbytes for p in model.parameters())
         config = model.config
-        draft_len = body.draft_tokens if model.mtp is not None and body.mtp != "off" else 0
+        draft_len = body.draft_tokens if model.has_mtp and body.mtp != "off" else 0
         forced = body.forced_acceptance if body.forced_acceptance >= 0 else None
         if forced is not None:
             log.warning("FORCED ACCEPTANCE %.2f: benchmark mode, the output is not the model's", forced)
@@ -322,8 +320,8 @@ class ShardWorker:
             dtype=str(dtype).removeprefix("torch."),
             vocab_size=config.vocab_size,
             num_layers=config.num_hidden_layers,
-            layers=[0, config.num_hidden_layers],
-            has_mtp=model.mtp is not None,
+            layers=[stage.start, stage.end],
+            has_mtp=model.has_mtp,
             draft_tokens=draft_len,
             max_seq_len=max_seq_len,
             eos_token_ids=config.eos_token_ids,
@@ -332,7 +330,7 @@ class ShardWorker:
         )
         return reply, None
 
-    def _read_model(self, body: LoadRequest, dtype: torch.dtype) -> Qwen3_5Model:
+    def _read_model(self, body: LoadRequest, dtype: torch.dtype, stage: Stage) -> CausalLM:
         log.info("loading %s as %s (rank %d of %d)", body.model, dtype, self.tp.rank, self.tp.size)
         last_report = [0.0]
 
@@ -343,7 +341,8 @@ class ShardWorker:
 
         with_mtp = {"auto": None, "on": True, "off": False}[body.mtp]
         try:
-            return load_model(body.model, self.tp, dtype, self.device, with_mtp=with_mtp, progress=progress)
+            return load_model(body.model, self.tp, dtype, self.device, with_mtp=with_mtp, progress=progress,
+                              stage=stage)
         except (ConfigError, OSError) as exc:
             raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
 

@@ -23,8 +23,9 @@ from shardspec import kernels
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MIN_CONTEXT_BUCKET = 256
 
-VerifyFn = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]  # (packed, context) -> (hidden, argmax)
-DraftFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]  # (packed, accepts, hidden, context)
+# (packed, context) -> (hidden, argmax, what the pass saved for the commit: Batch.saved)
+VerifyFn = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, dict]]
+DraftFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, dict, int], torch.Tensor]  # (packed, accepts, hidden, saved, context)
 FusedFn = Callable[[torch.Tensor, int], torch.Tensor]  # (packed, context) -> [B, 2 + k]
 
 
@@ -53,7 +54,6 @@ class _Bucket:
     packed: torch.Tensor  # the input rows every graph reads
     accepts: torch.Tensor  # the draft graph's second input
     graphs: dict[str, tuple[torch.cuda.CUDAGraph, Any]] = field(default_factory=dict)
-    verify_state: object = None  # what the verify graph leaves for the draft graph (DeltaNet inputs)
 
 
 class StepPasses:
@@ -62,10 +62,8 @@ class StepPasses:
     sequence; accepts: [accepted, new token]."""
 
     def __init__(self, verify_fn: VerifyFn, draft_fn: DraftFn, fused_fn: FusedFn, device: torch.device,
-                 draft_len: int, scratch_slot: int, max_context: int, graphs: bool,
-                 verify_state: Callable[[], object] = lambda: None):
+                 draft_len: int, scratch_slot: int, max_context: int, graphs: bool):
         self.verify_fn, self.draft_fn, self.fused_fn = verify_fn, draft_fn, fused_fn
-        self.verify_state = verify_state
         self.device = device
         self.draft_len = draft_len
         self.pad_row = [0] * (draft_len + 2) + [scratch_slot, -1]
@@ -86,10 +84,10 @@ class StepPasses:
         bucket = self._upload(rows, context)
         if bucket is None:
             packed, context = upload(rows, self.device), min(context, self.max_context)
-            hidden, argmax = self.verify_fn(packed, context)
-            self._draft = lambda accepts: self.draft_fn(packed, upload(accepts, self.device), hidden, context)
+            hidden, argmax, saved = self.verify_fn(packed, context)
+            self._draft = lambda accepts: self.draft_fn(packed, upload(accepts, self.device), hidden, saved, context)
             return hidden, argmax
-        hidden, argmax = self._replay(bucket, "verify")
+        hidden, argmax, _ = self._replay(bucket, "verify")
 
         def draft(accepts: list[list[int]]) -> torch.Tensor:
             upload(accepts + [[0, 0]] * (len(bucket.packed) - B), self.device, out=bucket.accepts)
@@ -164,14 +162,13 @@ class StepPasses:
         if name == "fused":
             bucket.graphs["fused"] = self._graph(lambda: self.fused_fn(packed, context))
         else:
-            # verify and draft together: the draft graph reads buffers the verify graph writes
-            # besides its outputs (layer attributes at capture time); the bucket owns them, so no
-            # later capture can take their memory from the pool
+            # verify and draft together: the draft graph reads the verify graph's outputs (hidden
+            # states, the saved inputs of the commit); the bucket owns them, so no later capture
+            # can take their memory from the pool
             bucket.graphs["verify"] = self._graph(lambda: self.verify_fn(packed, context))
-            bucket.verify_state = self.verify_state() if self.draft_len else None
             if self.draft_len:
-                hidden = bucket.graphs["verify"][1][0]
-                bucket.graphs["draft"] = self._graph(lambda: self.draft_fn(packed, accepts, hidden, context))
+                hidden, _, saved = bucket.graphs["verify"][1]
+                bucket.graphs["draft"] = self._graph(lambda: self.draft_fn(packed, accepts, hidden, saved, context))
         bucket.packed.copy_(rows)
 
     def _graph(self, fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:

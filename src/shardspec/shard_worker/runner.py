@@ -22,7 +22,6 @@ import torch
 from shardspec import kernels
 from shardspec.layers.batch import Batch
 from shardspec.layers.embedding import DRAFT_HEADS
-from shardspec.layers.gdn import GatedDeltaNet
 from shardspec.layers.sampling import (
     accept_greedy,
     accept_sampled,
@@ -31,7 +30,7 @@ from shardspec.layers.sampling import (
     sample,
     target_probs,
 )
-from shardspec.models.qwen3_5 import Qwen3_5Model
+from shardspec.models.base import CausalLM
 from shardspec.protocol.errors import ErrorCode, ProtocolError
 from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepRequest
 from shardspec.shard_worker.graphs import StepPasses
@@ -43,7 +42,7 @@ log = logging.getLogger("shardspec.worker")
 DRAFT_HEAD = os.environ.get("SHARDSPEC_DRAFT_HEAD", "fp8")
 
 
-def draft_head_mode(model: Qwen3_5Model, dtype: torch.dtype, device: torch.device) -> str:
+def draft_head_mode(model: CausalLM, dtype: torch.dtype, device: torch.device) -> str:
     """DRAFT_HEAD where it can run: the kernel needs CUDA, Triton and a bf16/fp16 model, and fp8
     weights need compute capability 8.9 (Ada, Hopper) or later; bf16 before that."""
     if DRAFT_HEAD not in DRAFT_HEADS:
@@ -121,7 +120,7 @@ class SpecCounters:
 class ModelRunner:
     def __init__(
         self,
-        model: Qwen3_5Model,
+        model: CausalLM,
         device: torch.device,
         max_slots: int,
         max_seq_len: int,
@@ -130,7 +129,9 @@ class ModelRunner:
         forced_acceptance: float | None = None,
         cuda_graphs: bool = True,
     ):
-        if draft_len and model.mtp is None:
+        if not (model.stage.first and model.stage.last):
+            raise ValueError("the runner runs a whole model (one pipeline stage)")
+        if draft_len and not model.has_mtp:
             raise ValueError("draft_len > 0 needs a model with an MTP head")
         self.model = model
         self.device = device
@@ -147,10 +148,8 @@ class ModelRunner:
         # scratch space for the padding rows of graphed batches
         self.context = max_seq_len + 2 * draft_len
         self.cache_dtype = dtype
-        self.deltanets = [layer.mixer for layer in model.layers if isinstance(layer.mixer, GatedDeltaNet)]
         self.passes = StepPasses(self._verify_pass, self._draft_pass, self._fused_pass, device, draft_len,
-                                 scratch_slot=max_slots, max_context=self.context, graphs=cuda_graphs,
-                                 verify_state=lambda: [layer.pending for layer in self.deltanets])
+                                 scratch_slot=max_slots, max_context=self.context, graphs=cuda_graphs)
         try:  # out of memory, say: leave no caches, fp8 head or graphs behind on the (kept) model
             self.draft_head = draft_head_mode(model, dtype, device) if draft_len else "cublas"
             model.lm_head.use_draft_kernel(self.draft_head)
@@ -166,11 +165,9 @@ class ModelRunner:
                      captured, max_slots, time.perf_counter() - started, self.draft_head)
 
     def close(self) -> None:
-        """Free the caches, the fp8 head and the graphs (with the layers' references into the
-        graphs' memory pool), so that a new runner on the same model does not hold both."""
+        """Free the caches, the fp8 head and the graphs (with what the passes saved in the graphs'
+        memory pool), so that a new runner on the same model does not hold both."""
         self.passes.close()
-        for layer in self.deltanets:
-            layer.pending = None
         self.model.allocate_caches(0, 0, self.cache_dtype, self.device)
         self.model.lm_head.use_draft_kernel("cublas")
         self.sequences.clear()
@@ -322,19 +319,21 @@ class ModelRunner:
         """Benchmark mode: the drafts this sequence keeps, drawn before the pass; -1 otherwise."""
         return -1 if self.forced is None else forced_accepts(len(s.drafts), self.forced, s.generator)
 
-    def _verify_pass(self, packed: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target over [pending, d1..dk] of each row: (hidden [B, k+1, H], greedy tokens [B, k+1])."""
+    def _verify_pass(self, packed: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """The target over [pending, d1..dk] of each row: (hidden [B, k+1, H], greedy tokens [B, k+1],
+        what the speculative pass saved for the commit)."""
         ids, positions, slots = self._unpack(packed)
-        hidden = self.model(ids, Batch(slots, positions, context, speculative=self.draft_len > 0))
-        return hidden, self.model.lm_head.argmax(hidden)
+        batch = Batch(slots, positions, context, speculative=self.draft_len > 0)
+        hidden = self.model(ids, batch)
+        return hidden, self.model.lm_head.argmax(hidden), batch.saved
 
-    def _draft_pass(self, packed: torch.Tensor, accepts: torch.Tensor, hidden: torch.Tensor, context: int):
+    def _draft_pass(self, packed: torch.Tensor, accepts: torch.Tensor, hidden: torch.Tensor, saved: dict,
+                    context: int) -> torch.Tensor:
         """Commit the accepted prefix, run the MTP layer over it with the target's hidden states, and
         chain k new drafts: [B, k]."""
         ids, positions, slots = self._unpack(packed)
         index, new_tokens = accepts[:, 0], accepts[:, 1]
-        for layer in self.deltanets:
-            layer.commit(slots, index)
+        self.model.commit(saved, slots, index)
         # MTP entry j pairs hidden j with token j+1: the accepted drafts, then the new token
         following = torch.cat([ids[:, 1:], ids[:, -1:]], 1).scatter(1, index[:, None], new_tokens[:, None])
         heads = self._mtp(following, hidden, slots, positions, context)
@@ -344,13 +343,13 @@ class ModelRunner:
     def _fused_pass(self, packed: torch.Tensor, context: int) -> torch.Tensor:
         """Verify, accept on the device (drafts while they equal the target's argmax, or the forced
         count in packed's last column when it is >= 0), and draft: [B, 2 + k] = (accepted, token, drafts)."""
-        hidden, argmax = self._verify_pass(packed, context)
+        hidden, argmax, saved = self._verify_pass(packed, context)
         k = self.draft_len
         matches = (argmax[:, :k] == packed[:, 1 : k + 1]).long().cumprod(1).sum(1)
         forced = packed[:, k + 3]
         accepted = torch.where(forced >= 0, forced, matches)
         accepts = torch.stack([accepted, argmax.gather(1, accepted[:, None])[:, 0]], 1)
-        return torch.cat([accepts, self._draft_pass(packed, accepts, hidden, context)], 1)
+        return torch.cat([accepts, self._draft_pass(packed, accepts, hidden, saved, context)], 1)
 
     def _unpack(self, packed: torch.Tensor):
         """packed rows: [pending, d1..dk, length, slot, forced accepts or -1]."""
@@ -387,8 +386,7 @@ class ModelRunner:
     def _mtp(self, next_ids: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
              context: int, tail: bool = False):
         """MTP layer over (token t+1, target hidden t) pairs at positions t < context; -> its normed output."""
-        batch = Batch(slots, positions, context, tail=tail)
-        return self.model.mtp(self.model.embed_tokens(next_ids), hidden, batch)
+        return self.model.draft(next_ids, hidden, Batch(slots, positions, context, tail=tail))
 
     def _chain(self, head: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, context: int) -> torch.Tensor:
         """Chain the MTP head: draft i is its argmax; its output and draft i feed draft i+1 ([B, k])."""

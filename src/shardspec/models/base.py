@@ -1,0 +1,115 @@
+"""The model interface: all that the runner, the worker daemon and the loader know of a model.
+
+A model family (models/registry.py) builds a `CausalLM` for one pipeline stage: the decoder layers
+of its `Stage`, plus the embedding on the first stage and the final norm, LM head and MTP module
+on the last. The runner calls `forward` over the stage's layers, `draft` for the MTP module,
+`commit` after a speculative pass, and the cache methods; the loader asks `checkpoint_key` which
+checkpoint tensor fills each parameter. None of them names a layer type or a model class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from shardspec.layers.batch import Batch, CachedLayer
+from shardspec.layers.embedding import ParallelLMHead
+from shardspec.models.config import ConfigError
+
+
+class ModelConfig(Protocol):
+    """What every family's config provides (each family adds its own fields)."""
+
+    vocab_size: int
+    num_hidden_layers: int
+    max_position_embeddings: int
+    eos_token_ids: list[int]
+
+    def check_tp(self, tp: int) -> None:
+        """Raise ConfigError unless the model can be split tp ways."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """The decoder layers [start, end) of a model of num_layers that one pipeline stage holds."""
+
+    start: int
+    end: int
+    num_layers: int
+
+    @classmethod
+    def whole(cls, num_layers: int) -> Stage:
+        return cls(0, num_layers, num_layers)
+
+    @property
+    def first(self) -> bool:
+        return self.start == 0
+
+    @property
+    def last(self) -> bool:
+        return self.end == self.num_layers
+
+
+def split_layers(num_layers: int, stages: int, layer_split: list[int] | None = None) -> list[Stage]:
+    """The stages of a model: layer_split[i] layers for stage i, or as even as can be (earlier
+    stages take one more where the layers do not divide)."""
+    if layer_split:
+        if len(layer_split) != stages or sum(layer_split) != num_layers or min(layer_split) < 1:
+            raise ConfigError(f"layer split {layer_split} must give each of the {stages} stages at least one "
+                              f"layer, {num_layers} in all")
+        counts = list(layer_split)
+    else:
+        if not 1 <= stages <= num_layers:
+            raise ConfigError(f"{stages} stages for a model of {num_layers} layers: each stage needs one at least")
+        counts = [num_layers // stages + (i < num_layers % stages) for i in range(stages)]
+    starts = [sum(counts[:i]) for i in range(stages)]
+    return [Stage(start, start + n, num_layers) for start, n in zip(starts, counts)]
+
+
+class CausalLM(nn.Module):
+    """One stage of a causal language model, tensor-parallel over its group. A family subclasses it
+    and implements forward, draft and checkpoint_key; the cache methods here find the stage's
+    CachedLayers (its KV caches and recurrent states) on their own."""
+
+    config: Any  # the family's config (see ModelConfig)
+    stage: Stage
+    lm_head: ParallelLMHead | None  # the last stage's: logits, argmax and the drafts' argmax
+
+    @property
+    def has_mtp(self) -> bool:
+        """Whether this stage holds an MTP module (`draft`)."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The stage's layers over x: token ids [B, T] on the first stage, the stage before's hidden
+        states [B, T, H] on the others. Returns the final (normed) hidden states on the last stage,
+        the residual stream for the next stage on the others."""
+        raise NotImplementedError
+
+    def draft(self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The MTP module over (token t+1, final hidden state at t) pairs at positions t: its normed
+        output, which the LM head turns into the draft of token t+2 (and which feeds the next draft)."""
+        raise NotImplementedError
+
+    def checkpoint_key(self, param_name: str) -> str:
+        """The checkpoint tensor (text-model layout, `model.…`) a parameter is read from."""
+        raise NotImplementedError
+
+    def cached_layers(self) -> list[CachedLayer]:
+        return [m for m in self.modules() if isinstance(m, CachedLayer)]
+
+    def allocate_caches(self, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device) -> int:
+        """Allocate every layer's per-slot state; returns the bytes allocated."""
+        return sum(layer.allocate(num_slots, max_len, dtype, device) for layer in self.cached_layers())
+
+    def reset_slots(self, slots: torch.Tensor) -> None:
+        for layer in self.cached_layers():
+            layer.reset(slots)
+
+    def commit(self, saved: dict[CachedLayer, Any], slots: torch.Tensor, index: torch.Tensor) -> None:
+        """Keep tokens 0..index[b] of the speculative pass that left `saved` (its Batch.saved)."""
+        for layer, inputs in saved.items():
+            layer.commit(inputs, slots, index)
