@@ -173,8 +173,9 @@ def test_a_speculative_pass_leaves_states_alone_and_its_replay_commits_the_accep
     inputs = gdn_inputs(dtype, 4)
     lengths = torch.tensor([1, 4, 2])  # accepted tokens + 1 per row
     dev = on(DEVICE, inputs)
-    out, mixed = run_gdn(kernel_gdn, dev, write=False)
-    assert torch.equal(dev["conv_state"].cpu(), inputs["conv_state"]) and torch.equal(dev["state"].cpu(), inputs["state"])
+    _, mixed = run_gdn(kernel_gdn, dev, write=False)
+    assert torch.equal(dev["conv_state"].cpu(), inputs["conv_state"])
+    assert torch.equal(dev["state"].cpu(), inputs["state"])
     kernel_gdn.causal_conv(dev["x"], dev["conv_state"], dev["conv_weight"], dev["slots"], write_out=False,
                            lengths=lengths.to(DEVICE))
     kernel_gdn.delta_rule(mixed, dev["a"], dev["b"], dev["A_log"], dev["dt_bias"], dev["state"], dev["slots"],

@@ -44,7 +44,7 @@ def next_token_accuracy(model_dir: Path, texts: list[str], max_tokens: int, wind
     eos = tokenizer.inner.token_to_id(EOS)
     stream = []
     for text in texts:
-        stream += tokenizer.encode(text) + [eos]
+        stream += [*tokenizer.encode(text), eos]
     stream = torch.tensor(stream[: max_tokens + 1])
     model = load_model(model_dir, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=False)
     correct = total = 0

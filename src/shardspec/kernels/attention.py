@@ -44,7 +44,8 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, inv_freq_ptr, pos_
     cos = tl.cos(freq).to(dtype).to(tl.float32)
     sin = tl.sin(freq).to(dtype).to(tl.float32)
     # rotate-half over the first ROT channels, each product rounded as in eager bf16
-    rotated = (normed.to(tl.float32) * cos).to(dtype).to(tl.float32) + (sign * other.to(tl.float32) * sin).to(dtype).to(tl.float32)
+    rotated = ((normed.to(tl.float32) * cos).to(dtype).to(tl.float32)
+               + (sign * other.to(tl.float32) * sin).to(dtype).to(tl.float32))
     out = tl.where(rotary, rotated.to(dtype), normed)
     if is_q:
         tl.store(q_out_ptr + (token * HQ + head) * D + cols, out)

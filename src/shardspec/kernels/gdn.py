@@ -58,7 +58,7 @@ def _causal_conv_kernel(x_ptr, state_ptr, w_ptr, slots_ptr, lengths_ptr, y_ptr, 
             tl.store(y_ptr + (b * T + t) * C + c, (acc * tl.sigmoid(acc)).to(dtype), mask=mask)
     # the K-1 inputs ending at token n-1 (window positions n .. n+K-2), written by the first token
     # block: the only one that reads the old state (tokens < K-1 <= BT)
-    if WRITE_STATE:
+    if WRITE_STATE:  # noqa: SIM102 (a compile-time branch around a run-time one)
         if t0 == 0:
             if WRITE_OUT:  # other warps of this program read the old state in the loop above
                 tl.debug_barrier()
@@ -146,7 +146,7 @@ def delta_rule(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch
     the choices)."""
     B, T, _ = qkv.shape
     HV, DK, DV = state.shape[1:]
-    assert DK == dk and not (write_out and lengths is not None)
+    assert dk == DK and not (write_out and lengths is not None)
     if (chunk_gated_delta_rule is not None and T >= FLA_MIN_TOKENS and write_out and write_state and lengths is None
             and qkv.dtype != torch.float32):  # fla computes in TF32 where float32 must stay exact
         return _chunked(qkv, a, b, A_log, dt_bias, state, slots, k_heads, dk)

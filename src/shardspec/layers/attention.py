@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
 from shardspec import kernels

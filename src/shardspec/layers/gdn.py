@@ -44,7 +44,7 @@ def recurrent_delta_rule(q, k, v, g, beta, state, lengths: torch.Tensor | None =
 
 def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     """The same recurrence, a chunk at a time: within a chunk the updates are a triangular solve."""
-    B, H, T, Dk = k.shape
+    B, H, T, _ = k.shape
     chunk = min(chunk, T)  # short inputs: one exact-size chunk, no padding
     pad = -T % chunk  # padded tokens have g = 0 and beta = 0, so they change nothing
     if pad:

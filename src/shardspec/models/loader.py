@@ -29,7 +29,7 @@ def checkpoint_files(folder: Path) -> dict[str, Path]:
     if not single.is_file():
         raise ConfigError(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
     with safe_open(single, framework="pt") as f:
-        return {name: single for name in f.keys()}
+        return dict.fromkeys(f.keys(), single)
 
 
 def has_mtp(folder: str | Path) -> bool:

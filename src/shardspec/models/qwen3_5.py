@@ -210,7 +210,8 @@ class Qwen3_5Model(CausalLM):
         self.config, self.tp, self.stage = config, tp, stage
         with_mtp = with_mtp and stage.last
         needs_embedding = stage.first or with_mtp
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp) if needs_embedding else None
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+                             if needs_embedding else None)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, config.layer_types[i], tp)
                                      for i in range(stage.start, stage.end)})  # keys: the checkpoint's indices
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.last else None

@@ -29,8 +29,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from shardspec import __version__, security
 from shardspec.layers.parallel import TPGroup, check_allreduce_setting, use_symmetric_memory
-from shardspec.models.config import ConfigError
 from shardspec.models.base import CausalLM, Stage
+from shardspec.models.config import ConfigError
 from shardspec.models.loader import load_model, stage_of
 from shardspec.protocol import codec, transport
 from shardspec.protocol.codec import Message
@@ -124,7 +124,7 @@ class ShardWorker:
         try:
             sock.bind(self.listen)
             log.info("listening on %s (%s), device %s, pid %d", self.listen,
-                     "CURVE, %d allowed client keys" % len(self.allow) if self.keys else "no encryption",
+                     f"CURVE, {len(self.allow)} allowed client keys" if self.keys else "no encryption",
                      self.device, os.getpid())
             poller = zmq.Poller()
             poller.register(sock, zmq.POLLIN)

@@ -13,8 +13,9 @@ that touch only a scratch cache slot. The host uploads one packed int64 tensor p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -25,7 +26,8 @@ MIN_CONTEXT_BUCKET = 256
 
 # (packed, context) -> (hidden, argmax, what the pass saved for the commit: Batch.saved)
 VerifyFn = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, dict]]
-DraftFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, dict, int], torch.Tensor]  # (packed, accepts, hidden, saved, context)
+# (packed, accepts, hidden, saved, context) -> the next drafts [B, k]
+DraftFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, dict, int], torch.Tensor]
 FusedFn = Callable[[torch.Tensor, int], torch.Tensor]  # (packed, context) -> [B, 2 + k]
 
 

@@ -354,7 +354,8 @@ class ModelRunner:
     def _unpack(self, packed: torch.Tensor):
         """packed rows: [pending, d1..dk, length, slot, forced accepts or -1]."""
         k = self.draft_len
-        ids, starts, slots = packed[:, : k + 1], packed[:, k + 1], packed[:, k + 2].contiguous()  # kernels index slots[b]
+        # the kernels index slots[b]: a contiguous copy of the column
+        ids, starts, slots = packed[:, : k + 1], packed[:, k + 1], packed[:, k + 2].contiguous()
         return ids, starts[:, None] + torch.arange(k + 1, device=packed.device), slots
 
     def _accept(self, seqs: list[Sequence], hidden: torch.Tensor, argmax: torch.Tensor,
