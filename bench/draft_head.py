@@ -17,15 +17,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
-from train_tiny import is_held_out, stdlib_files  # noqa: E402
+from train_tiny import is_held_out, stdlib_files
 
-from shardspec.cli import BUNDLED_MODEL  # noqa: E402
-from shardspec.kernels.head import quantize_rows  # noqa: E402
-from shardspec.layers.parallel import TPGroup  # noqa: E402
-from shardspec.models.loader import load_model  # noqa: E402
-from shardspec.orchestrator.tokenizer import Tokenizer  # noqa: E402
-from shardspec.protocol.messages import PrefillSpec, StepRequest  # noqa: E402
-from shardspec.shard_worker.runner import ModelRunner  # noqa: E402
+from shardspec.cli import BUNDLED_MODEL
+from shardspec.kernels.head import quantize_rows
+from shardspec.layers.parallel import TPGroup
+from shardspec.models.loader import load_model
+from shardspec.orchestrator.tokenizer import Tokenizer
+from shardspec.protocol.messages import PrefillSpec, StepRequest
+from shardspec.shard_worker.runner import ModelRunner
 
 
 def prompts(count: int, length: int) -> list[list[int]]:

@@ -49,7 +49,8 @@ def main() -> None:
                 floor = nbytes / bandwidth
                 row = {"hidden": hidden, "rows": rows, "way": way, "us": seconds * 1e6, "floor_us": floor * 1e6}
                 out["rows"].append(row)
-                print(f"| {hidden} | {rows} | {way} | {seconds * 1e6:.0f} | {floor * 1e6:.0f} | {floor / seconds:.0%} |",
+                print(f"| {hidden} | {rows} | {way} | {seconds * 1e6:.0f} | {floor * 1e6:.0f} "
+                      f"| {floor / seconds:.0%} |",
                       flush=True)
         weight = w8 = scale = None  # (before the next size is allocated)
         torch.cuda.empty_cache()

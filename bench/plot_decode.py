@@ -52,8 +52,10 @@ def main() -> None:
             peer = True
     if peer:
         by_batch.plot([], [], "kx", label="transformers generate")
-    by_batch.set(xscale="log", yscale="log", xlabel="batch size", ylabel="decode tokens/s", title=f"tokens/s vs batch (MTP: k = {args.k})")
-    by_k.set(yscale="log", xlabel="MTP drafts per step (k; 0 = off)", ylabel="decode tokens/s", title="tokens/s vs k (dotted: forced 0.6)")
+    by_batch.set(xscale="log", yscale="log", xlabel="batch size", ylabel="decode tokens/s",
+                 title=f"tokens/s vs batch (MTP: k = {args.k})")
+    by_k.set(yscale="log", xlabel="MTP drafts per step (k; 0 = off)", ylabel="decode tokens/s",
+             title="tokens/s vs k (dotted: forced 0.6)")
     by_batch.legend(fontsize=7, loc="upper left")
     by_k.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()

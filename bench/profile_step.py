@@ -37,7 +37,7 @@ def random_model(size: str, device: torch.device, dtype: torch.dtype, tp: TPGrou
         model = Qwen3_5Model(config, tp or TPGroup(), with_mtp=True)
     model = model.to(dtype).to_empty(device=device)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             p.normal_(0, 0.02) if p.dim() > 1 else p.normal_(0, 0.1)
     return model
 
@@ -82,7 +82,7 @@ def prefill_profile(model: Qwen3_5Model, device: torch.device, length: int, chun
         runner.release([0])
 
     times = []
-    for i in range(5):  # the first two warm up (fla's autotuning)
+    for _ in range(5):  # the first two warm up (fla's autotuning)
         sync(device)
         started = time.perf_counter()
         once()
@@ -150,13 +150,14 @@ def run(rank: int, args: argparse.Namespace, address: str) -> None:
         torch.manual_seed(0)  # the same prompts on every rank
         runner.step(StepRequest(prefill=prefill), torch.randint(0, model.config.vocab_size, (64 * args.batch,)))
         times = []
-        for i in range(args.steps):
+        for _ in range(args.steps):
             sync(device)
             started = time.perf_counter()
             runner.step(StepRequest(decode=seqs), torch.empty(0, dtype=torch.long))
             sync(device)
             times.append(time.perf_counter() - started)
-        say(f"tp={args.tp} k={k} batch={args.batch}: median step {1000 * statistics.median(times[3:]):.2f} ms", flush=True)
+        median_ms = 1000 * statistics.median(times[3:])
+        say(f"tp={args.tp} k={k} batch={args.batch}: median step {median_ms:.2f} ms", flush=True)
         if k == args.k[-1]:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:

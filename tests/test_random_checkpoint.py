@@ -91,7 +91,7 @@ def test_round_trip(tmp_path: Path, config, state_dict, layout: str, shards: int
             assert f.metadata() == {"format": "pt"}
             raw_names |= set(f.keys())
             if shards > 1:
-                assert all(index["weight_map"][n] == file for n in f.keys())
+                assert all(index["weight_map"][n] == file for n in f.keys())  # noqa: SIM118 (safe_open has keys(), not __iter__)
     assert raw_names == {layout_name(n, layout) for n in state_dict}
     if layout == "language_model":
         assert all(n.startswith(("model.language_model.", "lm_head.", "mtp.")) for n in raw_names)
