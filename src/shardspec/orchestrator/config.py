@@ -37,7 +37,8 @@ class EngineConfig:
     """The model, its workers, and how the engine decodes."""
 
     model: str
-    """Hugging Face-style model folder. For workers given by address, the path on the workers."""
+    """Hugging Face-style model folder (a path-like is taken as its string). For workers given by address, the
+    path on the workers."""
 
     workers: list[str] | None = None
     """Addresses of running workers (tcp://HOST:PORT or ipc://PATH), in rank order; None: spawn local ones."""
@@ -160,8 +161,9 @@ class EngineConfig:
     # --- checks of the values ----------------------------------------------------------------------
 
     def _check_workers(self) -> None:
-        if not isinstance(self.model, str) or not self.model:
+        if not isinstance(self.model, str | os.PathLike) or not os.fspath(self.model):
             raise ValueError(f"model must be a model folder's path, got {self.model!r}")
+        self.model = os.fspath(self.model)
         if self.workers is not None and self.local is not None:
             raise ValueError("give either workers (addresses) or local (a count), not both")
         lo, hi = message_range(InitRequest, "world_size")

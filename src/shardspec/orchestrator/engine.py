@@ -308,7 +308,7 @@ async def connect(model: str | None = None, *, config: EngineConfig | None = Non
     Give the model folder and any EngineConfig field as keywords (`connect(model=DIR, local=2)`), or a
     whole `config=EngineConfig(...)`; the fields are documented there."""
     if config is None:
-        config = EngineConfig(model=model, **options)  # type: ignore[arg-type]
+        config = EngineConfig(model=model, **options)
     elif model is not None or options:
         raise ValueError("give either config, or model and its options, not both")
     engine = Engine(config)

@@ -31,6 +31,8 @@ class Batch:
 
 
 class Scheduler:
+    """Requests waiting for a slot, and the running ones by sequence id; at most max_slots run."""
+
     def __init__(self, max_slots: int) -> None:
         self.max_slots = max_slots
         self.waiting: deque[Request] = deque()
