@@ -81,6 +81,7 @@ class Engine:
 
     @property
     def forced_acceptance(self) -> float | None:
+        """Benchmarks only: the rate at which the workers accept drafts whatever the model says; None: off."""
         rate = self.group.load_request.forced_acceptance
         return rate if rate >= 0 else None
 
