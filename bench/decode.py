@@ -36,7 +36,7 @@ from shardspec.models.random_checkpoint import (
     twenty_seven_b_config,
     write_random_checkpoint,
 )
-from shardspec.orchestrator.engine import FORCED_ACCEPTANCE_ENV
+from shardspec.orchestrator.config import FORCED_ACCEPTANCE_ENV
 from shardspec.protocol.messages import LoadRequest
 from shardspec.shard_worker.runner import DRAFT_HEAD
 
@@ -67,9 +67,8 @@ class Bench:
         load = LoadRequest(model=self.model, dtype="auto", max_slots=slots, max_seq_len=self.max_seq_len,
                            mtp="on" if k else "off", draft_tokens=k or 1,
                            forced_acceptance=-1.0 if forced is None else forced)
-        self.engine.load_info = (await self.engine._all(lambda rank: load))[0][0]
-        self.engine.max_slots = slots
-        self.engine.forced_acceptance = forced
+        await self.engine.group.load(load)
+        self.engine.scheduler.max_slots = slots
 
     async def decode(self, batch: int, new_tokens: int, prompt_len: int = PROMPT_LEN) -> dict:
         rng = random.Random(batch)

@@ -101,7 +101,7 @@ def test_closing_the_engine_leaves_no_process_or_socket_behind(tiny_model):
     async def run():
         async with shardspec.connect(model=str(tiny_model), local=2) as engine:
             await collect(engine, max_tokens=2)
-            return engine.local.procs, engine.local.dir
+            return engine.group.local.procs, engine.group.local.dir
 
     procs, folder = asyncio.run(run())
     assert all(p.poll() is not None for p in procs)

@@ -258,11 +258,11 @@ def test_a_spawned_worker_that_dies_is_restarted_and_the_engine_serves_the_same_
     async def run():
         async with shardspec.connect(model=str(tiny_model), local=2) as engine:
             before = await collect(engine, max_tokens=40)
-            first = engine.local.procs[1]
+            first = engine.group.local.procs[1]
             elapsed, error = await fail_mid_generation(engine, first.kill)
             assert "worker1.sock" in str(error)
             await until_healthy(engine)  # the engine starts its own worker again
-            assert engine.local.procs[1] is not first and engine.local.restarts == [0, 1]
+            assert engine.group.local.procs[1] is not first and engine.group.local.restarts == [0, 1]
             return elapsed, before, await collect(engine, max_tokens=40)
 
     elapsed, before, after = asyncio.run(run())
@@ -277,7 +277,7 @@ def test_a_spawned_worker_that_keeps_dying_is_reported_and_given_up(tiny_model, 
 
     async def run():
         async with shardspec.connect(model=str(tiny_model), local=2) as engine:
-            elapsed, error = await fail_mid_generation(engine, engine.local.procs[1].kill)
+            elapsed, error = await fail_mid_generation(engine, engine.group.local.procs[1].kill)
             assert "worker1.sock" in str(error)
             deadline = time.monotonic() + 30
             while not engine.loop_task.done():  # out of restarts: it stops trying

@@ -19,11 +19,11 @@ async def sharded_logits(model_dir, tp: int, prompt: list[int]) -> tuple[list[in
     """Greedy-decode DECODE_STEPS tokens with logits returned; -> (tokens, logits [len(prompt)+steps, V])."""
     async with shardspec.connect(model=str(model_dir), local=tp, prefill_chunk=48, mtp=False) as engine:
         prefill = StepRequest(prefill=[PrefillSpec(seq=1, length=len(prompt))], return_logits=True)
-        replies = await engine._all(lambda rank: prefill, tensors={"prompt_ids": torch.tensor(prompt)})
+        replies = await engine.group.call_all(prefill, tensors={"prompt_ids": torch.tensor(prompt)})
         tokens, logits = [replies[0][0].tokens[0][0]], [replies[0][1]["logits"]]
         decode = StepRequest(decode=[1], return_logits=True)
         for _ in range(DECODE_STEPS):
-            replies = await engine._all(lambda rank: decode)
+            replies = await engine.group.call_all(decode)
             assert all(reply.tokens == replies[0][0].tokens for reply, _ in replies)
             tokens.append(replies[0][0].tokens[0][0])
             logits.append(replies[0][1]["logits"])

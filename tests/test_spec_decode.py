@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chi2_contingency
 
 import shardspec
-from shardspec.orchestrator.engine import FORCED_ACCEPTANCE_ENV
+from shardspec.orchestrator.config import FORCED_ACCEPTANCE_ENV
 from shardspec.protocol.messages import PrefillSpec, ReleaseRequest, StepRequest
 
 P_VALUE_FLOOR = 1e-3  # a correct sampler fails this test one run in a thousand per comparison
@@ -63,18 +63,18 @@ def test_sequences_accepting_different_draft_counts_in_one_step_stay_correct(sma
         async with shardspec.connect(model=str(small_vocab_model), local=2, mtp=True, max_slots=8) as engine:
             step = StepRequest(prefill=[PrefillSpec(seq=i, length=3, max_tokens=40) for i in range(8)])
             tensors = {"prompt_ids": torch.tensor([t for p in prompts for t in p])}
-            replies = await engine._all(lambda rank: step, tensors=tensors)
+            replies = await engine.group.call_all(step, tensors=tensors)
             outputs = {i: list(t) for i, t in zip(replies[0][0].seqs, replies[0][0].tokens)}
             mixed_steps = 0
             while True:
                 step = StepRequest(decode=list(range(8)))
-                reply = (await engine._all(lambda rank: step))[0][0]
+                reply = (await engine.group.call_all(step))[0][0]
                 if not reply.seqs:
                     break
                 mixed_steps += len(set(reply.accepted)) > 1
                 for seq, tokens in zip(reply.seqs, reply.tokens):
                     outputs[seq] += tokens
-            await engine._all(lambda rank: ReleaseRequest(list(range(8))))
+            await engine.group.call_all(ReleaseRequest(list(range(8))))
             return [outputs[i] for i in range(8)], mixed_steps
 
     batched, mixed_steps = asyncio.run(run())

@@ -3,12 +3,12 @@
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["Chunk", "Engine", "EngineError", "__version__", "connect"]
+__all__ = ["Chunk", "Engine", "EngineConfig", "EngineError", "__version__", "connect"]
 
 
 def __getattr__(name: str) -> Any:
     # the engine (and ZeroMQ) load on first use: a worker or a training script does not need them
-    if name in ("Chunk", "Engine", "EngineError", "connect"):
+    if name in ("Chunk", "Engine", "EngineConfig", "EngineError", "connect"):
         from shardspec.orchestrator import engine
 
         return getattr(engine, name)

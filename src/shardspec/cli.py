@@ -11,10 +11,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shardspec.orchestrator.engine import (
+from shardspec.orchestrator.config import (
     DEFAULT_DIST_TIMEOUT_S,
     DEFAULT_DRAFT_TOKENS,
     FORCED_ACCEPTANCE_ENV,
+    EngineConfig,
 )
 from shardspec.protocol.transport import (
     DEFAULT_HEARTBEAT_TIMEOUT_S,
@@ -189,8 +190,28 @@ def _local_defaults(args: argparse.Namespace, workers: list[str] | None) -> tupl
 
     gpus = torch.cuda.device_count() if args.device in (None, "cuda") else 0
     device = args.device or ("cuda" if gpus else "cpu")
-    local = args.local or args.tp or (min(gpus, 2) if device == "cuda" else 2)
-    return device, local
+    if args.local is not None:
+        return device, args.local
+    return device, args.tp or (max(1, min(gpus, 2)) if device == "cuda" else 2)
+
+
+def _engine_config(args: argparse.Namespace, **options: Any) -> EngineConfig:
+    """The engine's config from the model and decoding options of generate and serve, plus `options`."""
+    if args.no_mtp and args.draft_tokens is not None:
+        raise UsageError("--draft-tokens sets MTP drafts; it cannot go with --no-mtp")
+    workers = [w.strip() for w in args.workers.split(",") if w.strip()] if args.workers else None
+    device, local = _local_defaults(args, workers)
+    dtype = args.dtype or ("float32" if workers is None and device == "cpu" else "auto")  # serve's default
+    try:
+        return EngineConfig(
+            model=args.model, workers=workers, local=local, device=device, tp=args.tp, dtype=dtype,
+            max_seq_len=args.max_seq_len, mtp=False if args.no_mtp else None,
+            draft_tokens=DEFAULT_DRAFT_TOKENS if args.draft_tokens is None else args.draft_tokens,
+            keys=args.keys, server_keys=args.server_keys, heartbeat_timeout=args.heartbeat_timeout,
+            dist_timeout=args.dist_timeout, **options,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -227,7 +248,8 @@ def _check_heartbeat(args: argparse.Namespace) -> None:
         check_heartbeat_timeout(args.heartbeat_timeout)
     except ValueError:
         lo, hi = HEARTBEAT_TIMEOUT_RANGE
-        raise UsageError(f"--heartbeat-timeout must be in [{lo:g}, {hi:g}] seconds, got {args.heartbeat_timeout}") from None
+        raise UsageError(f"--heartbeat-timeout must be in [{lo:g}, {hi:g}] seconds, "
+                         f"got {args.heartbeat_timeout}") from None
 
 
 def _worker_keys(args: argparse.Namespace) -> tuple[Any, list[bytes]]:
@@ -262,30 +284,17 @@ def run_keys(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_inputs(args: argparse.Namespace) -> tuple[Any, list[str] | None]:
+def _generate_prompt(args: argparse.Namespace) -> Any:
     if (args.prompt is None) == (args.prompt_ids is None):
         raise UsageError("give either a PROMPT text or --prompt-ids, exactly one")
-    prompt: Any = args.prompt
-    if args.prompt_ids is not None:
-        try:
-            prompt = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
-        except ValueError:
-            raise UsageError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
-    return prompt, _check_model_options(args, ("max_tokens",))
-
-
-def _check_model_options(args: argparse.Namespace, positive: tuple[str, ...] = ()) -> list[str] | None:
-    """The worker addresses (None: spawn local ones), after checking the shared options."""
-    if args.no_mtp and args.draft_tokens is not None:
-        raise UsageError("--draft-tokens sets MTP drafts; it cannot go with --no-mtp")
-    for name in (*positive, "local", "tp", "max_seq_len", "draft_tokens"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    _check_heartbeat(args)
-    if not 1 <= args.dist_timeout <= 3600:
-        raise UsageError(f"--dist-timeout must be in [1, 3600] seconds, got {args.dist_timeout}")
-    return [w.strip() for w in args.workers.split(",") if w.strip()] if args.workers else None
+    if args.max_tokens < 1:
+        raise UsageError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.prompt_ids is None:
+        return args.prompt
+    try:
+        return [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
 
 
 async def run_generate(args: argparse.Namespace) -> int:
@@ -295,21 +304,15 @@ async def run_generate(args: argparse.Namespace) -> int:
     from shardspec.utils import setup_logging
 
     setup_logging("orchestrator", args.log_level)
-    prompt, workers = _generate_inputs(args)
-    device, local = _local_defaults(args, workers)
+    prompt = _generate_prompt(args)
+    config = _engine_config(args, max_slots=1, pipeline=not args.no_pipeline, forced_acceptance=args.forced_acceptance)
     token_ids: list[int] = []
     final = None
     try:
-        progress(f"starting {'workers' if workers is None else 'connection'} and loading {args.model}")
-        async with connect(args.model, workers=workers, local=local, device=device, tp=args.tp,
-                           dtype=args.dtype, max_slots=1, max_seq_len=args.max_seq_len,
-                           mtp=False if args.no_mtp else None,
-                           draft_tokens=args.draft_tokens or DEFAULT_DRAFT_TOKENS, pipeline=not args.no_pipeline,
-                           forced_acceptance=args.forced_acceptance, keys=args.keys,
-                           server_keys=args.server_keys, heartbeat_timeout=args.heartbeat_timeout,
-                           dist_timeout=args.dist_timeout) as engine:
-            info = engine.load_info
-            progress(f"ready: {len(engine.workers)} workers, {info.weight_bytes * len(engine.workers) / 1e6:.0f} MB "
+        progress(f"starting {'workers' if config.spawns_workers else 'connection'} and loading {args.model}")
+        async with connect(config=config) as engine:
+            info, world_size = engine.load_info, config.world_size
+            progress(f"ready: {world_size} workers, {info.weight_bytes * world_size / 1e6:.0f} MB "
                      f"of {info.dtype} weights, MTP drafts per step: {info.draft_tokens or 'off'}")
             async for chunk in engine.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                                                top_k=args.top_k, top_p=args.top_p, seed=args.seed):
@@ -363,7 +366,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"shardspec serve: error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}",
               file=sys.stderr)
         return 1
-    progress(f"starting {'workers' if options.workers is None else 'connection'} and loading {args.model}")
+    progress(f"starting {'workers' if options.engine.spawns_workers else 'connection'} and loading {args.model}")
     try:
         asyncio.run(serve(options, sock, _serving_line(options.model_name)))
     except ValueError as exc:
@@ -378,31 +381,21 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _serve_options(args: argparse.Namespace) -> Any:
-    from shardspec.protocol.messages import LoadRequest
     from shardspec.server.run import ServeOptions, default_model_name
 
-    workers = _check_model_options(args, ("max_slots",))
-    max_slots_limit = LoadRequest.__dataclass_fields__["max_slots"].metadata["range"][1]
-    if args.max_slots > max_slots_limit:
-        raise UsageError(f"--max-slots must be at most {max_slots_limit}, got {args.max_slots}")
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
-    device, local = _local_defaults(args, workers)
-    dtype = args.dtype or ("float32" if workers is None and device == "cpu" else "auto")
     return ServeOptions(
-        model=args.model, workers=workers, local=local, device=device, tp=args.tp, dtype=dtype,
-        max_slots=args.max_slots, max_seq_len=args.max_seq_len, mtp=False if args.no_mtp else None,
-        draft_tokens=args.draft_tokens or DEFAULT_DRAFT_TOKENS, host=args.host, port=args.port,
+        engine=_engine_config(args, max_slots=args.max_slots), host=args.host, port=args.port,
         model_name=args.served_model_name or default_model_name(args.model, BUNDLED_MODEL),
-        log_level=args.log_level.lower(), keys=args.keys, server_keys=args.server_keys,
-        heartbeat_timeout=args.heartbeat_timeout, dist_timeout=args.dist_timeout,
+        log_level=args.log_level.lower(),
     )
 
 
 def _serving_line(name: str) -> Any:
     def ready(url: str, engine: Any) -> None:
         info = engine.load_info
-        progress(f"serving {name} at {url} ({len(engine.workers)} workers, {info.dtype}, MTP drafts per step: "
-                 f"{info.draft_tokens or 'off'}, {engine.max_slots} slots of {info.max_seq_len} tokens)")
+        progress(f"serving {name} at {url} ({engine.config.world_size} workers, {info.dtype}, MTP drafts per step: "
+                 f"{info.draft_tokens or 'off'}, {engine.scheduler.max_slots} slots of {info.max_seq_len} tokens)")
 
     return ready

@@ -1,5 +1,6 @@
-"""The asyncio orchestrator: worker connections, the engine and its step loop."""
+"""The asyncio orchestrator: its config, worker group, scheduler, request streams and engine."""
 
+from shardspec.orchestrator.config import EngineConfig
 from shardspec.orchestrator.engine import Chunk, Engine, EngineError, connect
 
-__all__ = ["Chunk", "Engine", "EngineError", "connect"]
+__all__ = ["Chunk", "Engine", "EngineConfig", "EngineError", "connect"]

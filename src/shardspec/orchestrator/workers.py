@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import os
@@ -149,10 +150,8 @@ class WorkerClient:
 
 def _die_with_parent() -> None:
     """In the child: get SIGTERM when the orchestrator dies, however it dies (Linux)."""
-    try:
+    with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class LocalWorkers:
@@ -171,7 +170,7 @@ class LocalWorkers:
         self.commands = [
             [sys.executable, "-m", "shardspec", "worker", "--listen", address, "--device", dev,
              "--threads", str(threads), "--heartbeat-timeout", str(heartbeat_timeout)]
-            for address, dev in zip(self.addresses, devices)
+            for address, dev in zip(self.addresses, devices, strict=True)
         ]
         self.restarts = [0] * count
         self.procs: list[subprocess.Popen] = [self._spawn(i, "wb") for i in range(count)]

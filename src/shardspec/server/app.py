@@ -315,17 +315,17 @@ class Service:
             return []
 
     async def metrics_text(self) -> bytes:
-        engine = self.engine
+        scheduler = self.engine.scheduler
         stats = await self.worker_stats()
-        self.metrics.refresh(len(engine.running), len(engine.waiting), engine.healthy, stats)
+        self.metrics.refresh(len(scheduler.running), len(scheduler.waiting), self.engine.healthy, stats)
         return self.metrics.render()
 
     async def internal_stats(self) -> dict[str, Any]:
-        engine = self.engine
-        if (failure := engine.failure) is not None:
+        if (failure := self.engine.failure) is not None:
             raise self.unavailable(failure)
         workers = await self.worker_stats()
-        return {"running": len(engine.running), "waiting": len(engine.waiting), "max_slots": engine.max_slots,
+        scheduler = self.engine.scheduler
+        return {"running": len(scheduler.running), "waiting": len(scheduler.waiting), "max_slots": scheduler.max_slots,
                 "workers": [dataclasses.asdict(stats) for stats in workers]}
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import uvicorn
 
-from shardspec.orchestrator.engine import DEFAULT_DIST_TIMEOUT_S, Engine, connect
-from shardspec.protocol.transport import DEFAULT_HEARTBEAT_TIMEOUT_S
+from shardspec.orchestrator.config import EngineConfig
+from shardspec.orchestrator.engine import Engine, connect
 from shardspec.server.app import create_app
 from shardspec.server.chat import ChatTemplate
 
@@ -29,24 +29,13 @@ GRACEFUL_SHUTDOWN_S = 5
 
 @dataclass
 class ServeOptions:
-    model: str
-    workers: list[str] | None
-    local: int | None
-    device: str
-    tp: int | None
-    dtype: str
-    max_slots: int
-    max_seq_len: int
-    mtp: bool | None
-    draft_tokens: int
+    """The engine to serve, and where and as what the server answers."""
+
+    engine: EngineConfig
     host: str
     port: int
-    model_name: str
+    model_name: str  # the model id clients send
     log_level: str = "info"
-    keys: str | None = None  # CURVE: this server's key pair, and the workers' public keys
-    server_keys: str | None = None
-    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S
-    dist_timeout: float = DEFAULT_DIST_TIMEOUT_S
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -88,12 +77,8 @@ async def serve(options: ServeOptions, sock: socket.socket, ready: Callable[[str
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
-    async with connect(options.model, workers=options.workers, local=options.local, device=options.device,
-                       tp=options.tp, dtype=options.dtype, max_slots=options.max_slots,
-                       max_seq_len=options.max_seq_len, mtp=options.mtp, draft_tokens=options.draft_tokens,
-                       keys=options.keys, server_keys=options.server_keys,
-                       heartbeat_timeout=options.heartbeat_timeout, dist_timeout=options.dist_timeout) as engine:
-        model_dir = Path(options.model)
+    async with connect(config=options.engine) as engine:
+        model_dir = Path(options.engine.model)
         chat = ChatTemplate.from_folder(model_dir) if model_dir.is_dir() else None
         app = create_app(engine, options.model_name, chat)
         config = uvicorn.Config(app, lifespan="off", log_level=options.log_level, access_log=False,

@@ -1,0 +1,238 @@
+"""What an engine runs and where: one `EngineConfig`, checked once when it is made.
+
+`connect(...)`, `shardspec generate` and `shardspec serve` all build one; a bad value raises
+ValueError naming the field and what it may be. The ranges that the wire also checks (slots,
+context, prefill chunk, drafts, group timeout, world size) are read from the protocol's message
+fields, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardspec import security
+from shardspec.protocol import transport
+from shardspec.protocol.messages import InitRequest, LoadRequest
+from shardspec.security import KeyPair
+from shardspec.utils import DTYPE_CHOICES, check_address
+
+FORCED_ACCEPTANCE_ENV = "SHARDSPEC_BENCHMARK_FORCED_ACCEPTANCE"
+DEFAULT_DRAFT_TOKENS = 3
+DEFAULT_DIST_TIMEOUT_S = 60.0  # a collective waiting longer for a peer fails, and its worker goes back to idle
+MAX_CONNECT_TIMEOUT_S = 86400.0
+MTP_MODES = {None: "auto", True: "on", False: "off"}
+
+
+def message_range(message: type, name: str) -> tuple[Any, Any]:
+    """The [lo, hi] that the wire accepts for a field of a message."""
+    return message.__dataclass_fields__[name].metadata["range"]
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineConfig:
+    """The model, its workers, and how the engine decodes."""
+
+    model: str
+    """Hugging Face-style model folder (a path-like is taken as its string). For workers given by address, the
+    path on the workers."""
+
+    workers: list[str] | None = None
+    """Addresses of running workers (tcp://HOST:PORT or ipc://PATH), in rank order; None: spawn local ones."""
+
+    local: int | None = None
+    """How many workers to spawn on this machine (default: tp, else 1); not together with `workers`."""
+
+    device: str = "cpu"
+    """Device of spawned workers: cpu, or cuda (one GPU each)."""
+
+    tp: int | None = None
+    """Tensor-parallel degree; it must equal the worker count when both are given."""
+
+    dtype: str = "auto"
+    """Weights and activations: auto (the checkpoint's dtype on CPU, bfloat16 on GPU), float32, bfloat16, float16."""
+
+    max_slots: int = 8
+    """Sequences generated at once (cache slots per worker); more requests wait for a free slot."""
+
+    max_seq_len: int = 4096
+    """Cache length per sequence: prompt plus generated tokens."""
+
+    prefill_chunk: int = 2048
+    """The most prompt tokens one prefill pass takes; prompts prefilled together share it, at least 64 each."""
+
+    mtp: bool | None = None
+    """None: speculative decoding with the checkpoint's MTP head when it has one; True: require it; False: plain."""
+
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS
+    """MTP drafts verified per step."""
+
+    pipeline: bool = True
+    """Keep the next step on the wire while the current one runs."""
+
+    forced_acceptance: float | None = None
+    """Benchmarks only: accept each draft with this probability whatever the model says (see FORCED_ACCEPTANCE_ENV)."""
+
+    dist_port: int | None = None
+    """Port of the process group's rendezvous on rank 0's host (default: rank 0's port + 1, or a free one)."""
+
+    connect_timeout: float = 120.0
+    """Seconds to wait for every worker to answer its first hello (spawned ones are still starting)."""
+
+    keys: str | None = None
+    """CURVE for tcp:// workers: this side's key pair (a folder or .key_secret file)."""
+
+    server_keys: str | None = None
+    """CURVE: the workers' public keys (one .key file for all, or a folder with one per worker, rank order)."""
+
+    heartbeat_timeout: float = transport.DEFAULT_HEARTBEAT_TIMEOUT_S
+    """Seconds after which a worker that exited or stopped answering is declared lost; its requests fail,
+    and the engine reconnects until the worker is back (engine.healthy)."""
+
+    dist_timeout: float = DEFAULT_DIST_TIMEOUT_S
+    """How long a worker's collective waits for a stuck peer before it gives up."""
+
+    stages: int = field(default=1, init=False)
+    """Pipeline stages the workers form, stage-major in rank order; one until the layout can be chosen."""
+
+    def __post_init__(self) -> None:
+        self._check_workers()
+        self._check_decoding()
+        self._check_forced_acceptance()
+        self._check_connection()
+
+    # --- what the rest of the engine reads ---------------------------------------------------------
+
+    @property
+    def spawns_workers(self) -> bool:
+        return self.workers is None
+
+    @property
+    def world_size(self) -> int:
+        return len(self.workers) if self.workers is not None else self.local or self.tp or 1
+
+    @property
+    def tp_size(self) -> int:
+        return self.world_size // self.stages
+
+    def stage_ranks(self) -> list[list[int]]:
+        """The ranks of each pipeline stage, in stage order."""
+        return [list(range(s * self.tp_size, (s + 1) * self.tp_size)) for s in range(self.stages)]
+
+    def load_request(self) -> LoadRequest:
+        model_dir = Path(self.model)
+        return LoadRequest(
+            model=str(model_dir.resolve()) if model_dir.exists() else self.model,
+            dtype=self.dtype,
+            max_slots=self.max_slots,
+            max_seq_len=self.max_seq_len,
+            prefill_chunk=self.prefill_chunk,
+            mtp=MTP_MODES[self.mtp],
+            draft_tokens=self.draft_tokens,
+            forced_acceptance=-1.0 if self.forced_acceptance is None else self.forced_acceptance,
+        )
+
+    # --- checks that read files --------------------------------------------------------------------
+
+    def check_model_folder(self) -> None:
+        """The folder is a model (spawned workers read it here) and has MTP weights if MTP is required."""
+        model_dir = Path(self.model)
+        if self.spawns_workers and not (model_dir / "config.json").is_file():
+            raise ValueError(f"{self.model} is not a model folder (no config.json)")
+        if self.mtp and model_dir.is_dir() and not _has_mtp(model_dir):
+            raise ValueError(f"MTP asked for, but {self.model} has no MTP weights (mtp.*); use mtp=False / --no-mtp")
+
+    def curve_links(self) -> list[tuple[KeyPair | None, bytes | None]]:
+        """Per rank: (this side's key pair, that worker's public key); (None, None) without CURVE."""
+        if self.keys is None or self.server_keys is None:
+            return [(None, None)] * self.world_size
+        try:
+            pair, publics = security.load_pair(self.keys), security.load_public_keys(self.server_keys)
+        except security.KeyFileError as exc:
+            raise ValueError(str(exc)) from None
+        if len(publics) not in (1, self.world_size):
+            raise ValueError(f"server_keys holds {len(publics)} public keys for {self.world_size} workers: give one, "
+                             "or one per worker")
+        return [(pair, publics[rank % len(publics)]) for rank in range(self.world_size)]
+
+    # --- checks of the values ----------------------------------------------------------------------
+
+    def _check_workers(self) -> None:
+        if not isinstance(self.model, str | os.PathLike) or not os.fspath(self.model):
+            raise ValueError(f"model must be a model folder's path, got {self.model!r}")
+        self.model = os.fspath(self.model)
+        if self.workers is not None and self.local is not None:
+            raise ValueError("give either workers (addresses) or local (a count), not both")
+        lo, hi = message_range(InitRequest, "world_size")
+        if self.workers is not None:
+            if isinstance(self.workers, str) or not isinstance(self.workers, list | tuple):
+                raise ValueError(f"workers must be a list of addresses, got {self.workers!r}")
+            if not self.workers:
+                raise ValueError("workers is an empty list")
+            try:
+                self.workers = [check_address(address) for address in self.workers]
+            except ValueError as exc:
+                raise ValueError(f"workers: {exc}") from None
+        for name in ("local", "tp"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or not lo <= value <= hi):
+                raise ValueError(f"{name} must be a worker count in [{lo}, {hi}], got {value!r}")
+        if len(self.workers or ()) > hi:
+            raise ValueError(f"workers lists {len(self.workers)} addresses; at most {hi} can form a group")
+        if self.tp is not None and self.tp != self.tp_size:
+            given = f"{self.world_size} worker addresses given" if self.workers is not None else f"local={self.local}"
+            raise ValueError(f"tp={self.tp} but {given}; tp must equal the worker count")
+
+    def _check_decoding(self) -> None:
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        for name in ("max_slots", "max_seq_len", "prefill_chunk", "draft_tokens"):
+            lo, hi = message_range(LoadRequest, name)
+            value = getattr(self, name)
+            if type(value) is not int or not lo <= value <= hi:
+                raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
+        if self.mtp is not None and type(self.mtp) is not bool:
+            raise ValueError(f"mtp must be None (auto), True or False, got {self.mtp!r}")
+        if type(self.pipeline) is not bool:
+            raise ValueError(f"pipeline must be True or False, got {self.pipeline!r}")
+
+    def _check_forced_acceptance(self) -> None:
+        rate = self.forced_acceptance
+        if rate is None:
+            return
+        if os.environ.get(FORCED_ACCEPTANCE_ENV) != "1":
+            raise ValueError(f"forced acceptance is a benchmarking switch that changes the output; set "
+                             f"{FORCED_ACCEPTANCE_ENV}=1 to enable it")
+        if type(rate) not in (int, float) or not 0.0 <= rate <= 1.0:
+            raise ValueError(f"forced acceptance must be a probability in [0, 1], got {rate!r}")
+        if self.mtp is False:
+            raise ValueError("forced acceptance needs MTP on")
+
+    def _check_connection(self) -> None:
+        self.heartbeat_timeout = transport.check_heartbeat_timeout(self.heartbeat_timeout)
+        self.dist_timeout = _seconds("dist_timeout", self.dist_timeout, *message_range(InitRequest, "timeout_s"))
+        self.connect_timeout = _seconds("connect_timeout", self.connect_timeout, 0.1, MAX_CONNECT_TIMEOUT_S)
+        if self.dist_port is not None and (type(self.dist_port) is not int or not 0 < self.dist_port < 65536):
+            raise ValueError(f"dist_port must be a port in [1, 65535], got {self.dist_port!r}")
+        if (self.keys is None) != (self.server_keys is None):
+            raise ValueError("CURVE needs both keys (this side's pair) and server_keys (the workers' public keys)")
+        if self.keys is not None and self.spawns_workers:
+            raise ValueError("keys apply to workers given by address (tcp://); spawned local workers use ipc://")
+
+
+def _seconds(name: str, value: Any, lo: float, hi: float) -> float:
+    if type(value) not in (int, float) or math.isnan(value) or not lo <= value <= hi:
+        raise ValueError(f"{name} must be a number of seconds in [{lo:g}, {hi:g}], got {value!r}")
+    return float(value)
+
+
+def _has_mtp(model_dir: Path) -> bool:
+    from shardspec.models.loader import has_mtp  # safetensors headers only
+
+    try:
+        return has_mtp(model_dir)
+    except Exception:
+        return True  # unreadable here: let the workers say what is wrong

@@ -1,0 +1,191 @@
+"""The workers of one engine: their connections, the processes it spawned, the group they form.
+
+The world is `stages` pipeline stages of tensor-parallel ranks, stage-major in rank order (one
+stage for now). Connecting is hello to every worker, `init` into a new torch.distributed group,
+then `load`.
+
+Failures: a worker that exits or stops answering heartbeats fails the requests in flight with an
+error naming it; `recover` then says goodbye to the others and reconnects until every worker answers
+again (a supervisor restarted it, or this engine did for a worker it spawned), joins them in a new
+process group and loads the model again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import zmq.asyncio
+
+from shardspec.orchestrator.config import EngineConfig
+from shardspec.orchestrator.requests import EngineError
+from shardspec.orchestrator.workers import LocalWorkers, WorkerClient, WorkerLost, free_port, wait_ready
+from shardspec.protocol.errors import RemoteError
+from shardspec.protocol.messages import InitRequest, LoadReply, LoadRequest, ShutdownRequest
+
+log = logging.getLogger("shardspec.orchestrator")
+
+RECONNECT_HELLO_S = 10.0  # per attempt at reaching every worker again after a failure
+RECONNECT_PAUSE_S = 1.0
+GOODBYE_TIMEOUT_S = 5.0
+
+
+class WorkerGroup:
+    """Connections to every rank, in rank order; `start` spawns local workers if the config asks for them."""
+
+    def __init__(self, config: EngineConfig, on_failure: Callable[[], None]) -> None:
+        self.config = config
+        self.on_failure = on_failure  # told when a connection fails
+        self.links = config.curve_links()
+        self.ctx = zmq.asyncio.Context()
+        self.local: LocalWorkers | None = None
+        self.stages: list[list[WorkerClient]] = []
+        self.load_request = config.load_request()
+        self.load_info: LoadReply | None = None  # rank 0's
+
+    @property
+    def workers(self) -> list[WorkerClient]:
+        return [worker for stage in self.stages for worker in stage]
+
+    @property
+    def addresses(self) -> list[str]:
+        return self.local.addresses if self.local is not None else list(self.config.workers or [])
+
+    @property
+    def lost_connection(self) -> str | None:
+        """Why a worker's connection failed, or None while all stand."""
+        return next((str(w.failure) for w in self.workers if w.failure is not None), None)
+
+    @property
+    def failure(self) -> str | None:
+        """A lost connection, or a spawned worker that exited; None when every worker is there."""
+        if (lost := self.lost_connection) is not None:
+            return lost
+        try:
+            if self.local is not None:
+                self.local.check_alive()
+        except WorkerLost as exc:
+            return str(exc)
+        return None
+
+    # --- connecting --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self.config.spawns_workers:
+            self.local = LocalWorkers(self.config.world_size, self.config.device, self.config.heartbeat_timeout)
+        await self.connect(self.config.connect_timeout)
+
+    async def connect(self, hello_timeout: float) -> None:
+        """Fresh connections to every worker: hello, a new process group, load."""
+        workers = [WorkerClient(self.ctx, address, *link, heartbeat_timeout=self.config.heartbeat_timeout,
+                                on_failure=self.on_failure)
+                   for address, link in zip(self.addresses, self.links, strict=True)]
+        self.stages = [[workers[rank] for rank in ranks] for ranks in self.config.stage_ranks()]
+        hellos = await asyncio.gather(*(wait_ready(w, self.local, hello_timeout) for w in workers),
+                                      return_exceptions=True)
+        if errors := [hello for hello in hellos if isinstance(hello, BaseException)]:
+            raise errors[0]
+        for worker, hello in zip(workers, hellos, strict=True):
+            log.info("worker %s: pid %d on %s, device %s", worker.address, hello.pid, hello.hostname, hello.device)
+        await self._init()
+        await self.load(self.load_request)
+
+    async def _init(self) -> None:
+        """Every rank joins the new group, in its stage at its TP place."""
+        dist_addr = _rendezvous(self.addresses[0], self.config.dist_port)
+        inits = [InitRequest(rank=rank, world_size=len(self.workers), dist_addr=dist_addr,
+                             timeout_s=self.config.dist_timeout, stages=len(self.stages))
+                 for rank in range(len(self.workers))]
+        replies = await self.gather([w.submit(init) for w, init in zip(self.workers, inits, strict=True)])
+        for worker, init, (reply, _) in zip(self.workers, inits, replies, strict=True):
+            if (reply.stage, reply.tp_rank, reply.tp_size) != (init.stage, init.rank % init.tp_size, init.tp_size):
+                raise EngineError(f"worker {worker.address} took stage {reply.stage}, TP rank {reply.tp_rank} of "
+                                  f"{reply.tp_size}; asked for stage {init.stage}, TP rank "
+                                  f"{init.rank % init.tp_size} of {init.tp_size}")
+
+    async def load(self, request: LoadRequest) -> LoadReply:
+        """Load (or load again, with other caches) on every rank; recovery reloads the same request."""
+        replies = await self.call_all(request)
+        for stage, ranks in enumerate(self.config.stage_ranks()):
+            log.info("stage %d: decoder layers %s on %s", stage, replies[ranks[0]][0].layers,
+                     ", ".join(self.workers[rank].address for rank in ranks))
+        self.load_request, self.load_info = request, replies[0][0]
+        return self.load_info
+
+    async def disconnect(self) -> None:
+        """Goodbye to the workers still connected (each leaves the group and goes idle); close all."""
+        live = [w for w in self.workers if w.failure is None]
+        await asyncio.gather(*(w.call(ShutdownRequest(), timeout=GOODBYE_TIMEOUT_S) for w in live),
+                             return_exceptions=True)
+        await asyncio.gather(*(w.close() for w in self.workers))
+
+    async def recover(self, cause: str, stopped: Callable[[], bool]) -> bool:
+        """Reconnect until every worker answers and has loaded again; False if stopped first.
+
+        Raises WorkerLost for a spawned worker that is out of restarts."""
+        while not stopped():
+            await self.disconnect()
+            if self.local is not None:  # this engine is the supervisor of the workers it spawned
+                self.local.restart_exited()
+            try:
+                await self.connect(RECONNECT_HELLO_S)
+            except (WorkerLost, RemoteError, EngineError) as exc:
+                log.warning("reconnecting after %r: %s; trying again", cause, exc)
+                await asyncio.sleep(RECONNECT_PAUSE_S)
+                continue
+            log.warning("the workers are back after %r; serving again", cause)
+            return True
+        return False
+
+    async def close(self) -> None:
+        """Goodbye to the workers, and stop the ones this engine spawned."""
+        await self.disconnect()
+        if self.local is not None:
+            self.local.stop()
+        self.ctx.term()
+
+    # --- talking to every rank ---------------------------------------------------------------------
+
+    def submit_all(self, request: Any, tensors: dict[str, torch.Tensor] | None = None) -> list[asyncio.Future]:
+        """Send one request to every rank now; one future per rank, in rank order."""
+        return [w.submit(request, tensors) for w in self.workers]
+
+    async def call_all(self, request: Any, tensors: dict[str, torch.Tensor] | None = None,
+                       timeout: float | None = None) -> list[tuple]:
+        """Send one request to every rank and wait for all (reply, tensors), in rank order."""
+        return await self.gather(self.submit_all(request, tensors), timeout)
+
+    async def gather(self, futures: list[asyncio.Future], timeout: float | None = None) -> list[tuple]:
+        """Every rank's reply, in rank order; on an error, the most telling one.
+
+        A rank that dies makes its peers' collectives fail too, often before its own connection is
+        seen to drop: give that a heartbeat timeout to show, and report the lost worker rather than
+        its peers. The futures left are cancelled either way."""
+        try:
+            _, pending = await asyncio.wait(futures, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
+            if not (errors := _errors(futures)):
+                if pending:
+                    raise WorkerLost(f"the workers did not answer within {timeout:.0f}s")
+                return [future.result() for future in futures]
+            if not any(isinstance(e, WorkerLost) for e in errors):
+                await asyncio.wait(futures, timeout=self.config.heartbeat_timeout)
+                errors = _errors(futures)
+            raise next((e for e in errors if isinstance(e, WorkerLost)), errors[0])
+        finally:
+            for future in futures:
+                future.cancel()
+
+
+def _errors(futures: list[asyncio.Future]) -> list[BaseException]:
+    return [f.exception() for f in futures if f.done() and not f.cancelled() and f.exception() is not None]
+
+
+def _rendezvous(rank0_address: str, port: int | None) -> str:
+    """Where rank 0 hosts the torch.distributed store: its own host, next port up by default."""
+    if rank0_address.startswith("tcp://"):
+        host, rank0_port = rank0_address[len("tcp://") :].rsplit(":", 1)
+        return f"tcp://{host}:{port or int(rank0_port) + 1}"
+    return f"tcp://127.0.0.1:{port or free_port()}"
