@@ -29,7 +29,7 @@ import torch
 from gpu_timing import copy_bandwidth, sync
 
 import shardspec
-from shardspec.models.config import ModelConfig
+from shardspec.models.qwen3_5 import Qwen3_5Config
 from shardspec.models.random_checkpoint import (
     nine_b_config,
     tiny_config,
@@ -44,7 +44,7 @@ SIZES = {"tiny": tiny_config, "9b": nine_b_config, "27b": twenty_seven_b_config}
 PROMPT_LEN = 128
 
 
-def step_bytes(config: ModelConfig, tp: int, weight_bytes: int, batch: int, context: int, k: int) -> int:
+def step_bytes(config: Qwen3_5Config, tp: int, weight_bytes: int, batch: int, context: int, k: int) -> int:
     """Bytes one rank must move in one decode (k = 0) or verify step: its weights once, plus the KV
     it attends over and the recurrent state: read and written by a decode step; read by a verify
     pass, then read and written again by the commit that replays the accepted prefix."""
@@ -58,7 +58,7 @@ def step_bytes(config: ModelConfig, tp: int, weight_bytes: int, batch: int, cont
 
 
 class Bench:
-    def __init__(self, engine, model: str, config: ModelConfig, bandwidth: float, max_seq_len: int):
+    def __init__(self, engine, model: str, config: Qwen3_5Config, bandwidth: float, max_seq_len: int):
         self.engine, self.model, self.config = engine, model, config
         self.bandwidth, self.max_seq_len = bandwidth, max_seq_len
 
@@ -144,7 +144,7 @@ def transformers_decode(model: str, batches: list[int], new_tokens: int, vocab: 
 
 
 async def run(args: argparse.Namespace, out: dict, save) -> None:
-    config = ModelConfig.from_folder(args.ckpt)
+    config = Qwen3_5Config.from_folder(args.ckpt)
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
     out["bandwidth_GBps"] = copy_bandwidth(device) / 1e9
     print(f"copy bandwidth {out['bandwidth_GBps']:.0f} GB/s", flush=True)
@@ -228,7 +228,7 @@ def main() -> None:
         args.out.write_text(json.dumps(out, indent=1))
 
     if args.hf:  # first, so that a run cut short still has its peer
-        vocab = ModelConfig.from_folder(args.ckpt).vocab_size
+        vocab = Qwen3_5Config.from_folder(args.ckpt).vocab_size
         try:
             out["transformers"] = transformers_decode(str(args.ckpt), [b for b in args.batch if b <= 8],
                                                       min(args.new_tokens, 32), vocab, args.device)

@@ -74,7 +74,8 @@ def main() -> None:
         print(f"| {dtype} | transformers generate (1 process) | {hf:.1f} | 1.00× | – | – |", flush=True)
         for tp, mtp in ((2, False), (2, True), (1, False), (1, True)):
             rate, out, mal = asyncio.run(shardspec_rate(tp, mtp, dtype, args.tokens, args.repeats))
-            name = f"shardspec TP={tp}, MTP {'on (k=3)' if mtp else 'off'}" + (" — the main job" if tp == 2 and mtp else "")
+            name = f"shardspec TP={tp}, MTP {'on (k=3)' if mtp else 'off'}"
+            name += " — the main job" if tp == 2 and mtp else ""
             print(f"| {dtype} | {name} | {rate:.1f} | {rate / hf:.2f}× | {mal:.2f} | {out == hf_tokens} |", flush=True)
 
 

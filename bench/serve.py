@@ -89,7 +89,8 @@ def spec_counters(url: str) -> tuple[float, float]:
     """(drafts, accepted draft tokens) so far, from /metrics."""
     text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=60).text
     values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
-    return values.get("shardspec_spec_decode_drafts_total", 0.0), values.get("shardspec_spec_decode_accepted_tokens_total", 0.0)
+    drafts = values.get("shardspec_spec_decode_drafts_total", 0.0)
+    return drafts, values.get("shardspec_spec_decode_accepted_tokens_total", 0.0)
 
 
 def start_server(serve_args: list[str], log: Path) -> tuple[subprocess.Popen, str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,7 +107,7 @@ def test_closing_the_engine_leaves_no_process_or_socket_behind(tiny_model):
     procs, folder = asyncio.run(run())
     assert all(p.poll() is not None for p in procs)
     assert not folder.exists()
-    assert all(not os.path.exists(f"/proc/{p.pid}") or open(f"/proc/{p.pid}/stat").read().split()[2] == "Z"
+    assert all(not os.path.exists(f"/proc/{p.pid}") or Path(f"/proc/{p.pid}/stat").read_text().split()[2] == "Z"
                for p in procs)
 
 

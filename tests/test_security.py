@@ -34,17 +34,16 @@ def keys(tmp_path_factory) -> dict[str, Path]:
 def secure_worker(keys, tmp_path):
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
-    log = open(tmp_path / "worker.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "shardspec", "worker", "--listen", address, "--threads", "1",
-         "--keys", str(keys["worker"]), "--allow", str(keys["orchestrator"] / "orchestrator.key")],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
+    with open(tmp_path / "worker.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "shardspec", "worker", "--listen", address, "--threads", "1",
+             "--keys", str(keys["worker"]), "--allow", str(keys["orchestrator"] / "orchestrator.key")],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
     wait_listening(port)
     yield address
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(20) == 0
-    log.close()
 
 
 def wait_listening(port: int, timeout: float = 90.0) -> None:

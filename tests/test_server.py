@@ -218,11 +218,10 @@ def step_sequences(server: Server) -> dict[str, float]:
 
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
     body = {"model": MODEL, "prompt": "def parse(", "max_tokens": 400, "stream": True, "ignore_eos": True}
-    with httpx.Client(timeout=60) as http:
-        with http.stream("POST", f"{server.url}/completions", json=body) as response:
-            lines = response.iter_lines()
-            while next(lines) == "" or len(worker_stats(server)[0]["live_sequences"]) == 0:
-                pass  # until the sequence is live and streaming
+    with httpx.Client(timeout=60) as http, http.stream("POST", f"{server.url}/completions", json=body) as response:
+        lines = response.iter_lines()
+        while next(lines) == "" or len(worker_stats(server)[0]["live_sequences"]) == 0:
+            pass  # until the sequence is live and streaming
         # the connection is closed here, mid-stream
     deadline = time.monotonic() + 60
     while (stats := worker_stats(server)[0])["live_sequences"] and time.monotonic() < deadline:

@@ -211,7 +211,16 @@ def _engine_config(args: argparse.Namespace, **options: Any) -> EngineConfig:
             dist_timeout=args.dist_timeout, **options,
         )
     except ValueError as exc:
-        raise UsageError(str(exc)) from None
+        raise UsageError(_in_flags(str(exc), args)) from None
+
+
+def _in_flags(message: str, args: argparse.Namespace) -> str:
+    """A config error in the command line's words: a leading field name becomes the flag that sets it."""
+    word, space, rest = message.partition(" ")
+    name = word.rstrip(":")
+    if space and name in vars(args):
+        return f"--{name.replace('_', '-')}{word[len(name):]} {rest}"
+    return message
 
 
 def run_worker(args: argparse.Namespace) -> int:

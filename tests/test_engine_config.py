@@ -1,0 +1,47 @@
+"""EngineConfig: every option of connect, the CLI and the server, checked in one place."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardspec.orchestrator.config import EngineConfig
+from shardspec.protocol.messages import LoadRequest
+
+
+@pytest.mark.parametrize(("options", "field"), [
+    ({"local": 0}, "local"),
+    ({"tp": -1}, "tp"),
+    ({"workers": []}, "workers"),
+    ({"workers": ["nonsense"]}, "workers"),
+    ({"dtype": "int8"}, "dtype"),
+    ({"max_slots": 0}, "max_slots"),
+    ({"max_slots": 10**6}, "max_slots"),
+    ({"max_seq_len": 1.5}, "max_seq_len"),
+    ({"prefill_chunk": 0}, "prefill_chunk"),
+    ({"draft_tokens": 99}, "draft_tokens"),
+    ({"mtp": "yes"}, "mtp"),
+    ({"dist_timeout": 0}, "dist_timeout"),
+    ({"connect_timeout": float("nan")}, "connect_timeout"),
+    ({"dist_port": 70000}, "dist_port"),
+    ({"keys": "k"}, "server_keys"),
+    ({"forced_acceptance": 0.5}, "forced acceptance"),
+])
+def test_a_bad_option_is_refused_with_a_message_naming_it(options, field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(model="m", **options)
+
+
+def test_ranges_are_the_wires_ranges():
+    lo, hi = LoadRequest.__dataclass_fields__["max_slots"].metadata["range"]
+    EngineConfig(model="m", max_slots=hi)
+    with pytest.raises(ValueError, match=f"\\[{lo}, {hi}\\]"):
+        EngineConfig(model="m", max_slots=hi + 1)
+
+
+def test_workers_and_tp_agree_or_are_refused():
+    config = EngineConfig(model="m", workers=["tcp://a:1", "tcp://b:1"])
+    assert config.world_size == 2 and config.stage_ranks() == [[0, 1]]
+    with pytest.raises(ValueError, match="tp must equal"):
+        EngineConfig(model="m", workers=["tcp://a:1"], tp=2)
+    with pytest.raises(ValueError, match="not both"):
+        EngineConfig(model="m", workers=["tcp://a:1"], local=1)
