@@ -82,10 +82,10 @@ def test_sequences_accepting_different_draft_counts_in_one_step_stay_correct(sma
     assert batched == solo
 
 
-def sample_counts(model, mtp: bool, n: int, **sampling) -> tuple[Counter, Counter]:
+def sample_counts(model, mtp: bool, n: int, pp: int = 1, **sampling) -> tuple[Counter, Counter]:
     """Counts of the 2nd and 4th generated tokens over n independent seeded generations."""
     async def run():
-        async with shardspec.connect(model=str(model), local=1, mtp=mtp, max_slots=64) as engine:
+        async with shardspec.connect(model=str(model), local=pp, pp=pp, mtp=mtp, max_slots=64) as engine:
             outs = await generate_all_seeded(engine, n, sampling)
             return Counter(o[1] for o in outs), Counter(o[3] for o in outs)
 
@@ -112,6 +112,19 @@ async def generate_all_seeded(engine, n, sampling) -> list[list[int]]:
 def test_sampled_distribution_with_mtp_matches_without(small_vocab_model, sampling):
     n = 20_000
     on = sample_counts(small_vocab_model, True, n, **sampling)
+    off = sample_counts(small_vocab_model, False, n, **sampling)
+    for with_mtp, without in zip(on, off):
+        tokens = sorted(set(with_mtp) | set(without))
+        table = [[with_mtp[t] for t in tokens], [without[t] for t in tokens]]
+        assert sum(table[0]) == sum(table[1]) == n
+        assert chi2_contingency(table).pvalue > P_VALUE_FLOOR
+
+
+@pytest.mark.timeout(1800)
+def test_sampled_distribution_with_mtp_at_pp_2_matches_one_worker_without(small_vocab_model):
+    """The last stage samples and accepts; the earlier stage commits from its record."""
+    n, sampling = 10_000, {"temperature": 1.0}
+    on = sample_counts(small_vocab_model, True, n, pp=2, **sampling)
     off = sample_counts(small_vocab_model, False, n, **sampling)
     for with_mtp, without in zip(on, off):
         tokens = sorted(set(with_mtp) | set(without))

@@ -110,7 +110,14 @@ def _add_model_options(parser: argparse.ArgumentParser,
     where.add_argument("--local", type=int, metavar="N",
                        help="spawn N workers on this machine (default: 2; on a GPU machine, one per GPU up to 2)")
     where.add_argument("--workers", metavar="A,B,...", help="addresses of running workers, rank order")
-    parser.add_argument("--tp", type=int, metavar="N", help="tensor-parallel degree (= number of workers)")
+    parser.add_argument("--tp", type=int, metavar="N", help="tensor-parallel degree of each stage (default: the "
+                        "workers ÷ --pp)")
+    parser.add_argument("--pp", type=int, default=1, metavar="P",
+                        help="pipeline stages (default 1): the workers, in rank order, form P stages of --tp ranks "
+                        "each, stage 0's first; give P×T addresses with --workers, or --local P×T. Stages send each "
+                        "other hidden states directly, so stages can sit on different hosts")
+    parser.add_argument("--layer-split", metavar="N0,N1,...", help="decoder layers per stage, in stage order, summing "
+                        "to the model's layers (default: as even as can be; for GPUs of different sizes)")
     parser.add_argument("--device", default=None, help="device of spawned local workers: cpu or cuda "
                         "(default: cuda when this machine has a GPU)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -192,6 +199,8 @@ def _local_defaults(args: argparse.Namespace, workers: list[str] | None) -> tupl
     device = args.device or ("cuda" if gpus else "cpu")
     if args.local is not None:
         return device, args.local
+    if args.pp > 1:  # one worker per stage unless --tp says more
+        return device, (args.tp or 1) * args.pp
     return device, args.tp or (max(1, min(gpus, 2)) if device == "cuda" else 2)
 
 
@@ -200,11 +209,16 @@ def _engine_config(args: argparse.Namespace, **options: Any) -> EngineConfig:
     if args.no_mtp and args.draft_tokens is not None:
         raise UsageError("--draft-tokens sets MTP drafts; it cannot go with --no-mtp")
     workers = [w.strip() for w in args.workers.split(",") if w.strip()] if args.workers else None
+    try:
+        split = [int(n) for n in args.layer_split.split(",")] if args.layer_split else None
+    except ValueError:
+        raise UsageError(f"--layer-split must be comma-separated layer counts, got {args.layer_split!r}") from None
     device, local = _local_defaults(args, workers)
     dtype = args.dtype or ("float32" if workers is None and device == "cpu" else "auto")  # serve's default
     try:
         return EngineConfig(
-            model=args.model, workers=workers, local=local, device=device, tp=args.tp, dtype=dtype,
+            model=args.model, workers=workers, local=local, device=device, tp=args.tp, pp=args.pp,
+            layer_split=split, dtype=dtype,
             max_seq_len=args.max_seq_len, mtp=False if args.no_mtp else None,
             draft_tokens=DEFAULT_DRAFT_TOKENS if args.draft_tokens is None else args.draft_tokens,
             keys=args.keys, server_keys=args.server_keys, heartbeat_timeout=args.heartbeat_timeout,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,13 @@ class EngineConfig:
     """Device of spawned workers: cpu, or cuda (one GPU each)."""
 
     tp: int | None = None
-    """Tensor-parallel degree; it must equal the worker count when both are given."""
+    """Tensor-parallel degree of each stage; it must equal the worker count ÷ pp when both are given."""
+
+    pp: int = 1
+    """Pipeline stages: the workers, in rank order, are pp stages of tp ranks each (stage 0's first)."""
+
+    layer_split: list[int] | None = None
+    """Decoder layers per stage, in stage order (they sum to the model's layers); None: as even as can be."""
 
     dtype: str = "auto"
     """Weights and activations: auto (the checkpoint's dtype on CPU, bfloat16 on GPU), float32, bfloat16, float16."""
@@ -95,9 +101,6 @@ class EngineConfig:
     dist_timeout: float = DEFAULT_DIST_TIMEOUT_S
     """How long a worker's collective waits for a stuck peer before it gives up."""
 
-    stages: int = field(default=1, init=False)
-    """Pipeline stages the workers form, stage-major in rank order; one until the layout can be chosen."""
-
     def __post_init__(self) -> None:
         self._check_workers()
         self._check_decoding()
@@ -112,15 +115,17 @@ class EngineConfig:
 
     @property
     def world_size(self) -> int:
-        return len(self.workers) if self.workers is not None else self.local or self.tp or 1
+        if self.workers is not None:
+            return len(self.workers)
+        return self.local or (self.tp or 1) * self.pp
 
     @property
     def tp_size(self) -> int:
-        return self.world_size // self.stages
+        return self.world_size // self.pp
 
     def stage_ranks(self) -> list[list[int]]:
         """The ranks of each pipeline stage, in stage order."""
-        return [list(range(s * self.tp_size, (s + 1) * self.tp_size)) for s in range(self.stages)]
+        return [list(range(s * self.tp_size, (s + 1) * self.tp_size)) for s in range(self.pp)]
 
     def load_request(self) -> LoadRequest:
         model_dir = Path(self.model)
@@ -133,6 +138,7 @@ class EngineConfig:
             mtp=MTP_MODES[self.mtp],
             draft_tokens=self.draft_tokens,
             forced_acceptance=-1.0 if self.forced_acceptance is None else self.forced_acceptance,
+            layer_split=list(self.layer_split or []),
         )
 
     # --- checks that read files --------------------------------------------------------------------
@@ -144,6 +150,8 @@ class EngineConfig:
             raise ValueError(f"{self.model} is not a model folder (no config.json)")
         if self.mtp and model_dir.is_dir() and not _has_mtp(model_dir):
             raise ValueError(f"MTP asked for, but {self.model} has no MTP weights (mtp.*); use mtp=False / --no-mtp")
+        if self.pp > 1 and (model_dir / "config.json").is_file():
+            _check_stages(model_dir, self.pp, self.layer_split)
 
     def curve_links(self) -> list[tuple[KeyPair | None, bytes | None]]:
         """Per rank: (this side's key pair, that worker's public key); (None, None) without CURVE."""
@@ -182,9 +190,21 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a worker count in [{lo}, {hi}], got {value!r}")
         if len(self.workers or ()) > hi:
             raise ValueError(f"workers lists {len(self.workers)} addresses; at most {hi} can form a group")
+        if type(self.pp) is not int or not lo <= self.pp <= hi:
+            raise ValueError(f"pp must be a stage count in [{lo}, {hi}], got {self.pp!r}")
+        given = f"{self.world_size} worker addresses given" if self.workers is not None else f"local={self.local}"
+        if self.world_size % self.pp:
+            raise ValueError(f"pp={self.pp} stages but {given}: the workers must be a multiple of pp")
         if self.tp is not None and self.tp != self.tp_size:
-            given = f"{self.world_size} worker addresses given" if self.workers is not None else f"local={self.local}"
-            raise ValueError(f"tp={self.tp} but {given}; tp must equal the worker count")
+            per = "the worker count" if self.pp == 1 else f"the worker count ÷ pp ({self.pp})"
+            raise ValueError(f"tp={self.tp} but {given}; tp must equal {per}")
+        if self.layer_split is not None:
+            split = self.layer_split
+            if not isinstance(split, list | tuple) or len(split) != self.pp or not all(
+                    type(n) is int and n >= 1 for n in split):
+                raise ValueError(f"layer_split must give each of the {self.pp} stages a positive layer count, "
+                                 f"got {split!r}")
+            self.layer_split = list(split)
 
     def _check_decoding(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -227,6 +247,19 @@ def _seconds(name: str, value: Any, lo: float, hi: float) -> float:
     if type(value) not in (int, float) or math.isnan(value) or not lo <= value <= hi:
         raise ValueError(f"{name} must be a number of seconds in [{lo:g}, {hi:g}], got {value!r}")
     return float(value)
+
+
+def _check_stages(model_dir: Path, pp: int, layer_split: list[int] | None) -> None:
+    """The model's layers can be split as asked (where this machine can read its config)."""
+    from shardspec.models.base import split_layers
+    from shardspec.models.config import ConfigError
+    from shardspec.models.registry import read
+
+    try:
+        _, model = read(model_dir)
+        split_layers(model.num_hidden_layers, pp, layer_split)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _has_mtp(model_dir: Path) -> bool:

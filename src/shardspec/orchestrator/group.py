@@ -1,8 +1,9 @@
 """The workers of one engine: their connections, the processes it spawned, the group they form.
 
-The world is `stages` pipeline stages of tensor-parallel ranks, stage-major in rank order (one
-stage for now). Connecting is hello to every worker, `init` into a new torch.distributed group,
-then `load`.
+The world is `pp` pipeline stages of tensor-parallel ranks, stage-major in rank order. Connecting
+is hello to every worker, `init` into a new torch.distributed group (with several stages, each
+rank also learns every rank's stage-link address: the stages send each other hidden states and
+acceptance records directly, worker to worker), then `load`.
 
 Failures: a worker that exits or stops answering heartbeats fails the requests in flight with an
 error naming it; `recover` then says goodbye to the others and reconnects until every worker answers
@@ -96,8 +97,9 @@ class WorkerGroup:
     async def _init(self) -> None:
         """Every rank joins the new group, in its stage at its TP place."""
         dist_addr = _rendezvous(self.addresses[0], self.config.dist_port)
+        links = [link_address(address) for address in self.addresses] if len(self.stages) > 1 else []
         inits = [InitRequest(rank=rank, world_size=len(self.workers), dist_addr=dist_addr,
-                             timeout_s=self.config.dist_timeout, stages=len(self.stages))
+                             timeout_s=self.config.dist_timeout, stages=len(self.stages), links=links)
                  for rank in range(len(self.workers))]
         replies = await self.gather([w.submit(init) for w, init in zip(self.workers, inits, strict=True)])
         for worker, init, (reply, _) in zip(self.workers, inits, replies, strict=True):
@@ -181,6 +183,15 @@ class WorkerGroup:
 
 def _errors(futures: list[asyncio.Future]) -> list[BaseException]:
     return [f.exception() for f in futures if f.done() and not f.cancelled() and f.exception() is not None]
+
+
+def link_address(address: str) -> str:
+    """Where the worker at `address` takes its stage links: two ports up on its host (the one above
+    its own is rank 0's rendezvous), or a socket beside its ipc:// one."""
+    if address.startswith("tcp://"):
+        host, port = address.rsplit(":", 1)
+        return f"{host}:{int(port) + 2}"
+    return address.removesuffix(".sock") + ".link"
 
 
 def _rendezvous(rank0_address: str, port: int | None) -> str:

@@ -86,12 +86,16 @@ class InitRequest:
     dist_addr: str = "tcp://127.0.0.1:29500"
     timeout_s: float = bounded(1.0, 3600.0, 120.0)
     stages: int = bounded(1, 4096, 1)
+    links: list[str] = field(default_factory=list)  # with stages > 1: every rank's stage-link address
 
     def __post_init__(self) -> None:
         if self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} is not below world_size {self.world_size}")
         if self.world_size % self.stages:
             raise ValueError(f"world_size {self.world_size} is not a multiple of stages {self.stages}")
+        if self.stages > 1 and len(self.links) != self.world_size:
+            raise ValueError(f"{self.stages} stages need a link address per rank ({self.world_size}), "
+                             f"got {len(self.links)}")
 
     @property
     def tp_size(self) -> int:
@@ -100,6 +104,10 @@ class InitRequest:
     @property
     def stage(self) -> int:
         return self.rank // self.tp_size
+
+    def peer(self, stage: int) -> int:
+        """The rank at this rank's TP place in `stage`: where its stage links go."""
+        return stage * self.tp_size + self.rank % self.tp_size
 
 
 @dataclass(frozen=True)
@@ -245,6 +253,29 @@ class ShutdownReply:
     OP: ClassVar[str] = "shutdown"
 
 
+# --- stage links: worker to worker, between pipeline stages ------------------------------------
+
+
+@dataclass(frozen=True)
+class HiddenStates:
+    """One pass's output of a stage for the next stage (tensor `hidden`, [B, T, H]): the `index`-th
+    pass of step `step` (the id of the orchestrator's step request)."""
+
+    OP: ClassVar[str] = "hidden"
+    step: int = bounded(0, 2**63 - 1)
+    index: int = bounded(0, 1 << 20)
+
+
+@dataclass(frozen=True)
+class AcceptRecord:
+    """What the last stage decided in step `step`, for the stages before it to commit and to feed
+    the next pass: the step's reply (accepted drafts, emitted tokens, next drafts, finished)."""
+
+    OP: ClassVar[str] = "accepts"
+    step: int = bounded(0, 2**63 - 1)
+    reply: StepReply
+
+
 @dataclass(frozen=True)
 class ErrorReply:
     OP: ClassVar[str] = "error"
@@ -252,7 +283,7 @@ class ErrorReply:
     message: str
 
 
-# the op set: these two maps are the one place that defines it (the codec's OPS derives from them)
+# the op set: these maps are the one place that defines it (the codec's OPS derives from them)
 REQUESTS: dict[str, type] = {
     cls.OP: cls
     for cls in (HelloRequest, InitRequest, LoadRequest, StepRequest, ReleaseRequest, StatsRequest, ShutdownRequest)
@@ -261,7 +292,8 @@ REPLIES: dict[str, type] = {
     cls.OP: cls
     for cls in (HelloReply, InitReply, LoadReply, StepReply, ReleaseReply, StatsReply, ShutdownReply, ErrorReply)
 }
-OPS = frozenset(REQUESTS) | frozenset(REPLIES)
+LINKS: dict[str, type] = {cls.OP: cls for cls in (HiddenStates, AcceptRecord)}
+OPS = frozenset(REQUESTS) | frozenset(REPLIES) | frozenset(LINKS)
 
 # --- validation -------------------------------------------------------------------------------
 

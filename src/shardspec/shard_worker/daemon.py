@@ -31,7 +31,7 @@ from shardspec import __version__, security
 from shardspec.layers.parallel import TPGroup, check_allreduce_setting, use_symmetric_memory
 from shardspec.models.base import CausalLM, Stage
 from shardspec.models.config import ConfigError
-from shardspec.models.loader import load_model, stage_of
+from shardspec.models.loader import has_mtp, load_model, stage_of
 from shardspec.protocol import codec, transport
 from shardspec.protocol.codec import Message
 from shardspec.protocol.errors import ErrorCode, ProtocolError
@@ -53,6 +53,7 @@ from shardspec.protocol.messages import (
     to_meta,
 )
 from shardspec.security import KeyPair
+from shardspec.shard_worker.links import StageLinks, bind_address
 from shardspec.shard_worker.runner import ModelRunner
 from shardspec.utils import memory_stats, parse_device, resolve_dtype
 
@@ -91,11 +92,16 @@ class ShardWorker:
         self.state = "idle"
         self.owner: bytes | None = None
         self.owner_fd: int | None = None
+        self.owner_gone = False  # its connection dropped (seen while a step waited on a stage link, say)
+        self.monitor: zmq.Socket | None = None
         self.tp: TPGroup | None = None
         self.stage, self.stages = 0, 1  # this rank's pipeline stage, of how many
+        self.links: StageLinks | None = None  # to the other stages, with more than one
+        self.ctx: zmq.Context | None = None
         self.runner: ModelRunner | None = None
         self.model: CausalLM | None = None
-        self.model_key: tuple | None = None  # (path, dtype) of the loaded weights
+        self.model_key: tuple | None = None  # (path, dtype, stage) of the loaded weights
+        self.model_mtp = False  # whether they include the MTP module (on the last stage)
         self.weight_bytes = 0
         self.steps = 0
         self.errors = 0
@@ -108,7 +114,7 @@ class ShardWorker:
     # --- lifecycle ----------------------------------------------------------------------------
 
     def serve_forever(self) -> None:
-        ctx = zmq.Context()
+        ctx = self.ctx = zmq.Context()
         authenticator = None
         if self.keys is not None:  # ZAP handler: only the allowed client keys get in
             authenticator = ThreadAuthenticator(ctx)
@@ -118,7 +124,7 @@ class ShardWorker:
         transport.configure(sock, self.heartbeat_timeout)
         if self.keys is not None:
             security.make_server(sock, self.keys)
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         try:
@@ -154,10 +160,15 @@ class ShardWorker:
         self.stopping = True
 
     def _drain_monitor(self, monitor: zmq.Socket) -> None:
+        if self._owner_left(monitor):
+            self._reset("orchestrator disconnected")
+
+    def _owner_left(self, monitor: zmq.Socket) -> bool:
         while monitor.poll(0):
             event = recv_monitor_message(monitor)
             if event["event"] == zmq.EVENT_DISCONNECTED and event["value"] == self.owner_fd:
-                self._reset("orchestrator disconnected")
+                self.owner_gone = True
+        return self.owner_gone
 
     def _reset(self, why: str) -> None:
         """Free the model, the caches and the process group; back to idle."""
@@ -167,11 +178,12 @@ class ShardWorker:
         self._drop_runner()
         self.model = self.model_key = None
         self.weight_bytes = 0
+        self._close_links()
         if dist.is_initialized():
             dist.destroy_process_group()
         self.tp = None
         self._free_memory()
-        self.state, self.owner, self.owner_fd = "idle", None, None
+        self.state, self.owner, self.owner_fd, self.owner_gone = "idle", None, None, False
 
     # --- one request ----------------------------------------------------------------------------
 
@@ -229,8 +241,9 @@ class ShardWorker:
     def _init(self, body: InitRequest, _tensors: dict) -> tuple[InitReply, None]:
         if self.state != "idle":
             raise ProtocolError(ErrorCode.BAD_STATE, f"worker is {self.state}; send shutdown before init")
-        if body.stages > 1:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "this worker runs one pipeline stage only (stages = 1)")
+        if body.stages > 1 and self.keys is not None:  # its links would take anyone's hidden states
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "pipeline stages on workers with CURVE keys are not supported "
+                                "yet: their stage links are not authenticated")
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         try:
             check_allreduce_setting()
@@ -253,14 +266,57 @@ class ShardWorker:
                 )
             except Exception as exc:  # a peer that never came, a port in use
                 raise ProtocolError(ErrorCode.BAD_STATE, f"could not join the process group: {exc}") from None
-        symmetric = use_symmetric_memory(self.device, body.world_size)
-        if symmetric:
-            log.info("small all-reduces go through symmetric memory (SHARDSPEC_ALLREDUCE=nccl: NCCL only)")
-        self.tp = TPGroup(body.rank, body.world_size, symmetric=symmetric)
+        self.tp = self._tp_group(body)
         self.stage, self.stages = body.stage, body.stages
+        if body.stages > 1:
+            try:
+                self.links = self._open_links(body)
+            except ProtocolError:
+                self.tp = None
+                if dist.is_initialized():  # back to idle as it was
+                    dist.destroy_process_group()
+                raise
         self.state = "initialized"
         return InitReply(rank=body.rank, world_size=body.world_size, backend=backend, stage=body.stage,
                          tp_rank=self.tp.rank, tp_size=self.tp.size), None
+
+    def _tp_group(self, body: InitRequest) -> TPGroup:
+        """This rank's group: its stage's ranks (every rank makes every stage's group, in order)."""
+        tp = body.tp_size
+        group = None
+        if body.stages > 1 and tp > 1:
+            groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(body.stages)]
+            group = groups[body.stage]
+        symmetric = use_symmetric_memory(self.device, tp, group)
+        if symmetric:
+            log.info("small all-reduces go through symmetric memory (SHARDSPEC_ALLREDUCE=nccl: NCCL only)")
+        return TPGroup(body.rank % tp, tp, group, symmetric=symmetric)
+
+    def _open_links(self, body: InitRequest) -> StageLinks:
+        last = body.stage == body.stages - 1
+        next_stage = None if last else body.links[body.peer(body.stage + 1)]
+        earlier = [body.links[body.peer(s)] for s in range(body.stage)] if last else []
+        bind = bind_address(body.links[body.rank], self.listen)
+        try:
+            links = StageLinks(self.ctx, bind, next_stage, earlier, body.timeout_s, self.heartbeat_timeout,
+                               abort=self._why_abort)
+        except zmq.ZMQError as exc:
+            raise ProtocolError(ErrorCode.BAD_STATE, f"cannot open the stage link at {bind}: {exc}") from None
+        log.info("stage %d of %d; stage link at %s", body.stage, body.stages, bind)
+        return links
+
+    def _why_abort(self) -> str | None:
+        """Why a step waiting on a stage link should give up: its orchestrator left, or a signal."""
+        if self.stopping:
+            return "the worker is stopping"
+        if self.monitor is not None and self._owner_left(self.monitor):
+            return "the orchestrator disconnected"
+        return None
+
+    def _close_links(self) -> None:
+        links, self.links = self.links, None
+        if links is not None:
+            links.close()
 
     def _choose_gloo_interface(self, dist_addr: str) -> None:
         """Gloo binds to the address of this host's name, which is often a loopback address that the
@@ -289,26 +345,27 @@ class ShardWorker:
         self._free_memory()
         try:
             stage = stage_of(body.model, self.stage, self.stages, body.layer_split)
+            mtp = body.mtp == "on" or (body.mtp == "auto" and has_mtp(body.model))
         except (ConfigError, OSError) as exc:
             raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
         key = (body.model, dtype, stage)
-        if self.model is not None and self.model_key == key and (body.mtp == "off" or self.model.has_mtp):
+        if self.model is not None and self.model_key == key and (self.model_mtp or not mtp):
             log.info("keeping the loaded weights of %s; new caches", body.model)
         else:
             self.model = self.model_key = None
             self._free_memory()
-            self.model = self._read_model(body, dtype, stage)
-            self.model_key = key
+            self.model = self._read_model(body, dtype, stage, mtp)
+            self.model_key, self.model_mtp = key, mtp
         model = self.model
         self.weight_bytes = sum(p.nbytes for p in model.parameters())
         config = model.config
-        draft_len = body.draft_tokens if model.has_mtp and body.mtp != "off" else 0
+        draft_len = body.draft_tokens if mtp else 0
         forced = body.forced_acceptance if body.forced_acceptance >= 0 else None
         if forced is not None:
             log.warning("FORCED ACCEPTANCE %.2f: benchmark mode, the output is not the model's", forced)
         max_seq_len = min(body.max_seq_len, config.max_position_embeddings)
         self.runner = ModelRunner(model, self.device, body.max_slots, max_seq_len, body.prefill_chunk,
-                                  draft_len, forced)
+                                  draft_len, forced, links=self.links)
         self.state = "loaded"
         self.gap_count, self.gap_total, self.steps = 0, 0.0, 0
         load_s = time.perf_counter() - started
@@ -321,7 +378,7 @@ class ShardWorker:
             vocab_size=config.vocab_size,
             num_layers=config.num_hidden_layers,
             layers=[stage.start, stage.end],
-            has_mtp=model.has_mtp,
+            has_mtp=mtp,
             draft_tokens=draft_len,
             max_seq_len=max_seq_len,
             eos_token_ids=config.eos_token_ids,
@@ -330,7 +387,7 @@ class ShardWorker:
         )
         return reply, None
 
-    def _read_model(self, body: LoadRequest, dtype: torch.dtype, stage: Stage) -> CausalLM:
+    def _read_model(self, body: LoadRequest, dtype: torch.dtype, stage: Stage, mtp: bool) -> CausalLM:
         log.info("loading %s as %s (rank %d of %d)", body.model, dtype, self.tp.rank, self.tp.size)
         last_report = [0.0]
 
@@ -339,10 +396,8 @@ class ShardWorker:
                 last_report[0] = time.perf_counter()
                 log.info("loaded %d/%d tensors", done, total)
 
-        with_mtp = {"auto": None, "on": True, "off": False}[body.mtp]
         try:
-            return load_model(body.model, self.tp, dtype, self.device, with_mtp=with_mtp, progress=progress,
-                              stage=stage)
+            return load_model(body.model, self.tp, dtype, self.device, with_mtp=mtp, progress=progress, stage=stage)
         except (ConfigError, OSError) as exc:
             raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
 
@@ -366,8 +421,7 @@ class ShardWorker:
         started = time.perf_counter()
         result = runner.step(body, prompt_ids)
         self.steps += 1
-        reply = StepReply(seqs=result.seqs, tokens=result.tokens, accepted=result.accepted, drafts=result.drafts,
-                          finished=result.finished, step_s=time.perf_counter() - started)
+        reply = result.reply(step_s=time.perf_counter() - started)
         return reply, ({"logits": torch.cat(result.logits).cpu()} if result.logits else {})
 
     def _release(self, body: ReleaseRequest, _tensors: dict) -> tuple[ReleaseReply, None]:

@@ -3,6 +3,12 @@
 Every rank holds the same sequence table and receives the same commands, so every check here has
 the same outcome on every rank and the collectives inside the model always line up.
 
+With pipeline stages, each stage runs its layers over every pass of a step: the first from the
+token ids, the others from the hidden states the stage before sends (links.StageLinks). The last
+stage decides: it samples, accepts and drafts as a single stage does, and sends the step's result
+to the earlier stages as an acceptance record; they commit their speculative state from it, take
+the next tokens and drafts from it, and reply with it, so every rank's reply is the same.
+
 With MTP (draft_len k > 0) a sequence always carries k drafts for the positions after its pending
 token. One step verifies them with the target model ([pending, d1..dk] in one speculative pass that
 leaves the recurrent states alone), accepts a prefix, commits it (the recurrent layers replay the
@@ -32,8 +38,9 @@ from shardspec.layers.sampling import (
 )
 from shardspec.models.base import CausalLM
 from shardspec.protocol.errors import ErrorCode, ProtocolError
-from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepRequest
-from shardspec.shard_worker.graphs import StepPasses
+from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepReply, StepRequest
+from shardspec.shard_worker.graphs import StepPasses, upload
+from shardspec.shard_worker.links import StageLinks
 
 log = logging.getLogger("shardspec.worker")
 # how the MTP drafts read the LM head on CUDA: "fp8" (shardspec.kernels.head on an fp8 copy: no
@@ -101,6 +108,14 @@ class StepResult:
     finished: list[str] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)  # per pass, when asked for
 
+    @classmethod
+    def of(cls, reply: StepReply) -> StepResult:
+        return cls(list(reply.seqs), list(reply.tokens), list(reply.accepted), list(reply.drafts), list(reply.finished))
+
+    def reply(self, step_s: float = 0.0) -> StepReply:
+        return StepReply(seqs=self.seqs, tokens=self.tokens, accepted=self.accepted, drafts=self.drafts,
+                         finished=self.finished, step_s=step_s)
+
     def add(self, seq: Sequence, tokens: list[int], accepted: int) -> None:
         self.seqs.append(seq.seq)
         self.tokens.append(tokens)
@@ -128,12 +143,17 @@ class ModelRunner:
         draft_len: int = 0,
         forced_acceptance: float | None = None,
         cuda_graphs: bool = True,
+        links: StageLinks | None = None,
     ):
-        if not (model.stage.first and model.stage.last):
-            raise ValueError("the runner runs a whole model (one pipeline stage)")
-        if draft_len and not model.has_mtp:
+        whole = model.stage.first and model.stage.last
+        if not whole and links is None:
+            raise ValueError("a model stage needs links to the other stages")
+        if draft_len and model.stage.last and not model.has_mtp:
             raise ValueError("draft_len > 0 needs a model with an MTP head")
         self.model = model
+        self.links = links
+        self.steps = 0  # steps run: the same count on every stage, which names a step on the links
+        self.passes_run = 0  # forward passes in the current step
         self.device = device
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
@@ -148,11 +168,14 @@ class ModelRunner:
         # scratch space for the padding rows of graphed batches
         self.context = max_seq_len + 2 * draft_len
         self.cache_dtype = dtype
+        # stage links carry each pass's input and output from the host: no graphs there
         self.passes = StepPasses(self._verify_pass, self._draft_pass, self._fused_pass, device, draft_len,
-                                 scratch_slot=max_slots, max_context=self.context, graphs=cuda_graphs)
+                                 scratch_slot=max_slots, max_context=self.context, graphs=cuda_graphs and whole)
         try:  # out of memory, say: leave no caches, fp8 head or graphs behind on the (kept) model
-            self.draft_head = draft_head_mode(model, dtype, device) if draft_len else "cublas"
-            model.lm_head.use_draft_kernel(self.draft_head)
+            self.draft_head = "cublas"
+            if draft_len and model.lm_head is not None:
+                self.draft_head = draft_head_mode(model, dtype, device)
+                model.lm_head.use_draft_kernel(self.draft_head)
             self.cache_bytes = model.allocate_caches(max_slots + 1, self.context, dtype, device)
             started = time.perf_counter()
             with torch.inference_mode():
@@ -169,7 +192,8 @@ class ModelRunner:
         memory pool), so that a new runner on the same model does not hold both."""
         self.passes.close()
         self.model.allocate_caches(0, 0, self.cache_dtype, self.device)
-        self.model.lm_head.use_draft_kernel("cublas")
+        if self.model.lm_head is not None:
+            self.model.lm_head.use_draft_kernel("cublas")
         self.sequences.clear()
 
     # --- the step -------------------------------------------------------------------------------
@@ -177,16 +201,16 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, request: StepRequest, prompt_ids: torch.Tensor) -> StepResult:
         prompts = self._check(request, prompt_ids)
+        self.steps, self.passes_run = self.steps + 1, 0
+        if not self.model.stage.last:
+            return self._stage_step(request, prompts)
         result = StepResult()
-        by_length: dict[int, list[int]] = {}  # prompts of one length prefill together, as one batch
-        for i, spec in enumerate(request.prefill):
-            by_length.setdefault(spec.length, []).append(i)
-        for group in by_length.values():
-            self._prefill([request.prefill[i] for i in group], torch.stack([prompts[i] for i in group]), result,
-                          request.return_logits)
+        self._prefill_all(request, prompts, result)
         running = [self.sequences[s] for s in request.decode if not self.sequences[s].finished]
         if running:
             self._verify(running, result, request.return_logits)
+        if self.links is not None:
+            self.links.send_record(self.steps, result.reply())
         return result
 
     def release(self, seqs: list[int]) -> list[int]:
@@ -224,6 +248,14 @@ class ModelRunner:
 
     # --- prefill --------------------------------------------------------------------------------
 
+    def _prefill_all(self, request: StepRequest, prompts: list[torch.Tensor], result: StepResult) -> None:
+        by_length: dict[int, list[int]] = {}  # prompts of one length prefill together, as one batch
+        for i, spec in enumerate(request.prefill):
+            by_length.setdefault(spec.length, []).append(i)
+        for group in by_length.values():
+            self._prefill([request.prefill[i] for i in group], torch.stack([prompts[i] for i in group]), result,
+                          request.return_logits)
+
     def _prefill(self, specs: list[PrefillSpec], prompts: torch.Tensor, result: StepResult, want_logits: bool) -> None:
         """Prefill same-length prompts [B, L] together, sample their first tokens, draft."""
         slot_ids = [self.slots.take() for _ in specs]
@@ -250,11 +282,17 @@ class ModelRunner:
         slots = torch.tensor(slot_ids, device=self.device)
         self.model.reset_slots(slots)
         length = prompts.shape[1]
+        if not self.model.stage.last:  # the first tokens and drafts come with the last stage's record
+            for start in range(0, length, chunk := self.chunk_length(len(specs))):
+                ids = prompts[:, start : start + chunk]
+                positions = torch.arange(start, start + ids.shape[1], device=self.device).expand(len(specs), -1)
+                self._forward(ids, Batch(slots, positions, start + ids.shape[1], tail=True))
+            return [self._new_sequence(spec, slot, length, -1) for spec, slot in zip(specs, slot_ids)]
         hidden_before = None  # the target's hidden state just before the current chunk (for MTP)
         for start in range(0, length, chunk := self.chunk_length(len(specs))):
             ids = prompts[:, start : start + chunk]
             positions = torch.arange(start, start + ids.shape[1], device=self.device).expand(len(specs), -1)
-            hidden = self.model(ids, Batch(slots, positions, start + ids.shape[1], tail=True))
+            hidden = self._forward(ids, Batch(slots, positions, start + ids.shape[1], tail=True))
             if want_logits:
                 result.logits.append(self.model.lm_head.logits(hidden).reshape(-1, self.model.config.vocab_size))
             if self.draft_len:  # MTP entry i pairs hidden i with token i+1: one position behind
@@ -266,13 +304,9 @@ class ModelRunner:
         last_logits = self.model.lm_head.logits(hidden[:, -1])
         seqs = []
         for spec, slot, logits in zip(specs, slot_ids, last_logits):
-            generator = None
-            if not spec.sampling.greedy or self.forced is not None:
-                generator = torch.Generator(self.device).manual_seed(spec.sampling.seed)
-            token = sample(logits, spec.sampling, generator)
-            budget = min(spec.max_tokens, self.max_seq_len - length)
-            seq = Sequence(spec.seq, slot, length, token, spec.sampling, generator, budget, frozenset(spec.stop_ids))
-            seq.emit([token])
+            seq = self._new_sequence(spec, slot, length, -1)
+            seq.next_token = sample(logits, spec.sampling, seq.generator)
+            seq.emit([seq.next_token])
             seqs.append(seq)
         if self.draft_len:
             first = torch.tensor([[s.next_token] for s in seqs], device=self.device)
@@ -282,6 +316,63 @@ class ModelRunner:
             for seq, d in zip(seqs, drafts):
                 seq.drafts = [] if seq.finished else d
         return seqs
+
+    def _new_sequence(self, spec: PrefillSpec, slot: int, length: int, token: int) -> Sequence:
+        generator = None
+        if not spec.sampling.greedy or self.forced is not None:
+            generator = torch.Generator(self.device).manual_seed(spec.sampling.seed)
+        budget = min(spec.max_tokens, self.max_seq_len - length)
+        return Sequence(spec.seq, slot, length, token, spec.sampling, generator, budget, frozenset(spec.stop_ids))
+
+    # --- a stage before the last ----------------------------------------------------------------
+
+    def _forward(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The stage's layers over one pass: from the token ids on the first stage, from the stage
+        before's hidden states on the others; a stage before the last sends its output on."""
+        index, self.passes_run = self.passes_run, self.passes_run + 1
+        x = ids
+        if not self.model.stage.first:
+            x = self.links.recv_hidden(self.steps, index, ids)
+            if x.dtype != self.cache_dtype:
+                raise ProtocolError(ErrorCode.BAD_MESSAGE, f"hidden states in {x.dtype}; this stage runs "
+                                    f"{self.cache_dtype}")
+            x = x.to(self.device, copy=True)  # (a received frame is read-only)
+        hidden = self.model(x, batch)
+        if not self.model.stage.last:
+            self.links.send_hidden(self.steps, index, hidden)
+        return hidden
+
+    def _stage_step(self, request: StepRequest, prompts: list[torch.Tensor]) -> StepResult:
+        """A step on a stage before the last: the stage's layers over every pass of the step, then
+        the last stage's record, from which it commits, takes the next tokens and drafts, and replies."""
+        before = set(self.sequences)
+        self._prefill_all(request, prompts, StepResult())
+        running = [self.sequences[s] for s in request.decode if not self.sequences[s].finished]
+        saved, slots = {}, None
+        if running:
+            k = self.draft_len
+            rows = [[s.next_token, *s.drafts, s.length, s.slot, -1] for s in running]
+            ids, positions, slots = self._unpack(upload(rows, self.device))
+            batch = Batch(slots, positions, max(s.length for s in running) + 2 * k + 1, speculative=k > 0)
+            self._forward(ids, batch)
+            saved = batch.saved
+        record = self.links.recv_record(self.steps)
+        new = [s for s in self.sequences if s not in before]
+        if record.seqs != new + [s.seq for s in running]:
+            raise ProtocolError(ErrorCode.INTERNAL, "the last stage's record does not list this step's sequences")
+        for seq, tokens, drafts, finished in zip(new, record.tokens, record.drafts, record.finished):
+            s = self.sequences[seq]
+            s.next_token, s.drafts, s.finished = tokens[0], drafts, finished
+        accepted = [max(n, 0) for n in record.accepted[len(new) :]]
+        if saved:
+            self.model.commit(saved, slots, torch.tensor(accepted, device=self.device))
+        if self.draft_len and running:
+            self._count(accepted)
+        tail = zip(running, accepted, record.tokens[len(new) :], record.drafts[len(new) :], record.finished[len(new) :])
+        for s, n, tokens, drafts, finished in tail:
+            s.length += n + 1
+            s.next_token, s.drafts, s.finished = tokens[-1], drafts, finished
+        return StepResult.of(record)
 
     # --- verify, accept, draft ------------------------------------------------------------------
 
@@ -324,7 +415,7 @@ class ModelRunner:
         what the speculative pass saved for the commit)."""
         ids, positions, slots = self._unpack(packed)
         batch = Batch(slots, positions, context, speculative=self.draft_len > 0)
-        hidden = self.model(ids, batch)
+        hidden = self._forward(ids, batch)
         return hidden, self.model.lm_head.argmax(hidden), batch.saved
 
     def _draft_pass(self, packed: torch.Tensor, accepts: torch.Tensor, hidden: torch.Tensor, saved: dict,

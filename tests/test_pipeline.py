@@ -1,0 +1,103 @@
+"""Pipeline stages: the workers form stages that pass hidden states to each other and commit from
+the last stage's acceptance record. Greedy output equals transformers at PP = 2 (TP 1 and 2) and
+at PP = 3 with an uneven layer split; MTP on equals MTP off with drafts rejected; each stage holds
+only its layers; a killed stage worker fails the request, names itself, and the engine serves the
+same output once it is back."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+from reference import hf_greedy, hf_model
+
+import shardspec
+from shardspec.orchestrator.requests import EngineError
+
+HEARTBEAT_S = 2.0
+SLACK_S = 1.5  # scheduling on a loaded 2-core machine
+
+
+async def generate_all(engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], int]:
+    """Greedy outputs of the prompts, generated together; and the drafts accepted in all."""
+    async def one(prompt):
+        tokens, final = [], None
+        async for chunk in engine.generate(prompt, max_tokens=max_tokens, temperature=0):
+            tokens += chunk.token_ids
+            final = chunk
+        return tokens, final.stats.get("accepted_tokens", 0)
+
+    results = await asyncio.gather(*(one(p) for p in prompts))
+    return [tokens for tokens, _ in results], sum(accepted for _, accepted in results)
+
+
+@pytest.mark.parametrize(("pp", "tp", "split"), [(2, 1, None), (2, 2, None), (3, 1, [1, 2, 1])],
+                         ids=["pp2", "pp2-tp2", "pp3-split-1-2-1"])
+def test_greedy_output_with_pipeline_stages_equals_transformers_with_and_without_mtp(tiny_model, pp, tp, split):
+    rng = random.Random(pp * 10 + tp)
+    prompts = [rng.choices(range(512), k=n) for n in (3, 70)]  # 70: two prefill chunks of 64
+    reference = hf_model(tiny_model)
+    expected = [hf_greedy(reference, prompt, 24) for prompt in prompts]
+
+    async def run(mtp: bool):
+        async with shardspec.connect(model=str(tiny_model), local=pp * tp, pp=pp, tp=tp, layer_split=split, mtp=mtp,
+                                     prefill_chunk=64) as engine:
+            layers = [reply.layers for reply, _ in await engine.group.call_all(engine.group.load_request)]
+            return await generate_all(engine, prompts, 24), layers
+
+    (with_mtp, accepted), layers = asyncio.run(run(True))
+    (without, _), _ = asyncio.run(run(False))
+    assert with_mtp == without == expected
+    counts = split or [4 // pp + (i < 4 % pp) for i in range(pp)]
+    starts = [sum(counts[:i]) for i in range(pp)]
+    assert layers == [[start, start + n] for start, n in zip(starts, counts) for _ in range(tp)]
+    assert accepted < 2 * 24  # random MTP weights: drafts were rejected, and the stages rolled back
+
+
+def test_the_bundled_model_with_mtp_at_pp_2_equals_one_worker(bundled_prompts=("def fibonacci(n):", "class Stack:")):
+    from shardspec.cli import BUNDLED_MODEL
+
+    async def run(**options):
+        async with shardspec.connect(model=str(BUNDLED_MODEL), dtype="float32", **options) as engine:
+            ids = [engine.tokenizer.encode(p) for p in bundled_prompts]
+            return await generate_all(engine, ids, 48)
+
+    (staged, accepted), (alone, _) = asyncio.run(run(local=2, pp=2)), asyncio.run(run(local=1))
+    assert staged == alone
+    assert accepted > 48  # high acceptance: several drafts kept per step, every stage advanced by them
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_killed_stage_worker_fails_the_request_in_time_and_the_engine_serves_the_same_output(tiny_model, stage):
+    async def run():
+        async with shardspec.connect(model=str(tiny_model), local=2, pp=2) as engine:
+            before, _ = await generate_all(engine, [[5, 6, 7]], 40)
+            stream = engine.generate([5, 6, 7], max_tokens=3000, stop_at_eos=False)
+            for _ in range(3):
+                await anext(stream)
+            engine.group.local.procs[stage].kill()
+            started = time.monotonic()
+            with pytest.raises(EngineError) as info:
+                async for _ in stream:
+                    pass
+            elapsed = time.monotonic() - started
+            deadline = time.monotonic() + 120
+            while not engine.healthy:  # the engine starts the worker again and rebuilds the group
+                assert time.monotonic() < deadline, engine.failure
+                await asyncio.sleep(0.2)
+            after, _ = await generate_all(engine, [[5, 6, 7]], 40)
+            return before, after, elapsed, str(info.value)
+
+    before, after, elapsed, error = asyncio.run(run())
+    assert f"worker{stage}.sock" in error
+    assert elapsed < HEARTBEAT_S + SLACK_S
+    assert after == before
+
+
+def test_a_bad_stage_layout_is_refused_before_any_worker_starts(tiny_model):
+    with pytest.raises(ValueError, match="multiple of pp"):
+        asyncio.run(shardspec.connect(model=str(tiny_model), local=3, pp=2).__aenter__())
+    with pytest.raises(ValueError, match="layer split"):
+        asyncio.run(shardspec.connect(model=str(tiny_model), local=2, pp=2, layer_split=[1, 2]).__aenter__())
