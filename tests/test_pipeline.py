@@ -48,8 +48,10 @@ def test_greedy_output_with_pipeline_stages_equals_transformers_with_and_without
             return await generate_all(engine, prompts, 24), layers
 
     (with_mtp, accepted), layers = asyncio.run(run(True))
-    (without, _), _ = asyncio.run(run(False))
-    assert with_mtp == without == expected
+    assert with_mtp == expected
+    if pp == 3:  # MTP off too (on the others, equal to transformers with MTP on is equal to it without)
+        (without, _), _ = asyncio.run(run(False))
+        assert without == expected
     counts = split or [4 // pp + (i < 4 % pp) for i in range(pp)]
     starts = [sum(counts[:i]) for i in range(pp)]
     assert layers == [[start, start + n] for start, n in zip(starts, counts) for _ in range(tp)]
