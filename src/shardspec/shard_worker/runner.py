@@ -350,12 +350,9 @@ class ModelRunner:
         running = [self.sequences[s] for s in request.decode if not self.sequences[s].finished]
         saved, slots = {}, None
         if running:
-            k = self.draft_len
-            rows = [[s.next_token, *s.drafts, s.length, s.slot, -1] for s in running]
-            ids, positions, slots = self._unpack(upload(rows, self.device))
-            batch = Batch(slots, positions, max(s.length for s in running) + 2 * k + 1, speculative=k > 0)
+            ids, batch = self._verify_batch(upload(self._rows(running), self.device), self._context(running))
             self._forward(ids, batch)
-            saved = batch.saved
+            saved, slots = batch.saved, batch.slots
         record = self.links.recv_record(self.steps)
         new = [s for s in self.sequences if s not in before]
         if record.seqs != new + [s.seq for s in running]:
@@ -378,17 +375,14 @@ class ModelRunner:
 
     def _verify(self, seqs: list[Sequence], result: StepResult, want_logits: bool) -> None:
         k = self.draft_len
-        # attention reads at most up to the last draft of the chain: length + 2k
-        context = max(s.length for s in seqs) + 2 * k + 1
+        context = self._context(seqs)
         if k and not want_logits and all(s.sampling.greedy for s in seqs):
             # greedy (or forced) acceptance needs no host decision: the whole step is one pass
-            forced = [self._forced(s) for s in seqs]
-            rows = [[s.next_token, *s.drafts, s.length, s.slot, n] for s, n in zip(seqs, forced)]
+            rows = self._rows(seqs, [self._forced(s) for s in seqs])
             out = self.passes.fused(rows, context).tolist()
             accepted, tokens, drafts = [r[0] for r in out], [r[1] for r in out], [r[2:] for r in out]
         else:
-            rows = [[s.next_token, *s.drafts, s.length, s.slot, -1] for s in seqs]
-            hidden, argmax = self.passes.verify(rows, context)
+            hidden, argmax = self.passes.verify(self._rows(seqs), context)
             accepted, tokens = self._accept(seqs, hidden, argmax, result if want_logits else None)
             if k:
                 drafts = self.passes.draft([[n, token] for n, token in zip(accepted, tokens)]).tolist()
@@ -413,10 +407,23 @@ class ModelRunner:
     def _verify_pass(self, packed: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """The target over [pending, d1..dk] of each row: (hidden [B, k+1, H], greedy tokens [B, k+1],
         what the speculative pass saved for the commit)."""
-        ids, positions, slots = self._unpack(packed)
-        batch = Batch(slots, positions, context, speculative=self.draft_len > 0)
+        ids, batch = self._verify_batch(packed, context)
         hidden = self._forward(ids, batch)
         return hidden, self.model.lm_head.argmax(hidden), batch.saved
+
+    def _rows(self, seqs: list[Sequence], forced: list[int] | None = None) -> list[list[int]]:
+        """The packed rows of a verify pass (see _unpack)."""
+        forced = forced or [-1] * len(seqs)
+        return [[s.next_token, *s.drafts, s.length, s.slot, n] for s, n in zip(seqs, forced)]
+
+    def _context(self, seqs: list[Sequence]) -> int:
+        """Keys a verify pass attends over: up to the last draft of the chain after it, length + 2k."""
+        return max(s.length for s in seqs) + 2 * self.draft_len + 1
+
+    def _verify_batch(self, packed: torch.Tensor, context: int) -> tuple[torch.Tensor, Batch]:
+        """The ids of a verify pass and its (speculative, with MTP) batch."""
+        ids, positions, slots = self._unpack(packed)
+        return ids, Batch(slots, positions, context, speculative=self.draft_len > 0)
 
     def _draft_pass(self, packed: torch.Tensor, accepts: torch.Tensor, hidden: torch.Tensor, saved: dict,
                     context: int) -> torch.Tensor:
