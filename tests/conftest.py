@@ -18,6 +18,8 @@ if not torch.cuda.is_available():  # before anything imports Triton: its kernels
 
 from shardspec.models.random_checkpoint import tiny_config, write_random_checkpoint
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))  # tools/hosts.py: the emulated hosts
+
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:

@@ -103,3 +103,39 @@ def test_a_bad_stage_layout_is_refused_before_any_worker_starts(tiny_model):
         asyncio.run(shardspec.connect(model=str(tiny_model), local=3, pp=2).__aenter__())
     with pytest.raises(ValueError, match="layer split"):
         asyncio.run(shardspec.connect(model=str(tiny_model), local=2, pp=2, layer_split=[1, 2]).__aenter__())
+
+
+def test_micro_batches_keep_two_steps_in_flight_on_the_first_stage_and_give_one_workers_output(tiny_model):
+    rng = random.Random(7)
+    prompts = [rng.choices(range(512), k=n) for n in (3, 5, 9, 17)]
+
+    async def run(**options):
+        async with shardspec.connect(model=str(tiny_model), max_slots=4, **options) as engine:
+            outputs, _ = await generate_all(engine, prompts, 16)
+            return outputs, (await engine.stats())[0].forwarded_max
+
+    (split, in_flight), (whole, alone), (one_worker, _) = (
+        asyncio.run(run(local=2, pp=2, micro_batches=2)), asyncio.run(run(local=2, pp=2, micro_batches=1)),
+        asyncio.run(run(local=1)))
+    assert split == whole == one_worker
+    assert in_flight == 2  # stage 0 ran one micro-batch's step before the other's record came
+    assert alone == 1  # one micro-batch: each step waits for the record of the one before
+
+
+def test_a_stage_link_that_cannot_open_is_relayed_through_the_orchestrator_with_the_same_output(
+        tiny_model, spawn_worker, tmp_path):
+    from shardspec.protocol.errors import RemoteError
+
+    workers = [spawn_worker().address for _ in range(2)]
+    (tmp_path / "w1.link").mkdir()  # where worker 1 would bind its stage link: it cannot
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+
+    async def run(**options):
+        async with shardspec.connect(model=str(tiny_model), pp=2, **options) as engine:
+            return (await generate_all(engine, prompts, 12))[0], engine.group.relay
+
+    relayed, fell_back = asyncio.run(run(workers=workers))
+    assert fell_back
+    assert relayed == asyncio.run(run(local=2))[0]
+    with pytest.raises(RemoteError, match=r"w1\.link"):
+        asyncio.run(run(workers=workers, relay=False))

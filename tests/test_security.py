@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import zmq
 import zmq.auth
 
 import shardspec
@@ -159,3 +161,65 @@ def test_serve_reaches_a_curve_worker_with_keys_and_server_keys(tiny_model, keys
     refused = shardspec_cli("serve", "--model", str(tiny_model), "--workers", secure_worker, "--port", "0",
                             "--keys", str(keys["stranger"]), "--server-keys", str(keys["worker"] / "worker.key"))
     assert refused.returncode == 1 and "refused this orchestrator's key" in refused.stderr
+
+
+def free_port_run(count: int) -> int:
+    """A loopback port p with p .. p + count - 1 all free (a worker, its rendezvous, its stage link)."""
+    while True:
+        base = free_port()
+        try:
+            for port in range(base, base + count):
+                socket.create_server(("127.0.0.1", port)).close()
+            return base
+        except OSError:
+            continue
+
+
+def test_curve_stage_links_take_hidden_states_only_from_the_ranks_that_send_them(tiny_model, keys, tmp_path):
+    from shardspec.protocol import transport
+    from shardspec.protocol.codec import Message
+    from shardspec.protocol.messages import HiddenStates, to_meta
+    from shardspec.security import load_pair, load_public_keys, make_client
+
+    ports = [free_port_run(3) for _ in range(2)]
+    addresses = [f"tcp://127.0.0.1:{port}" for port in ports]
+    procs = []
+    for i, address in enumerate(addresses):
+        with open(tmp_path / f"worker{i}.log", "wb") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "shardspec", "worker", "--listen", address, "--threads", "1", "--keys",
+                 str(keys["worker"]), "--allow", str(keys["orchestrator"] / "orchestrator.key")],
+                stdout=log, stderr=subprocess.STDOUT))
+    try:
+        for port in ports:
+            wait_listening(port)
+
+        async def run():
+            async with shardspec.connect(model=str(tiny_model), workers=addresses, pp=2, keys=str(keys["orchestrator"]),
+                                         server_keys=str(keys["worker"] / "worker.key")) as engine:
+                async def tokens():
+                    return [t async for chunk in engine.generate([1, 2, 3], max_tokens=8) for t in chunk.token_ids]
+
+                before = await tokens()
+                # a stranger with a key of its own, and the worker's right server key, pushes hidden states
+                # at worker 1's stage link
+                ctx = zmq.Context()
+                push = ctx.socket(zmq.PUSH)
+                make_client(push, load_pair(keys["stranger"]), load_public_keys(keys["worker"] / "worker.key")[0])
+                push.connect(f"tcp://127.0.0.1:{ports[1] + 2}")
+                fake = Message(HiddenStates.OP, 0, to_meta(HiddenStates(1, 0)), {"hidden": torch.zeros(1, 3, 64)})
+                transport.send(push, fake)
+                deadline = time.monotonic() + 20
+                while "unknown CURVE key" not in (tmp_path / "worker1.log").read_text():
+                    assert time.monotonic() < deadline, "the stranger's link was never refused"
+                    await asyncio.sleep(0.1)
+                push.close(linger=0)
+                ctx.term()
+                return before, await tokens()
+
+        before, after = asyncio.run(run())
+        assert before == after and len(before) == 8  # the stages kept serving, unharmed
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(20)

@@ -118,6 +118,15 @@ def _add_model_options(parser: argparse.ArgumentParser,
                         "other hidden states directly, so stages can sit on different hosts")
     parser.add_argument("--layer-split", metavar="N0,N1,...", help="decoder layers per stage, in stage order, summing "
                         "to the model's layers (default: as even as can be; for GPUs of different sizes)")
+    relay = parser.add_mutually_exclusive_group()
+    relay.add_argument("--relay", action="store_const", const=True, dest="relay",
+                       help="send the stages' hidden states through the orchestrator (for hosts that reach it but "
+                       "not each other; default: worker to worker, relayed only where a direct link cannot open)")
+    relay.add_argument("--no-relay", action="store_const", const=False, dest="relay",
+                       help="worker to worker only: fail when a direct stage link cannot open")
+    parser.add_argument("--micro-batches", type=int, metavar="M", help="split the running sequences into M "
+                        "micro-batches stepped in turn, so that every stage has work while the others run "
+                        "(default: --pp, at most the batch)")
     parser.add_argument("--device", default=None, help="device of spawned local workers: cpu or cuda "
                         "(default: cuda when this machine has a GPU)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -218,7 +227,7 @@ def _engine_config(args: argparse.Namespace, **options: Any) -> EngineConfig:
     try:
         return EngineConfig(
             model=args.model, workers=workers, local=local, device=device, tp=args.tp, pp=args.pp,
-            layer_split=split, dtype=dtype,
+            layer_split=split, micro_batches=args.micro_batches, relay=args.relay, dtype=dtype,
             max_seq_len=args.max_seq_len, mtp=False if args.no_mtp else None,
             draft_tokens=DEFAULT_DRAFT_TOKENS if args.draft_tokens is None else args.draft_tokens,
             keys=args.keys, server_keys=args.server_keys, heartbeat_timeout=args.heartbeat_timeout,

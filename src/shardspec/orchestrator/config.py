@@ -79,6 +79,14 @@ class EngineConfig:
     pipeline: bool = True
     """Keep the next step on the wire while the current one runs."""
 
+    relay: bool | None = None
+    """Stage links: None: worker to worker, through this engine where a direct link cannot be opened; True:
+    always through this engine (hosts that reach it but not each other); False: worker to worker only."""
+
+    micro_batches: int | None = None
+    """Micro-batches the running sequences are split into, each stepped on its own so that every pipeline stage
+    has work at once (a stage runs one micro-batch while the next stage runs another); None: pp (at most max_slots)."""
+
     forced_acceptance: float | None = None
     """Benchmarks only: accept each draft with this probability whatever the model says (see FORCED_ACCEPTANCE_ENV)."""
 
@@ -218,6 +226,13 @@ class EngineConfig:
             raise ValueError(f"mtp must be None (auto), True or False, got {self.mtp!r}")
         if type(self.pipeline) is not bool:
             raise ValueError(f"pipeline must be True or False, got {self.pipeline!r}")
+        if self.relay is not None and type(self.relay) is not bool:
+            raise ValueError(f"relay must be None (auto), True or False, got {self.relay!r}")
+        if self.micro_batches is None:
+            self.micro_batches = min(self.pp, self.max_slots)
+        if type(self.micro_batches) is not int or not 1 <= self.micro_batches <= self.max_slots:
+            raise ValueError(f"micro_batches must be an integer in [1, max_slots={self.max_slots}], "
+                             f"got {self.micro_batches!r}")
 
     def _check_forced_acceptance(self) -> None:
         rate = self.forced_acceptance

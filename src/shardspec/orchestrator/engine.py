@@ -60,9 +60,10 @@ class Engine:
         self.tokenizer = Tokenizer.from_folder(model_dir) if model_dir.is_dir() else None
         self.wakeup = asyncio.Event()
         self.group = WorkerGroup(config, on_failure=self.wakeup.set)
-        self.scheduler = Scheduler(config.max_slots)
+        self.scheduler = Scheduler(config.max_slots, config.micro_batches)
         self.seq_ids = itertools.count(1)
-        self.pipeline_depth = 2 if config.pipeline else 1
+        self.pipeline_depth = 2 if config.pipeline else 1  # steps in flight per micro-batch
+        self.next_group = 0  # the micro-batch whose step is built next, round robin
         self.observer: StepObserver | None = None
         self.loop_task: asyncio.Task | None = None
         self.closed = False
@@ -205,8 +206,7 @@ class Engine:
                 self._fail_all(inflight, EngineError(self.lost))
                 return
             self._release(self.scheduler.drop_cancelled())
-            while (not self.closed and len(inflight) < self.pipeline_depth
-                   and (batch := self.scheduler.schedule()) is not None):
+            while not self.closed and (batch := self._next_batch(inflight)) is not None:
                 inflight.append(self._send(batch))
             if not inflight:
                 self.wakeup.clear()
@@ -225,12 +225,25 @@ class Engine:
                 inflight.clear()
                 await self._fail_running(exc)
 
+    def _next_batch(self, inflight: deque[_Step]) -> Batch | None:
+        """The next step to send: of the next micro-batch, in turn, that has work and fewer than
+        pipeline_depth steps on the wire."""
+        groups = self.scheduler.groups
+        for turn in range(groups):
+            group = (self.next_group + turn) % groups
+            if sum(step.batch.group == group for step in inflight) >= self.pipeline_depth:
+                continue
+            if (batch := self.scheduler.schedule(group)) is not None:
+                self.next_group = (group + 1) % groups
+                return batch
+        return None
+
     def _send(self, batch: Batch) -> _Step:
         step, tensors = batch.command()
         return _Step(batch, self.group.submit_all(step, tensors))
 
     def _deliver(self, replies: list[tuple]) -> None:
-        reply = _agreed(replies)
+        reply = _agreed(replies[-self.config.tp_size :])  # the last stage's ranks decide the step
         if self.observer is not None:
             self.observer.on_step(max(r.step_s for r, _ in replies), reply.accepted)
         self._release(self.scheduler.release(deliver(reply, self.scheduler.running)))
@@ -286,7 +299,8 @@ def _sampling(temperature: float, top_k: int, top_p: float, seed: int | None) ->
 
 
 def _agreed(replies: list[tuple]) -> StepReply:
-    """The step's reply, once every rank is seen to have sampled the same tokens."""
+    """The step's reply, once every rank that decides it (the last stage's) is seen to have sampled
+    the same tokens."""
     first = replies[0][0]
     for reply, _ in replies[1:]:
         if reply.tokens != first.tokens or reply.accepted != first.accepted:

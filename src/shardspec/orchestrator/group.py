@@ -24,8 +24,16 @@ import zmq.asyncio
 from shardspec.orchestrator.config import EngineConfig
 from shardspec.orchestrator.requests import EngineError
 from shardspec.orchestrator.workers import LocalWorkers, WorkerClient, WorkerLost, free_port, wait_ready
-from shardspec.protocol.errors import RemoteError
-from shardspec.protocol.messages import InitRequest, LoadReply, LoadRequest, ShutdownRequest
+from shardspec.protocol import transport
+from shardspec.protocol.errors import ErrorCode, RemoteError
+from shardspec.protocol.messages import (
+    AcceptRecord,
+    HiddenStates,
+    InitRequest,
+    LoadReply,
+    LoadRequest,
+    ShutdownRequest,
+)
 
 log = logging.getLogger("shardspec.orchestrator")
 
@@ -46,6 +54,7 @@ class WorkerGroup:
         self.stages: list[list[WorkerClient]] = []
         self.load_request = config.load_request()
         self.load_info: LoadReply | None = None  # rank 0's
+        self.relay = config.relay is True  # stage links through this engine (or after a direct one failed)
 
     @property
     def workers(self) -> list[WorkerClient]:
@@ -82,24 +91,40 @@ class WorkerGroup:
     async def connect(self, hello_timeout: float) -> None:
         """Fresh connections to every worker: hello, a new process group, load."""
         workers = [WorkerClient(self.ctx, address, *link, heartbeat_timeout=self.config.heartbeat_timeout,
-                                on_failure=self.on_failure)
+                                on_failure=self.on_failure, on_link=self._relay)
                    for address, link in zip(self.addresses, self.links, strict=True)]
         self.stages = [[workers[rank] for rank in ranks] for ranks in self.config.stage_ranks()]
-        hellos = await asyncio.gather(*(wait_ready(w, self.local, hello_timeout) for w in workers),
+        await self._hello_all(hello_timeout)
+        try:
+            await self._init()
+        except RemoteError as exc:
+            if exc.code != ErrorCode.UNREACHABLE or self.relay or self.config.relay is False:
+                raise
+            log.warning("%s; relaying the stage links through the orchestrator instead", exc)
+            self.relay = True
+            await self.call_all(ShutdownRequest(), timeout=GOODBYE_TIMEOUT_S)  # every rank back to idle
+            await self._hello_all(hello_timeout)
+            await self._init()
+        await self.load(self.load_request)
+
+    async def _hello_all(self, timeout: float) -> None:
+        hellos = await asyncio.gather(*(wait_ready(w, self.local, timeout) for w in self.workers),
                                       return_exceptions=True)
         if errors := [hello for hello in hellos if isinstance(hello, BaseException)]:
             raise errors[0]
-        for worker, hello in zip(workers, hellos, strict=True):
+        for worker, hello in zip(self.workers, hellos, strict=True):
             log.info("worker %s: pid %d on %s, device %s", worker.address, hello.pid, hello.hostname, hello.device)
-        await self._init()
-        await self.load(self.load_request)
 
     async def _init(self) -> None:
         """Every rank joins the new group, in its stage at its TP place."""
         dist_addr = _rendezvous(self.addresses[0], self.config.dist_port)
-        links = [link_address(address) for address in self.addresses] if len(self.stages) > 1 else []
+        staged = len(self.stages) > 1
+        links = [link_address(address) for address in self.addresses] if staged else []
+        curve = staged and not self.relay and self.links[0][0] is not None
+        link_keys = [public.decode() for _, public in self.links] if curve else []
         inits = [InitRequest(rank=rank, world_size=len(self.workers), dist_addr=dist_addr,
-                             timeout_s=self.config.dist_timeout, stages=len(self.stages), links=links)
+                             timeout_s=self.config.dist_timeout, stages=len(self.stages), links=links,
+                             relay=staged and self.relay, link_keys=link_keys)
                  for rank in range(len(self.workers))]
         replies = await self.gather([w.submit(init) for w, init in zip(self.workers, inits, strict=True)])
         for worker, init, (reply, _) in zip(self.workers, inits, replies, strict=True):
@@ -148,6 +173,27 @@ class WorkerGroup:
         if self.local is not None:
             self.local.stop()
         self.ctx.term()
+
+    # --- relaying stage links -----------------------------------------------------------------------
+
+    def _relay(self, source: WorkerClient, op: str, frames: list) -> None:
+        """Forward a stage-link message, unchanged, to the ranks it is for: hidden states to the next
+        stage's rank at the sender's TP place, a record from the last stage to every earlier one's."""
+        rank = next((r for r, worker in enumerate(self.workers) if worker is source), None)
+        tp, last = self.config.tp_size, len(self.stages) - 1
+        if not self.relay or rank is None:
+            log.warning("dropped a stage-link message from %s: this group does not relay", source.address)
+            return
+        stage = rank // tp
+        if op == HiddenStates.OP and stage < last:
+            targets = [rank + tp]
+        elif op == AcceptRecord.OP and stage == last:
+            targets = [s * tp + rank % tp for s in range(last)]
+        else:
+            log.warning("dropped a %r message from %s (stage %d): not one it sends", op, source.address, stage)
+            return
+        for target in targets:
+            transport.forward(self.workers[target].sock, [frame.buffer for frame in frames])
 
     # --- talking to every rank ---------------------------------------------------------------------
 

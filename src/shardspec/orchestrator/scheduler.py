@@ -3,6 +3,10 @@
 Continuous batching: every step admits waiting requests into free slots (they prefill in that step)
 while the running ones decode, so sequences join and leave between steps. Workers keep each
 sequence's state, so a step names sequences and carries only the new prompts' token ids.
+
+Micro-batches: the running sequences are split into `groups`, and a step advances one group. With
+pipeline stages, steps of different groups are in flight at once, each on a different stage. A
+request joins the group it is admitted into and stays there; admission keeps the groups even.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ class Batch:
 
     prefill: list[Request]
     decode: list[int]
+    group: int = 0
 
     def command(self) -> tuple[StepRequest, dict[str, torch.Tensor]]:
         """The step request, and its prompts as one int64 tensor frame."""
@@ -31,30 +36,31 @@ class Batch:
 
 
 class Scheduler:
-    """Requests waiting for a slot, and the running ones by sequence id; at most max_slots run."""
+    """Requests waiting for a slot, and the running ones by sequence id (each in one of `groups`
+    micro-batches); at most max_slots run."""
 
-    def __init__(self, max_slots: int) -> None:
+    def __init__(self, max_slots: int, groups: int = 1) -> None:
         self.max_slots = max_slots
+        self.groups = groups
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
+        self.group_of: dict[int, int] = {}  # sequence id -> its micro-batch
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def has_work(self) -> bool:
-        return bool(self.running) or (bool(self.waiting) and len(self.running) < self.max_slots)
-
-    def schedule(self) -> Batch | None:
-        """The next step's batch: every running sequence, and the waiting ones that free slots take."""
-        if not self.has_work():
-            return None
-        decode = list(self.running)
+    def schedule(self, group: int = 0) -> Batch | None:
+        """The next step of micro-batch `group`: its running sequences, and the waiting ones it admits
+        into free slots (up to its even share of what can run); None when it has nothing to do."""
+        decode = [seq for seq in self.running if self.group_of[seq] == group]
+        share = -(-min(self.max_slots, len(self.running) + len(self.waiting)) // self.groups)
         admitted = []
-        while self.waiting and len(self.running) < self.max_slots:
+        while self.waiting and len(self.running) < self.max_slots and len(decode) + len(admitted) < share:
             request = self.waiting.popleft()
             self.running[request.seq] = request
+            self.group_of[request.seq] = group
             admitted.append(request)
-        return Batch(admitted, decode)
+        return Batch(admitted, decode, group) if decode or admitted else None
 
     def drop_cancelled(self) -> ReleaseRequest | None:
         """Forget the requests whose callers stopped listening; the release of their slots, if any ran."""
@@ -65,11 +71,13 @@ class Scheduler:
         """Take finished or cancelled requests out of the running table; the release for the workers."""
         for request in requests:
             self.running.pop(request.seq, None)
+            self.group_of.pop(request.seq, None)
         return ReleaseRequest([r.seq for r in requests]) if requests else None
 
     def take_all(self) -> list[Request]:
         """Every request, running then waiting, now no longer scheduled."""
         requests = [*self.running.values(), *self.waiting]
         self.running.clear()
+        self.group_of.clear()
         self.waiting.clear()
         return requests

@@ -25,8 +25,8 @@ from zmq.utils.monitor import parse_monitor_message
 from shardspec import security
 from shardspec.protocol import codec, transport
 from shardspec.protocol.codec import Message
-from shardspec.protocol.errors import ErrorCode, RemoteError
-from shardspec.protocol.messages import REPLIES, HelloRequest, parse, to_meta
+from shardspec.protocol.errors import ErrorCode, ProtocolError, RemoteError
+from shardspec.protocol.messages import LINKS, REPLIES, HelloRequest, parse, to_meta
 from shardspec.security import KeyPair
 
 log = logging.getLogger("shardspec.orchestrator")
@@ -41,8 +41,10 @@ class WorkerClient:
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str, keys: KeyPair | None = None,
                  server_key: bytes | None = None, heartbeat_timeout: float = transport.DEFAULT_HEARTBEAT_TIMEOUT_S,
-                 on_failure: Callable[[], None] | None = None):
+                 on_failure: Callable[[], None] | None = None,
+                 on_link: Callable[[WorkerClient, str, list], None] | None = None):
         self.address = address
+        self.on_link = on_link  # given stage-link messages to relay: (this client, op, frames)
         self.heartbeat_timeout = heartbeat_timeout
         self.on_failure = on_failure  # told once, when the connection fails
         self.sock = ctx.socket(zmq.DEALER)
@@ -94,6 +96,12 @@ class WorkerClient:
     async def _read(self) -> None:
         while True:
             frames = await self.sock.recv_multipart(copy=False)
+            if (op := _link_op(frames)) is not None:
+                if self.on_link is None:
+                    log.warning("dropped a stage-link message from %s: this engine relays none", self.address)
+                else:
+                    self.on_link(self, op, frames)
+                continue
             try:
                 reply = codec.decode(frames)
                 body = parse(REPLIES[reply.op], reply.meta)
@@ -146,6 +154,15 @@ class WorkerClient:
         self.sock.disable_monitor()
         self.monitor.close(linger=0)
         self.sock.close(linger=0)
+
+
+def _link_op(frames: list) -> str | None:
+    """The op of a stage-link message (read from its header alone), None for anything else."""
+    try:
+        op = codec.header_op(frames)
+    except ProtocolError:
+        return None
+    return op if op in LINKS else None
 
 
 def _die_with_parent() -> None:

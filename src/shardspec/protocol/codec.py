@@ -21,7 +21,7 @@ import torch
 from shardspec.protocol.errors import ErrorCode, ProtocolError
 from shardspec.protocol.messages import OPS
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
@@ -99,6 +99,18 @@ def decode(frames: Sequence[Any]) -> Message:
     for spec, frame in zip(specs, frames[1:]):
         tensors[spec["name"]] = _frame_tensor(spec, memoryview(frame))
     return Message(op=header["op"], id=header["id"], meta=header["meta"], tensors=tensors)
+
+
+def header_op(frames: Sequence[Any]) -> str:
+    """The op of a message, from its validated header alone (the frames are not decoded): what a relay
+    needs to forward a message unchanged. Raises ProtocolError like `decode`."""
+    if not frames:
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, "empty message")
+    header = _unpack_header(frames[0])
+    if len(frames) - 1 != len(header["tensors"]):
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"header lists {len(header['tensors'])} tensors but "
+                            f"{len(frames) - 1} data frames followed")
+    return header["op"]
 
 
 def peek_id(frames: Sequence[Any]) -> int:

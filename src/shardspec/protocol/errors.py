@@ -14,6 +14,7 @@ class ErrorCode(StrEnum):
     NOT_FOUND = "not_found"  # unknown sequence id, missing model file, ...
     CAPACITY = "capacity"  # no free slot / sequence too long
     INTERNAL = "internal"  # a bug or device failure on the worker
+    UNREACHABLE = "unreachable"  # a stage link to another worker could not be opened (relay instead)
 
 
 class ProtocolError(Exception):

@@ -87,6 +87,8 @@ class InitRequest:
     timeout_s: float = bounded(1.0, 3600.0, 120.0)
     stages: int = bounded(1, 4096, 1)
     links: list[str] = field(default_factory=list)  # with stages > 1: every rank's stage-link address
+    relay: bool = False  # stage links through the orchestrator instead of worker to worker
+    link_keys: list[str] = field(default_factory=list)  # CURVE: every rank's public key (Z85), for its links
 
     def __post_init__(self) -> None:
         if self.rank >= self.world_size:
@@ -96,6 +98,9 @@ class InitRequest:
         if self.stages > 1 and len(self.links) != self.world_size:
             raise ValueError(f"{self.stages} stages need a link address per rank ({self.world_size}), "
                              f"got {len(self.links)}")
+        if self.link_keys and (len(self.link_keys) != self.world_size or not all(
+                len(key) == 40 for key in self.link_keys)):
+            raise ValueError(f"link_keys must hold one 40-character Z85 public key per rank ({self.world_size})")
 
     @property
     def tp_size(self) -> int:
@@ -239,6 +244,9 @@ class StatsReply:
     accepted_per_position: list[int]  # how often draft i was accepted
     step_gaps: int  # idle gaps measured between consecutive steps
     step_gap_total_s: float
+    busy_s: float = 0.0  # in steps, not counting waits on stage links: 1 - Δbusy/Δwall is the idle fraction
+    link_wait_s: float = 0.0  # waiting for another stage's hidden states or record
+    forwarded_max: int = 0  # an earlier stage: the most steps run whose last-stage record was still to come
 
 
 @dataclass(frozen=True)

@@ -44,3 +44,8 @@ def send(sock: zmq.Socket, msg: Message, envelope: list[Any] | None = None) -> A
     not write into those tensors before `tracker.done`."""
     frames = [*(envelope or []), *encode(msg)]
     return sock.send_multipart(frames, copy=False, track=True)
+
+
+def forward(sock: zmq.Socket, frames: list[Any]) -> None:
+    """Send received frames on unchanged (a relay): no decoding, no copy."""
+    sock.send_multipart(frames, copy=False)

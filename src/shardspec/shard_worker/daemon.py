@@ -17,6 +17,7 @@ import socket
 import struct
 import time
 import traceback
+from collections import deque
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from shardspec.protocol import codec, transport
 from shardspec.protocol.codec import Message
 from shardspec.protocol.errors import ErrorCode, ProtocolError
 from shardspec.protocol.messages import (
+    LINKS,
     REQUESTS,
     ErrorReply,
     HelloReply,
@@ -53,11 +55,20 @@ from shardspec.protocol.messages import (
     to_meta,
 )
 from shardspec.security import KeyPair
-from shardspec.shard_worker.links import StageLinks, bind_address
+from shardspec.shard_worker.links import (
+    LINK_DOMAIN,
+    DirectLinks,
+    LinkDropped,
+    RelayedLinks,
+    StageLinks,
+    bind_address,
+)
 from shardspec.shard_worker.runner import ModelRunner
 from shardspec.utils import memory_stats, parse_device, resolve_dtype
 
 log = logging.getLogger("shardspec.worker")
+
+LINK_UP_S = 5.0  # at init: how long a stage link may take to connect before the worker says it cannot
 
 
 class _AllowList:
@@ -94,6 +105,9 @@ class ShardWorker:
         self.owner_fd: int | None = None
         self.owner_gone = False  # its connection dropped (seen while a step waited on a stage link, say)
         self.monitor: zmq.Socket | None = None
+        self.sock: zmq.Socket | None = None  # the ROUTER socket orchestrators talk to
+        self.authenticator: ThreadAuthenticator | None = None
+        self.deferred: deque[list] = deque()  # requests that came while a step waited on relayed links
         self.tp: TPGroup | None = None
         self.stage, self.stages = 0, 1  # this rank's pipeline stage, of how many
         self.links: StageLinks | None = None  # to the other stages, with more than one
@@ -106,6 +120,7 @@ class ShardWorker:
         self.steps = 0
         self.errors = 0
         self.gap_count, self.gap_total = 0, 0.0  # idle time between a step's reply and the next step
+        self.step_total_s = 0.0  # time in steps (waits on stage links included)
         self.last_step_sent: float | None = None
         self.stopping = False
         self.gloo_ifname = os.environ.get("GLOO_SOCKET_IFNAME")  # the user's choice, if any
@@ -117,10 +132,10 @@ class ShardWorker:
         ctx = self.ctx = zmq.Context()
         authenticator = None
         if self.keys is not None:  # ZAP handler: only the allowed client keys get in
-            authenticator = ThreadAuthenticator(ctx)
+            authenticator = self.authenticator = ThreadAuthenticator(ctx)
             authenticator.start()
             authenticator.configure_curve_callback(domain="*", credentials_provider=_AllowList(self.allow))
-        sock = ctx.socket(zmq.ROUTER)
+        sock = self.sock = ctx.socket(zmq.ROUTER)
         transport.configure(sock, self.heartbeat_timeout)
         if self.keys is not None:
             security.make_server(sock, self.keys)
@@ -136,11 +151,14 @@ class ShardWorker:
             poller.register(sock, zmq.POLLIN)
             poller.register(monitor, zmq.POLLIN)
             while not self.stopping:
+                if self.deferred:
+                    self._serve_one(sock, monitor, self.deferred.popleft())
+                    continue
                 events = dict(poller.poll(200))
                 if monitor in events:
                     self._drain_monitor(monitor)
                 if sock in events:
-                    self._serve_one(sock, monitor)
+                    self._serve_one(sock, monitor, sock.recv_multipart(copy=False))
         finally:
             self._reset("worker stopping")
             sock.disable_monitor()
@@ -187,13 +205,14 @@ class ShardWorker:
 
     # --- one request ----------------------------------------------------------------------------
 
-    def _serve_one(self, sock: zmq.Socket, monitor: zmq.Socket) -> None:
-        parts = sock.recv_multipart(copy=False)
+    def _serve_one(self, sock: zmq.Socket, monitor: zmq.Socket, parts: list) -> None:
         received = time.perf_counter()
         peer, frames = parts[0], parts[1:]
         self._drain_monitor(monitor)  # a stale disconnect must not outlive a new hello
         try:
             request = codec.decode(frames)
+            if self._relayed(peer.bytes, request):
+                return
             if request.op == "step" and self.last_step_sent is not None:
                 self.gap_count, self.gap_total = self.gap_count + 1, self.gap_total + received - self.last_step_sent
             self.last_step_sent = None
@@ -209,6 +228,38 @@ class ShardWorker:
         transport.send(sock, reply, envelope=[peer.bytes])
         if reply.op == "step":
             self.last_step_sent = time.perf_counter()
+
+    def _relayed(self, peer: bytes, msg: Message) -> bool:
+        """Queue a stage-link message the orchestrator relayed (no reply); False for anything else."""
+        if msg.op not in LINKS:
+            return False
+        if not isinstance(self.links, RelayedLinks) or peer != self.owner:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{msg.op!r} is a stage-link message; this worker takes "
+                                "none on this socket")
+        self.links.queue(msg)
+        return True
+
+    def _pump(self, seconds: float) -> None:
+        """While a step waits on relayed links: read this worker's socket for up to `seconds`, queue the
+        link messages and keep every other request for after the step."""
+        if not self.sock.poll(seconds * 1000):
+            return
+        parts = self.sock.recv_multipart(copy=False)
+        if parts[0].bytes != self.owner:  # only the owner's requests wait: others get their answer now
+            busy = _error(codec.peek_id(parts[1:]), ErrorCode.BUSY, "this worker serves another orchestrator")
+            transport.send(self.sock, busy, envelope=[parts[0].bytes])
+            return
+        try:
+            msg = codec.decode(parts[1:])
+        except ProtocolError:
+            self.deferred.append(parts)  # answered (with its error) after the step
+            return
+        if msg.op in LINKS:
+            self.links.queue(msg)
+            return
+        self.deferred.append(parts)
+        if msg.op == "shutdown":
+            raise LinkDropped("the orchestrator said goodbye")
 
     def _dispatch(self, peer: bytes, fd: int | None, request: Message) -> Message:
         if request.op not in REQUESTS:
@@ -241,9 +292,6 @@ class ShardWorker:
     def _init(self, body: InitRequest, _tensors: dict) -> tuple[InitReply, None]:
         if self.state != "idle":
             raise ProtocolError(ErrorCode.BAD_STATE, f"worker is {self.state}; send shutdown before init")
-        if body.stages > 1 and self.keys is not None:  # its links would take anyone's hidden states
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "pipeline stages on workers with CURVE keys are not supported "
-                                "yet: their stage links are not authenticated")
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         try:
             check_allreduce_setting()
@@ -293,16 +341,34 @@ class ShardWorker:
         return TPGroup(body.rank % tp, tp, group, symmetric=symmetric)
 
     def _open_links(self, body: InitRequest) -> StageLinks:
+        if body.relay:
+            log.info("stage %d of %d; stage links relayed through the orchestrator", body.stage, body.stages)
+            return RelayedLinks(lambda msg: transport.send(self.sock, msg, envelope=[self.owner]), self._pump,
+                                body.timeout_s, abort=self._why_abort)
+        if self.keys is not None and not body.link_keys:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "this worker has CURVE keys: its stage links need every "
+                                "rank's public key (link_keys), or relay")
         last = body.stage == body.stages - 1
-        next_stage = None if last else body.links[body.peer(body.stage + 1)]
-        earlier = [body.links[body.peer(s)] for s in range(body.stage)] if last else []
+        peers = [body.peer(body.stage + 1)] if not last else [body.peer(s) for s in range(body.stage)]
+        senders = [body.peer(body.stage - 1)] if body.stage else []
+        if not last:
+            senders.append(body.peer(body.stages - 1))  # the last stage's records
+        keys = {body.links[r]: body.link_keys[r].encode() for r in peers} if body.link_keys else None
+        if self.authenticator is not None:  # the inbox lets in the ranks that send to it, and no one else
+            allowed = _AllowList([body.link_keys[r].encode() for r in senders])
+            self.authenticator.configure_curve_callback(domain=LINK_DOMAIN, credentials_provider=allowed)
         bind = bind_address(body.links[body.rank], self.listen)
         try:
-            links = StageLinks(self.ctx, bind, next_stage, earlier, body.timeout_s, self.heartbeat_timeout,
-                               abort=self._why_abort)
+            links = DirectLinks(self.ctx, bind, None if last else body.links[peers[0]],
+                                [body.links[r] for r in peers] if last else [], body.timeout_s,
+                                self.heartbeat_timeout, abort=self._why_abort, keys=self.keys, peer_keys=keys)
         except zmq.ZMQError as exc:
-            raise ProtocolError(ErrorCode.BAD_STATE, f"cannot open the stage link at {bind}: {exc}") from None
-        log.info("stage %d of %d; stage link at %s", body.stage, body.stages, bind)
+            raise ProtocolError(ErrorCode.UNREACHABLE, f"cannot open the stage link at {bind}: {exc}") from None
+        if unreachable := links.unreachable(LINK_UP_S):
+            links.close()
+            raise ProtocolError(ErrorCode.UNREACHABLE, f"stage links to {', '.join(unreachable)} not up within "
+                                f"{LINK_UP_S:g}s")
+        log.info("stage %d of %d; stage link at %s%s", body.stage, body.stages, bind, " (CURVE)" if keys else "")
         return links
 
     def _why_abort(self) -> str | None:
@@ -367,7 +433,7 @@ class ShardWorker:
         self.runner = ModelRunner(model, self.device, body.max_slots, max_seq_len, body.prefill_chunk,
                                   draft_len, forced, links=self.links)
         self.state = "loaded"
-        self.gap_count, self.gap_total, self.steps = 0, 0.0, 0
+        self.gap_count, self.gap_total, self.steps, self.step_total_s = 0, 0.0, 0, 0.0
         load_s = time.perf_counter() - started
         log.info("loaded %.1f MB of weights, %.1f MB of cache in %.1fs; MTP drafts per step: %d",
                  self.weight_bytes / 1e6, self.runner.cache_bytes / 1e6, load_s, draft_len)
@@ -421,7 +487,9 @@ class ShardWorker:
         started = time.perf_counter()
         result = runner.step(body, prompt_ids)
         self.steps += 1
-        reply = result.reply(step_s=time.perf_counter() - started)
+        step_s = time.perf_counter() - started
+        self.step_total_s += step_s
+        reply = result.reply(step_s=step_s)
         return reply, ({"logits": torch.cat(result.logits).cpu()} if result.logits else {})
 
     def _release(self, body: ReleaseRequest, _tensors: dict) -> tuple[ReleaseReply, None]:
@@ -433,6 +501,7 @@ class ShardWorker:
         mem = memory_stats()
         runner = self.runner
         counters = runner.counters if runner else None
+        link_wait = self.links.waited_s if self.links is not None else 0.0
         reply = StatsReply(
             state=self.state,
             device=str(self.device),
@@ -455,6 +524,9 @@ class ShardWorker:
             accepted_per_position=list(counters.accepted_per_position) if runner else [],
             step_gaps=self.gap_count,
             step_gap_total_s=self.gap_total,
+            busy_s=self.step_total_s - link_wait,
+            link_wait_s=link_wait,
+            forwarded_max=runner.forwarded_max if runner else 0,
         )
         return reply, None
 

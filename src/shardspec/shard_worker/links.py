@@ -1,31 +1,40 @@
-"""Links between pipeline stages, worker to worker: each pass's hidden states go from a stage to the
-next, and each step's acceptance record goes from the last stage back to every earlier one.
+"""Links between pipeline stages: each pass's hidden states go from a stage to the next, and each
+step's acceptance record goes from the last stage back to every earlier one.
 
-A worker of a group of several stages binds one PULL socket (its link address) and connects a PUSH
-socket to each rank it sends to, at its own TP place in the other stage: the next stage's rank
-(hidden states) and, on the last stage, the earlier stages' ranks (records). The messages are the
-protocol's frames — a msgpack header, the hidden states as one raw tensor frame — validated on
-arrival like any other; nothing goes through the orchestrator. Links are FIFO per sender, and every
-stage runs the same passes in the same order, so each message is checked against the step and pass
-its receiver expects.
+The messages are the protocol's frames — a msgpack header, the hidden states as one raw tensor
+frame — validated on arrival like any other. Links are FIFO per sender, and every stage runs the
+same passes in the same order, so each message is checked against the step and pass its receiver
+expects. Two ways to carry them:
+
+- `DirectLinks` (the default): worker to worker. A worker binds one PULL socket (its link address)
+  and connects a PUSH socket to each rank it sends to, at its own TP place in the other stage: the
+  next stage's rank (hidden states) and, on the last stage, the earlier stages' ranks (records).
+  With CURVE keys, the PULL socket takes messages only from the ranks that send to it.
+- `RelayedLinks`: through the orchestrator, for hosts that reach the orchestrator but not each
+  other. A worker sends link messages to its orchestrator on its own connection; the orchestrator
+  reads their headers and forwards the frames unchanged to the ranks they are for.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from shardspec.protocol import codec, transport
 from shardspec.protocol.codec import Message
 from shardspec.protocol.errors import ErrorCode, ProtocolError
 from shardspec.protocol.messages import LINKS, AcceptRecord, HiddenStates, StepReply, parse, to_meta
+from shardspec.security import KeyPair, make_client, make_server
 
 POLL_S = 0.1  # how often a wait on a link looks at what could end it
+LINK_DOMAIN = "shardspec-links"  # the ZAP domain of the stage links' CURVE check
 
 
 def bind_address(link: str, listen: str) -> str:
@@ -37,36 +46,27 @@ def bind_address(link: str, listen: str) -> str:
 
 
 class StageLinks:
-    """`abort` is asked, while a receive waits, whether to give up and why (the worker's orchestrator
-    left); a peer stage's link that drops (its worker died, or stopped answering heartbeats) ends the
-    wait too, so that a lost stage surfaces within the heartbeat timeout, not the link timeout."""
+    """What both carriers share: the queues of arrived messages, the waits, the checks.
 
-    def __init__(self, ctx: zmq.Context, bind: str, next_stage: str | None, earlier_stages: list[str],
-                 timeout_s: float, heartbeat_timeout: float, abort: Callable[[], str | None] = lambda: None):
+    `abort` is asked, while a receive waits, whether to give up and why (the worker's orchestrator
+    left); a carrier may end a wait sooner (a peer's connection dropped)."""
+
+    def __init__(self, timeout_s: float, abort: Callable[[], str | None]):
         self.timeout_s = timeout_s
         self.abort = abort
-        self.bound = bind
-        self.inbox = ctx.socket(zmq.PULL)
-        transport.configure(self.inbox, heartbeat_timeout)
-        self.inbox.bind(bind)
-        self.dropped = self.inbox.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.next_stage = self._push(ctx, next_stage, heartbeat_timeout) if next_stage else None
-        self.earlier_stages = [self._push(ctx, address, heartbeat_timeout) for address in earlier_stages]
         self.pending: dict[str, deque[Message]] = {op: deque() for op in LINKS}
+        self.waited_s = 0.0  # in receives: the time this stage had nothing to do but wait
+        self.staging = PinnedStaging()
 
-    @staticmethod
-    def _push(ctx: zmq.Context, address: str, heartbeat_timeout: float) -> zmq.Socket:
-        sock = ctx.socket(zmq.PUSH)
-        transport.configure(sock, heartbeat_timeout)
-        sock.connect(address)
-        return sock
+    # --- what the runner calls --------------------------------------------------------------------
 
     def send_hidden(self, step: int, index: int, hidden: torch.Tensor) -> None:
         meta = to_meta(HiddenStates(step, index))
-        transport.send(self.next_stage, Message(HiddenStates.OP, 0, meta, {"hidden": hidden.contiguous()}))
+        tensor = self.staging.host_copy(hidden)
+        self.staging.sent(self._send_next(Message(HiddenStates.OP, 0, meta, {"hidden": tensor})))
 
     def recv_hidden(self, step: int, index: int, like: torch.Tensor) -> torch.Tensor:
-        """The hidden states of pass `index` of step `step`, as [*like.shape, H] of the model's dtype on its device."""
+        """The hidden states of pass `index` of step `step`, as [*like.shape, H] (on the host)."""
         msg = self._take(HiddenStates.OP, "hidden states from the stage before")
         body = parse(HiddenStates, msg.meta)
         hidden = msg.tensors.get("hidden")
@@ -80,9 +80,7 @@ class StageLinks:
         return hidden
 
     def send_record(self, step: int, reply: StepReply) -> None:
-        msg = Message(AcceptRecord.OP, 0, to_meta(AcceptRecord(step, reply)))
-        for sock in self.earlier_stages:
-            transport.send(sock, msg)
+        self._send_earlier(Message(AcceptRecord.OP, 0, to_meta(AcceptRecord(step, reply))))
 
     def recv_record(self, step: int) -> StepReply:
         body = parse(AcceptRecord, self._take(AcceptRecord.OP, "the last stage's acceptance record").meta)
@@ -91,30 +89,199 @@ class StageLinks:
                                 f"got step {body.step}'s")
         return body.reply
 
-    def _take(self, op: str, what: str) -> Message:
-        """The next `op` message, keeping the other kind for later (two senders share the inbox)."""
-        deadline = time.monotonic() + self.timeout_s
-        while not self.pending[op]:
-            if self.dropped.poll(0):
-                raise ProtocolError(ErrorCode.BAD_STATE, f"waiting for {what}: a stage link dropped (a peer stage's "
-                                    "worker exited or stopped answering)")
-            if (why := self.abort()) is not None:
-                raise ProtocolError(ErrorCode.BAD_STATE, f"gave up waiting for {what}: {why}")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ProtocolError(ErrorCode.BAD_STATE, f"no {what} within {self.timeout_s:g}s")
-            if not self.inbox.poll(min(left, POLL_S) * 1000):
-                continue
-            msg = codec.decode(self.inbox.recv_multipart(copy=False))
-            if msg.op not in LINKS:
-                raise ProtocolError(ErrorCode.BAD_MESSAGE, f"{msg.op!r} is not a stage-link message")
-            self.pending[msg.op].append(msg)
-        return self.pending[op].popleft()
+    def arrived(self, frames: Sequence[Any]) -> None:
+        """Queue a link message that came in (validated here; a bad one raises ProtocolError)."""
+        self.queue(codec.decode(frames))
+
+    def queue(self, msg: Message) -> None:
+        if msg.op not in LINKS:
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"{msg.op!r} is not a stage-link message")
+        self.pending[msg.op].append(msg)
+
+    # --- the carrier's part -----------------------------------------------------------------------
+
+    def _send_next(self, msg: Message) -> Any:
+        raise NotImplementedError
+
+    def _send_earlier(self, msg: Message) -> None:
+        raise NotImplementedError
+
+    def _poll(self, seconds: float) -> None:
+        """Wait up to `seconds` for messages to arrive (into `pending`); raise if the wait must end."""
+        raise NotImplementedError
 
     def close(self) -> None:
-        self.inbox.disable_monitor()
-        self.dropped.close(linger=0)
-        for sock in [self.inbox, *([self.next_stage] if self.next_stage else []), *self.earlier_stages]:
+        self.staging.close()
+
+    # --- waiting ----------------------------------------------------------------------------------
+
+    def _take(self, op: str, what: str) -> Message:
+        """The next `op` message, keeping the other kind for later (two senders share the inbox)."""
+        started = time.monotonic()
+        deadline = started + self.timeout_s
+        try:
+            while not self.pending[op]:
+                if (why := self.abort()) is not None:
+                    raise ProtocolError(ErrorCode.BAD_STATE, f"gave up waiting for {what}: {why}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ProtocolError(ErrorCode.BAD_STATE, f"no {what} within {self.timeout_s:g}s")
+                try:
+                    self._poll(min(left, POLL_S))
+                except LinkDropped as exc:
+                    raise ProtocolError(ErrorCode.BAD_STATE, f"waiting for {what}: {exc}") from None
+            return self.pending[op].popleft()
+        finally:
+            self.waited_s += time.monotonic() - started
+
+
+class LinkDropped(Exception):
+    """A wait on a link cannot succeed any more (a peer's connection dropped, the orchestrator said goodbye)."""
+
+
+class DirectLinks(StageLinks):
+    """Worker to worker over ZeroMQ PUSH -> PULL. With `keys`, every link is CURVE: the inbox is a
+    server that lets in only `senders` (the public keys of the ranks that send to it, checked by the
+    worker's ZAP handler under LINK_DOMAIN), and each outgoing socket checks its peer's key."""
+
+    def __init__(self, ctx: zmq.Context, bind: str, next_stage: str | None, earlier_stages: list[str],
+                 timeout_s: float, heartbeat_timeout: float, abort: Callable[[], str | None] = lambda: None,
+                 keys: KeyPair | None = None, peer_keys: dict[str, bytes] | None = None):
+        super().__init__(timeout_s, abort)
+        self.bound: str | None = None
+        self.inbox = ctx.socket(zmq.PULL)
+        transport.configure(self.inbox, heartbeat_timeout)
+        if keys is not None:
+            make_server(self.inbox, keys)
+            self.inbox.zap_domain = LINK_DOMAIN.encode()
+        self.outgoing: dict[str, zmq.Socket] = {}
+        self.handshakes: dict[str, zmq.Socket] = {}  # monitors of the outgoing links, until they are up
+        try:
+            self.inbox.bind(bind)
+            self.bound = bind
+            self.dropped = self.inbox.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+            self.peers: set[int] = set()  # descriptors of the connections through the handshake (CURVE: peers)
+            for address in [*([next_stage] if next_stage else []), *earlier_stages]:
+                self._push(ctx, address, heartbeat_timeout, keys, (peer_keys or {}).get(address))
+        except BaseException:
+            self.close()
+            raise
+        self.next_stage = next_stage
+        self.earlier_stages = earlier_stages
+
+    def _push(self, ctx: zmq.Context, address: str, heartbeat_timeout: float, keys: KeyPair | None,
+              server_key: bytes | None) -> None:
+        sock = self.outgoing[address] = ctx.socket(zmq.PUSH)
+        transport.configure(sock, heartbeat_timeout)
+        if keys is not None:
+            make_client(sock, keys, server_key)
+        self.handshakes[address] = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)  # before connecting
+        sock.connect(address)
+
+    def unreachable(self, timeout_s: float) -> list[str]:
+        """The peers whose link is not up within `timeout_s` (connected, and through the handshake)."""
+        waiting = set(self.handshakes)
+        deadline = time.monotonic() + timeout_s
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            poller = zmq.Poller()
+            for address in waiting:
+                poller.register(self.handshakes[address], zmq.POLLIN)
+            for monitor, _ in poller.poll(left * 1000):
+                monitor.recv_multipart()
+                waiting -= {a for a, m in self.handshakes.items() if m is monitor}
+        self._stop_watching_handshakes()
+        return sorted(waiting)
+
+    def _stop_watching_handshakes(self) -> None:
+        for address, monitor in self.handshakes.items():
+            self.outgoing[address].disable_monitor()
+            monitor.close(linger=0)
+        self.handshakes.clear()
+
+    def _send_next(self, msg: Message) -> Any:
+        return transport.send(self.outgoing[self.next_stage], msg)
+
+    def _send_earlier(self, msg: Message) -> None:
+        for address in self.earlier_stages:
+            transport.send(self.outgoing[address], msg)
+
+    def _poll(self, seconds: float) -> None:
+        while self.dropped.poll(0):  # a connection refused by CURVE never got through: its drop is no peer's
+            event = recv_monitor_message(self.dropped)
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.peers.add(event["value"])
+            elif event["value"] in self.peers:
+                raise LinkDropped("a stage link dropped (a peer stage's worker exited or stopped answering)")
+        if self.inbox.poll(seconds * 1000):
+            self.arrived(self.inbox.recv_multipart(copy=False))
+
+    def close(self) -> None:
+        super().close()
+        self._stop_watching_handshakes()
+        if hasattr(self, "dropped"):
+            self.inbox.disable_monitor()
+            self.dropped.close(linger=0)
+        for sock in [self.inbox, *self.outgoing.values()]:
             sock.close(linger=0)
-        if self.bound.startswith("ipc://"):
+        if self.bound is not None and self.bound.startswith("ipc://"):
             Path(self.bound[len("ipc://") :]).unlink(missing_ok=True)
+
+
+class RelayedLinks(StageLinks):
+    """Through the orchestrator: `send` puts a link message on the worker's own connection (the
+    orchestrator forwards it by its op and sender), and `pump` reads that connection for up to the
+    given seconds, handing link messages back through `queue` (and keeping other requests for
+    after the step; it raises LinkDropped when the orchestrator says goodbye meanwhile)."""
+
+    def __init__(self, send: Callable[[Message], Any], pump: Callable[[float], None], timeout_s: float,
+                 abort: Callable[[], str | None] = lambda: None):
+        super().__init__(timeout_s, abort)
+        self.send, self.pump = send, pump
+
+    def _send_next(self, msg: Message) -> Any:
+        return self.send(msg)
+
+    def _send_earlier(self, msg: Message) -> None:
+        self.send(msg)  # one message: the orchestrator fans it out to every earlier stage
+
+    def _poll(self, seconds: float) -> None:
+        self.pump(seconds)
+
+
+class PinnedStaging:
+    """Host buffers for hidden states leaving a GPU: one explicit device-to-host copy into a pinned
+    buffer that is reused once ZeroMQ has let go of it (its send tracker is done)."""
+
+    def __init__(self) -> None:
+        self.buffers: list[tuple[torch.Tensor, Any]] = []  # (pinned buffer, tracker of its last send)
+        self.last: torch.Tensor | None = None
+
+    def host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` itself when on the host; else a pinned copy of it (the copy is complete on return)."""
+        tensor = tensor.detach().contiguous()
+        if tensor.device.type == "cpu":
+            self.last = None
+            return tensor
+        buffer = self._free(tensor.numel() * tensor.element_size())
+        host = buffer[: tensor.numel() * tensor.element_size()].view(tensor.dtype).view(tensor.shape)
+        host.copy_(tensor)  # synchronous: the bytes are there before ZeroMQ reads them
+        self.last = buffer
+        return host
+
+    def sent(self, tracker: Any) -> None:
+        """The tracker of the send that took the last host copy."""
+        if self.last is not None:
+            self.buffers = [(b, tracker if b is self.last else t) for b, t in self.buffers]
+            self.last = None
+
+    def _free(self, nbytes: int) -> torch.Tensor:
+        for i, (buffer, tracker) in enumerate(self.buffers):
+            if buffer.numel() >= nbytes and (tracker is None or tracker.done):
+                self.buffers[i] = (buffer, None)
+                return buffer
+        buffer = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8, pin_memory=True)
+        self.buffers.append((buffer, None))
+        return buffer
+
+    def close(self) -> None:
+        self.buffers.clear()

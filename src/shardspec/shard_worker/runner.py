@@ -5,9 +5,11 @@ the same outcome on every rank and the collectives inside the model always line 
 
 With pipeline stages, each stage runs its layers over every pass of a step: the first from the
 token ids, the others from the hidden states the stage before sends (links.StageLinks). The last
-stage decides: it samples, accepts and drafts as a single stage does, and sends the step's result
-to the earlier stages as an acceptance record; they commit their speculative state from it, take
-the next tokens and drafts from it, and reply with it, so every rank's reply is the same.
+stage decides: it samples, accepts and drafts as a single stage does, replies, and sends the step's
+result to the earlier stages as an acceptance record. An earlier stage does not wait for it: it
+replies at once and runs the next step, of another micro-batch, while the later stages finish this
+one. It applies a record (commits its speculative state, takes the next tokens and drafts) when a
+later step or a release names one of that step's sequences.
 
 With MTP (draft_len k > 0) a sequence always carries k drafts for the positions after its pending
 token. One step verifies them with the target model ([pending, d1..dk] in one speculative pass that
@@ -21,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -87,6 +90,20 @@ class Sequence:
         return tokens
 
 
+@dataclass
+class Forwarded:
+    """A step an earlier stage has run its layers over, until the last stage's record comes."""
+
+    step: int
+    new: list[int]  # the sequences it prefilled
+    running: list[Sequence]  # the sequences it verified
+    saved: dict  # what the speculative pass saved for the commit
+    slots: torch.Tensor | None
+
+    def names(self, seqs: set[int]) -> bool:
+        return any(seq in seqs for seq in self.new) or any(s.seq in seqs for s in self.running)
+
+
 class SlotAllocator:
     def __init__(self, num_slots: int):
         self.total = num_slots
@@ -107,10 +124,6 @@ class StepResult:
     drafts: list[list[int]] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)  # per pass, when asked for
-
-    @classmethod
-    def of(cls, reply: StepReply) -> StepResult:
-        return cls(list(reply.seqs), list(reply.tokens), list(reply.accepted), list(reply.drafts), list(reply.finished))
 
     def reply(self, step_s: float = 0.0) -> StepReply:
         return StepReply(seqs=self.seqs, tokens=self.tokens, accepted=self.accepted, drafts=self.drafts,
@@ -161,6 +174,8 @@ class ModelRunner:
         self.forced = forced_acceptance
         self.slots = SlotAllocator(max_slots)
         self.sequences: dict[int, Sequence] = {}
+        self.forwarded: deque[Forwarded] = deque()  # on an earlier stage: steps whose record is to come
+        self.forwarded_max = 0
         self.counters = SpecCounters(accepted_per_position=[0] * draft_len)
         dtype = next(model.parameters()).dtype
         # a verify pass writes k positions past the accepted ones and the draft chain k - 1 more past
@@ -214,6 +229,7 @@ class ModelRunner:
         return result
 
     def release(self, seqs: list[int]) -> list[int]:
+        self._settle(set(seqs))  # a slot is free once the commit of its last step has landed
         released = [s for s in dict.fromkeys(seqs) if s in self.sequences]
         for seq in released:
             self.slots.give_back(self.sequences.pop(seq).slot)
@@ -343,8 +359,9 @@ class ModelRunner:
         return hidden
 
     def _stage_step(self, request: StepRequest, prompts: list[torch.Tensor]) -> StepResult:
-        """A step on a stage before the last: the stage's layers over every pass of the step, then
-        the last stage's record, from which it commits, takes the next tokens and drafts, and replies."""
+        """A step on a stage before the last: the stage's layers over every pass of the step, sent on;
+        its result is the last stage's (an empty reply here), its record applied later (_settle)."""
+        self._settle(set(request.decode))
         before = set(self.sequences)
         self._prefill_all(request, prompts, StepResult())
         running = [self.sequences[s] for s in request.decode if not self.sequences[s].finished]
@@ -353,23 +370,37 @@ class ModelRunner:
             ids, batch = self._verify_batch(upload(self._rows(running), self.device), self._context(running))
             self._forward(ids, batch)
             saved, slots = batch.saved, batch.slots
-        record = self.links.recv_record(self.steps)
         new = [s for s in self.sequences if s not in before]
+        self.forwarded.append(Forwarded(self.steps, new, running, saved, slots))
+        self.forwarded_max = max(self.forwarded_max, len(self.forwarded))
+        return StepResult()
+
+    def _settle(self, seqs: set[int]) -> None:
+        """Apply the records of the forwarded steps that name any of `seqs`, and of every step before
+        them (records come in step order)."""
+        last = max((i for i, f in enumerate(self.forwarded) if f.names(seqs)), default=-1)
+        for _ in range(last + 1):
+            self._apply(self.forwarded.popleft())
+
+    def _apply(self, step: Forwarded) -> None:
+        """The last stage's record of a forwarded step: commit the accepted prefixes, take the next
+        tokens and drafts."""
+        record = self.links.recv_record(step.step)
+        running, new = step.running, step.new
         if record.seqs != new + [s.seq for s in running]:
             raise ProtocolError(ErrorCode.INTERNAL, "the last stage's record does not list this step's sequences")
         for seq, tokens, drafts, finished in zip(new, record.tokens, record.drafts, record.finished):
             s = self.sequences[seq]
             s.next_token, s.drafts, s.finished = tokens[0], drafts, finished
         accepted = [max(n, 0) for n in record.accepted[len(new) :]]
-        if saved:
-            self.model.commit(saved, slots, torch.tensor(accepted, device=self.device))
+        if step.saved:
+            self.model.commit(step.saved, step.slots, torch.tensor(accepted, device=self.device))
         if self.draft_len and running:
             self._count(accepted)
         tail = zip(running, accepted, record.tokens[len(new) :], record.drafts[len(new) :], record.finished[len(new) :])
         for s, n, tokens, drafts, finished in tail:
             s.length += n + 1
             s.next_token, s.drafts, s.finished = tokens[-1], drafts, finished
-        return StepResult.of(record)
 
     # --- verify, accept, draft ------------------------------------------------------------------
 

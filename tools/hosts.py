@@ -5,8 +5,9 @@ frames cross the links, so TCP, ZeroMQ and Gloo all feel the delay (this kernel 
     with EmulatedHosts(2, delay_ms=1) as hosts:      # host to host: 2 x 1 ms one way
         proc = hosts.popen(0, [sys.executable, "-m", "shardspec", "worker", ...])
 
-Needs root and Debian's vde2 and vde-wirefilter packages (installed on first use where apt-get
-works); `EmulatedHosts.missing()` says what is lacking, or None.
+Needs root and Debian's vde2 and vde-wirefilter packages (.ci/run installs them);
+`EmulatedHosts.missing()` says what is lacking, or None. Used by tests/test_netns.py and
+bench/pipeline.py.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,14 +29,13 @@ class EmulatedHosts:
         self.tag = f"ssb{os.getpid() % 100000}"
         self.dir = Path(tempfile.mkdtemp(prefix="shardspec-hosts-"))
         self.namespaces: list[str] = []
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen] = []  # the switches and links
+        self.guests: list[subprocess.Popen] = []  # what runs inside the hosts
 
     @staticmethod
     def missing() -> str | None:
         if os.geteuid() != 0:
             return "emulated hosts need root (network namespaces)"
-        if not shutil.which("wirefilter") and shutil.which("apt-get"):
-            subprocess.run(["apt-get", "install", "-y", "-q", "vde2", "vde-wirefilter"], capture_output=True)
         lacking = [tool for tool in TOOLS if not shutil.which(tool)]
         return f"emulated hosts need {', '.join(lacking)} (Debian: vde2, vde-wirefilter, iproute2)" if lacking else None
 
@@ -71,10 +72,31 @@ class EmulatedHosts:
                                            stderr=subprocess.DEVNULL, start_new_session=session))
 
     def popen(self, host: int, cmd: list[str], **kwargs) -> subprocess.Popen:
-        """A process inside host `host`'s namespace."""
-        return subprocess.Popen(["ip", "netns", "exec", self.namespaces[host], *cmd], **kwargs)
+        """A process inside host `host`'s namespace (stopped at exit if still running)."""
+        proc = subprocess.Popen(["ip", "netns", "exec", self.namespaces[host], *cmd], **kwargs)
+        self.guests.append(proc)
+        return proc
+
+    def wait_listening(self, host: int, port: int, timeout: float = 120.0) -> None:
+        """Until something accepts TCP on `host`'s address and `port`, seen from host 0."""
+        probe = f"import socket; socket.create_connection(('{self.address(host)}', {port}), timeout=1).close()"
+        deadline = time.monotonic() + timeout
+        while subprocess.run(["ip", "netns", "exec", self.namespaces[0], sys.executable, "-c", probe],
+                             capture_output=True, check=False).returncode != 0:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listening on {self.address(host)}:{port}")
+            time.sleep(0.3)
 
     def __exit__(self, *_exc) -> None:
+        for proc in self.guests:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.guests:
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         for proc in reversed(self.procs):
             if proc.poll() is None:
                 os.killpg(proc.pid, 15)
