@@ -167,3 +167,28 @@ def test_prompts_prefilled_together_share_the_prefill_chunk_down_to_64_tokens_ea
     specs = [PrefillSpec(seq=i, length=300, max_tokens=1) for i in range(prompts)]
     runner.step(StepRequest(prefill=specs), torch.randint(0, model.config.vocab_size, (300 * prompts,)))
     assert seen == [(prompts, t) for t in pass_tokens]
+
+
+def test_a_request_the_workers_refuse_fails_alone_and_every_other_stream_gives_its_solo_output(tiny_model):
+    from shardspec.orchestrator.requests import EngineError
+
+    prompts = [[5, 17, 300], [9, 8, 7, 6], [40, 41]]
+
+    async def run():
+        async with shardspec.connect(model=str(tiny_model), local=2, pp=2, max_slots=4) as engine:
+            alone = [await collect(engine, p, max_tokens=12) for p in prompts]
+            running = asyncio.ensure_future(collect(engine, prompts[0], max_tokens=12))
+            await asyncio.sleep(0)
+            # past the engine's own checks, as a bug or a bad value would be: the wire refuses top_k > 2**30
+            bad = engine._new_request([1, 2, 3], 12, 0.0, 0, 1.0, 0, True)
+            bad.sampling = SamplingParams(0.0, 2**31, 1.0, 0)
+            joined = [asyncio.ensure_future(collect(engine, p, max_tokens=12)) for p in prompts[1:]]
+            engine.scheduler.add(bad)  # admitted with the two requests that arrive with it
+            engine.wakeup.set()
+            error = await bad.queue.get()
+            together = [await running, *[await j for j in joined]]
+            return alone, together, error
+
+    alone, together, error = asyncio.run(run())
+    assert isinstance(error, EngineError) and "top_k" in str(error)
+    assert together == alone

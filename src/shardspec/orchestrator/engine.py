@@ -64,6 +64,7 @@ class Engine:
         self.seq_ids = itertools.count(1)
         self.pipeline_depth = 2 if config.pipeline else 1  # steps in flight per micro-batch
         self.next_group = 0  # the micro-batch whose step is built next, round robin
+        self.refused: set[int] = set()  # sequences of steps the workers refused, while later steps are in flight
         self.observer: StepObserver | None = None
         self.loop_task: asyncio.Task | None = None
         self.closed = False
@@ -213,17 +214,38 @@ class Engine:
                 if not self.closed:
                     await self.wakeup.wait()
                 continue
+            step = inflight.popleft()
             try:
-                self._deliver(await self.group.gather(inflight.popleft().futures))
+                self._deliver(await self.group.gather(step.futures))
             except Exception as exc:
                 if _breaks_group(exc):
                     self.lost = str(exc)
                     self._fail_all(inflight, EngineError(self.lost))
                     return
-                for step in inflight:  # later steps built on the failed one: drop them too
-                    await asyncio.gather(*step.futures, return_exceptions=True)
-                inflight.clear()
-                await self._fail_running(exc)
+                if isinstance(exc, RemoteError) and (step.batch.prefill or self.refused & set(step.batch.decode)):
+                    self._refused(step.batch, exc)
+                else:  # the ranks disagreed, or refused the running sequences: they cannot go on
+                    for later in inflight:  # steps built on the failed one: drop them too
+                        await asyncio.gather(*later.futures, return_exceptions=True)
+                    inflight.clear()
+                    await self._fail_running(exc)
+            if not inflight:
+                self.refused.clear()
+
+    def _refused(self, batch: Batch, exc: RemoteError) -> None:
+        """Every rank refused a step before running any of it (a request error): only its new
+        requests are at fault. A step refused because it names a sequence an earlier refusal
+        dropped is retried; of the step at fault, a lone new request fails, several are each
+        retried alone, so that one bad request fails no other."""
+        collateral = bool(self.refused & set(batch.decode))
+        self.refused.update(r.seq for r in batch.prefill)
+        self.scheduler.release(batch.prefill)
+        if not collateral and len(batch.prefill) == 1:
+            batch.prefill[0].fail(EngineError(str(exc)))
+            return
+        for request in batch.prefill:  # with a fresh sequence id: the workers never started the old one
+            request.seq, request.solo = next(self.seq_ids), request.solo or not collateral
+        self.scheduler.retry(batch.prefill)
 
     def _next_batch(self, inflight: deque[_Step]) -> Batch | None:
         """The next step to send: of the next micro-batch, in turn, that has work and fewer than

@@ -46,6 +46,7 @@ class Request:
     generated: int = 0
     cancelled: bool = False
     finished: bool = False
+    solo: bool = False  # admitted into a step without other new requests (see Engine._refused)
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     drafts: int = 0  # verify steps with drafts

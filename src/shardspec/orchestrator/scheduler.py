@@ -56,11 +56,19 @@ class Scheduler:
         share = -(-min(self.max_slots, len(self.running) + len(self.waiting)) // self.groups)
         admitted = []
         while self.waiting and len(self.running) < self.max_slots and len(decode) + len(admitted) < share:
+            if admitted and self.waiting[0].solo:
+                break
             request = self.waiting.popleft()
             self.running[request.seq] = request
             self.group_of[request.seq] = group
             admitted.append(request)
+            if request.solo:  # suspected of a refused step: admitted alone, so that it fails alone
+                break
         return Batch(admitted, decode, group) if decode or admitted else None
+
+    def retry(self, requests: list[Request]) -> None:
+        """Put requests whose admission the workers refused back at the head of the queue."""
+        self.waiting.extendleft(reversed(requests))
 
     def drop_cancelled(self) -> ReleaseRequest | None:
         """Forget the requests whose callers stopped listening; the release of their slots, if any ran."""
