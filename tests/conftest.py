@@ -46,6 +46,13 @@ def small_vocab_model(tmp_path_factory) -> Path:
     return path
 
 
+def _die_with_the_tests() -> None:
+    """In a worker the tests start: SIGTERM when the test process dies, however it dies (Linux)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class WorkerProcess:
     """A `shardspec worker` daemon on an ipc:// socket, stopped (and checked stopped) at teardown."""
 
@@ -54,7 +61,8 @@ class WorkerProcess:
         self.log = path.with_suffix(".log")
         cmd = [sys.executable, "-m", "shardspec", "worker", "--listen", self.address, "--threads", "1", *extra]
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         preexec_fn=_die_with_the_tests)
 
     def stop(self) -> int:
         if self.proc.poll() is None:
