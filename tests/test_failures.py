@@ -60,7 +60,7 @@ class Worker:
         self.start()
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "shardspec", "worker", "--listen", self.address, "--threads", "1"]
+        cmd = [sys.executable, "-m", "shardspec", "worker", "--listen", self.address, "--threads", "1", "--insecure"]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 

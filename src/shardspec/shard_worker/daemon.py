@@ -155,7 +155,7 @@ class ShardWorker:
                     self._drain_monitor(monitor)
                 if sock in events:
                     self._serve_one(sock, monitor)
-                elif self.owner is not None and time.monotonic() - self.owner_seen > self.lease:
+                if self.owner is not None and time.monotonic() - self.owner_seen > self.lease:
                     self._reset(f"the orchestrator sent nothing for {self.lease:g}s (its lease lapsed)")
         finally:
             self._reset("worker stopping")
