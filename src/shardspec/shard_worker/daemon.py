@@ -98,6 +98,7 @@ class ShardWorker:
         self.owner: bytes | None = None
         self.owner_fd: int | None = None
         self.owner_gone = False  # its connection dropped (seen while a step waited on a stage link, say)
+        self.dropping = False  # the owner's last reply was dropped
         self.owner_seen = 0.0  # when the owner last sent a request, or was last answered (monotonic)
         self.closed_fds: set[int] = set()  # connections seen to close (and not reused since): departed peers
         self.monitor: zmq.Socket | None = None
@@ -235,8 +236,9 @@ class ShardWorker:
         if peer != self.owner:
             return  # a refused peer that does not read, or left: nothing to do
         self.owner_seen = time.monotonic()  # it may have waited for this reply all along
-        if why_not is not None:
-            log.warning("dropped a %r reply to the orchestrator: %s", reply.op, why_not)
+        if why_not is not None and not self.dropping:  # once per run of drops, not per reply
+            log.warning("dropping replies to the orchestrator (%r first): %s", reply.op, why_not)
+        self.dropping = why_not is not None
         if why_not == transport.PEER_GONE and self.state == "idle":  # its hello was queued before it left
             self._reset("the orchestrator left before its hello was answered")
 
