@@ -86,6 +86,7 @@ def spawn_worker(tmp_path):
     def spawn(*extra: str) -> WorkerProcess:
         worker = WorkerProcess(tmp_path / f"w{len(started)}.sock", *extra)
         started.append(worker)
+        wait_for_socket(worker.address, process=worker.proc)  # an orchestrator gives up on a refused address
         return worker
 
     yield spawn
@@ -93,11 +94,13 @@ def spawn_worker(tmp_path):
         worker.stop()
 
 
-def wait_for_socket(path: str, timeout: float = 60.0) -> None:
+def wait_for_socket(path: str, timeout: float = 60.0, process: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout
     while not os.path.exists(path.removeprefix("ipc://")):
         if time.monotonic() > deadline:
             raise TimeoutError(f"{path} never appeared")
+        if process is not None and process.poll() is not None:
+            return  # it exited: the test sees why
         time.sleep(0.05)
 
 

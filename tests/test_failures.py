@@ -60,9 +60,21 @@ class Worker:
         self.start()
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "shardspec", "worker", "--listen", self.address, "--threads", "1"]
+        cmd = [sys.executable, "-m", "shardspec", "worker", "--listen", self.address, "--threads", "1", "--insecure"]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.wait_listening()  # an orchestrator gives up on an address that refuses connections
+
+    def wait_listening(self, timeout: float = 90.0) -> None:
+        import socket
+
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", int(self.address.rsplit(":", 1)[1])), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.1)
 
     def signal(self, sig: int) -> None:
         os.kill(self.proc.pid, sig)

@@ -135,8 +135,8 @@ def test_captured_traffic_carries_the_prompt_in_clear_only_without_curve(tiny_mo
         return pcap.read_bytes()
 
     plain_port = free_port()
-    plain = subprocess.Popen([sys.executable, "-m", "shardspec", "worker", "--listen",
-                              f"tcp://127.0.0.1:{plain_port}", "--threads", "1"], stderr=subprocess.DEVNULL)
+    plain = subprocess.Popen([sys.executable, "-m", "shardspec", "worker", "--listen", f"tcp://127.0.0.1:{plain_port}",
+                              "--threads", "1", "--insecure"], stderr=subprocess.DEVNULL)
     try:
         wait_listening(plain_port)
         assert needle in captured(f"tcp://127.0.0.1:{plain_port}")  # the capture sees frames in clear

@@ -12,15 +12,24 @@ from pathlib import Path
 from typing import Any
 
 from shardspec.orchestrator.config import (
+    DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_DIST_TIMEOUT_S,
     DEFAULT_DRAFT_TOKENS,
     FORCED_ACCEPTANCE_ENV,
     EngineConfig,
 )
+from shardspec.protocol.messages import MAX_STEP_PROMPT_TOKENS
 from shardspec.protocol.transport import (
     DEFAULT_HEARTBEAT_TIMEOUT_S,
+    DEFAULT_LEASE_S,
+    DEFAULT_MAX_MESSAGE_BYTES,
     HEARTBEAT_TIMEOUT_RANGE,
+    KEEPALIVE_S,
+    LEASE_RANGE,
+    MAX_MESSAGE_BYTES_RANGE,
+    REFUSED_GRACE_S,
     check_heartbeat_timeout,
+    check_range,
 )
 
 BUNDLED_MODEL = Path(__file__).parent / "bundled"
@@ -63,10 +72,20 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--allow", metavar="KEY_FILE_OR_DIR", action="append", default=[],
                         help="public key(s) of orchestrators this worker accepts (repeatable); needs --keys")
     worker.add_argument("--insecure", action="store_true",
-                        help="allow listening on a non-loopback address without keys (anyone who reaches the port "
-                        "can run the worker)")
-    _add_heartbeat_option(worker, "an orchestrator that exited or stopped answering is dropped after this many "
-                          "seconds, and the worker goes back to idle")
+                        help="allow listening on tcp:// (loopback too) or abstract ipc://@NAME without keys: anyone "
+                        "who reaches the address can use, crash or stop the worker. A filesystem ipc:// socket needs "
+                        "neither: it is made owner-only")
+    _add_heartbeat_option(worker, "the stage links between pipeline stages count a peer worker that stopped "
+                          "answering as lost after this many seconds (an orchestrator's own --heartbeat-timeout "
+                          "decides when the worker drops that orchestrator)")
+    worker.add_argument("--lease", type=float, default=DEFAULT_LEASE_S, metavar="S",
+                        help="an orchestrator that sends nothing for S seconds loses this worker, which goes back to "
+                        f"idle (orchestrators renew it with a hello every {KEEPALIVE_S:g}s of quiet; default "
+                        f"{DEFAULT_LEASE_S:g})")
+    worker.add_argument("--max-message-mb", type=float, default=DEFAULT_MAX_MESSAGE_BYTES / 2**20, metavar="MB",
+                        help="a peer that sends a larger frame is disconnected (default "
+                        f"{DEFAULT_MAX_MESSAGE_BYTES / 2**20:g}: a step's prompts of "
+                        f"{MAX_STEP_PROMPT_TOKENS} tokens)")
 
     keys = commands.add_parser("keys", help="make CURVE key pairs for workers and orchestrators",
                                description="CURVE key pairs in ZeroMQ's certificate format.")
@@ -139,6 +158,13 @@ def _add_model_options(parser: argparse.ArgumentParser,
     parser.add_argument("--dist-timeout", type=float, default=DEFAULT_DIST_TIMEOUT_S, metavar="S",
                         help="a worker's collective that waits this long for a stuck peer fails, and the workers go "
                         f"back to idle (default {DEFAULT_DIST_TIMEOUT_S:g})")
+    parser.add_argument("--dist-port", type=int, default=None, metavar="PORT",
+                        help="port of the workers' process-group rendezvous, on rank 0's host (default: the first "
+                        "port above rank 0's that no worker listens on; a free one for spawned workers)")
+    parser.add_argument("--connect-timeout", type=float, default=DEFAULT_CONNECT_TIMEOUT_S, metavar="S",
+                        help="give up when a worker has not answered hello within S seconds (default "
+                        f"{DEFAULT_CONNECT_TIMEOUT_S:g}); a worker address that refuses connections fails after "
+                        f"{REFUSED_GRACE_S:g}s")
 
 
 def _add_heartbeat_option(parser: argparse.ArgumentParser, what: str) -> None:
@@ -231,7 +257,8 @@ def _engine_config(args: argparse.Namespace, **options: Any) -> EngineConfig:
             max_seq_len=args.max_seq_len, mtp=False if args.no_mtp else None,
             draft_tokens=DEFAULT_DRAFT_TOKENS if args.draft_tokens is None else args.draft_tokens,
             keys=args.keys, server_keys=args.server_keys, heartbeat_timeout=args.heartbeat_timeout,
-            dist_timeout=args.dist_timeout, **options,
+            dist_timeout=args.dist_timeout, dist_port=args.dist_port, connect_timeout=args.connect_timeout,
+            **options,
         )
     except ValueError as exc:
         raise UsageError(_in_flags(str(exc), args)) from None
@@ -262,13 +289,15 @@ def run_worker(args: argparse.Namespace) -> int:
             raise UsageError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     _check_heartbeat(args)
+    max_message_bytes = _check_worker_limits(args)
     keys, allow = _worker_keys(args)
     setup_logging(f"worker[{args.listen}]", args.log_level)
     if args.insecure and keys is None:
         logging.getLogger("shardspec.worker").warning("INSECURE: no CURVE keys; anyone who reaches %s can use "
                                                       "this worker", args.listen)
     try:
-        ShardWorker(args.listen, args.device, keys, allow, args.heartbeat_timeout).serve_forever()
+        ShardWorker(args.listen, args.device, keys, allow, args.heartbeat_timeout, args.lease,
+                    max_message_bytes).serve_forever()
     except Exception as exc:  # e.g. the address is in use
         print(f"shardspec worker: error: {exc}", file=sys.stderr)
         return 1
@@ -284,17 +313,29 @@ def _check_heartbeat(args: argparse.Namespace) -> None:
                          f"got {args.heartbeat_timeout}") from None
 
 
+def _check_worker_limits(args: argparse.Namespace) -> int:
+    """--lease checked; --max-message-mb in bytes."""
+    for flag, value, (lo, hi) in (("--lease", args.lease, LEASE_RANGE),
+                                  ("--max-message-mb", args.max_message_mb,
+                                   [n / 2**20 for n in MAX_MESSAGE_BYTES_RANGE])):
+        try:
+            check_range(flag, value, lo, hi)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    return round(args.max_message_mb * 2**20)
+
+
 def _worker_keys(args: argparse.Namespace) -> tuple[Any, list[bytes]]:
     from shardspec import security
 
     if args.allow and not args.keys:
         raise UsageError("--allow needs --keys (the worker's own key pair)")
     if args.keys is None:
-        if not security.is_local(args.listen) and not args.insecure:
+        if security.reaches_other_users(args.listen) and not args.insecure:
             raise UsageError(
-                f"refusing to listen on {args.listen} without CURVE keys. Make keys with "
-                "`shardspec keys generate DIR --name NAME` (one pair for the worker, one per orchestrator) and "
-                "start the worker with --keys WORKER_DIR --allow ORCHESTRATOR_DIR/NAME.key, or pass --insecure"
+                f"refusing to listen on {args.listen} without CURVE keys: other users could use it. Pass --keys "
+                "WORKER_DIR --allow ORCHESTRATOR_DIR/NAME.key (make them with `shardspec keys generate DIR --name "
+                "NAME`), use a filesystem ipc://PATH socket, or pass --insecure"
             )
         return None, []
     if not args.allow:

@@ -7,8 +7,12 @@ accept; orchestrators hold a pair and the workers' public keys.
 
 from __future__ import annotations
 
-import ipaddress
+import contextlib
+import errno
+import os
 import socket
+import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,20 +73,62 @@ def load_public_keys(path: str | Path) -> list[bytes]:
     return keys
 
 
-def is_local(address: str) -> bool:
-    """ipc:// and loopback tcp:// addresses: no traffic leaves this machine."""
-    if address.startswith("ipc://"):
-        return True
-    host = address[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
+def reaches_other_users(address: str) -> bool:
+    """Whether other users of this machine (or other machines) can connect to a listen address:
+    every tcp:// one, loopback too, and abstract ipc://@NAME (no file, so no permissions). A
+    filesystem ipc:// socket is made owner-only (see `private_umask`)."""
+    return not address.startswith("ipc://") or address.startswith("ipc://@")
+
+
+def ipc_socket_file(address: str) -> Path | None:
+    """The file of a filesystem ipc:// address; None for tcp:// and abstract ipc://@NAME."""
+    if not address.startswith("ipc://") or address.startswith("ipc://@"):
+        return None
+    return Path(address[len("ipc://") :])
+
+
+def check_ipc_free(address: str) -> None:
+    """Refuse (ValueError) an ipc:// address that a live process listens on, or whose path is not
+    a socket, instead of letting libzmq take it over; a stale socket file is fine. Makes a missing
+    parent folder owner-only, and refuses one that other users may rename files in."""
+    if not address.startswith("ipc://"):
+        return
+    path = ipc_socket_file(address)
+    target = "\0" + address[len("ipc://@") :] if path is None else str(path)
+    if path is not None:
+        _check_private_parent(path.parent)
+        if not path.exists() and not path.is_symlink():
+            return
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise ValueError(f"{path} exists and is not a socket: choose another ipc:// path")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         try:
-            return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-        except (OSError, ValueError):
-            return False
+            probe.connect(target)
+        except OSError as exc:
+            if exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
+                return  # nobody listens: a stale file, or a free name
+            raise ValueError(f"cannot check whether {address} is in use: {exc.strerror or exc}") from None
+    raise ValueError(f"{address} is in use by a running process (another worker?): stop it or choose another path")
+
+
+def _check_private_parent(folder: Path) -> None:
+    if not folder.exists():
+        folder.mkdir(mode=0o700, parents=True)
+        return
+    mode = folder.stat().st_mode
+    if mode & (stat.S_IWGRP | stat.S_IWOTH) and not mode & stat.S_ISVTX:
+        raise ValueError(f"{folder} is writable by other users, who could replace the worker's socket: put it in "
+                         "a folder only you can write to")
+
+
+@contextlib.contextmanager
+def private_umask() -> Iterator[None]:
+    """Files created inside are readable and writable by their owner only."""
+    previous = os.umask(0o177)
+    try:
+        yield
+    finally:
+        os.umask(previous)
 
 
 def make_server(sock: zmq.Socket, pair: KeyPair) -> None:

@@ -23,6 +23,7 @@ from shardspec.utils import DTYPE_CHOICES, check_address
 FORCED_ACCEPTANCE_ENV = "SHARDSPEC_BENCHMARK_FORCED_ACCEPTANCE"
 DEFAULT_DRAFT_TOKENS = 3
 DEFAULT_DIST_TIMEOUT_S = 60.0  # a collective waiting longer for a peer fails, and its worker goes back to idle
+DEFAULT_CONNECT_TIMEOUT_S = 120.0
 MAX_CONNECT_TIMEOUT_S = 86400.0
 MTP_MODES = {None: "auto", True: "on", False: "off"}
 
@@ -91,10 +92,12 @@ class EngineConfig:
     """Benchmarks only: accept each draft with this probability whatever the model says (see FORCED_ACCEPTANCE_ENV)."""
 
     dist_port: int | None = None
-    """Port of the process group's rendezvous on rank 0's host (default: rank 0's port + 1, or a free one)."""
+    """Port of the process group's rendezvous on rank 0's host (default: the first port above rank 0's that no
+    worker listens on, or a free one for ipc:// workers)."""
 
-    connect_timeout: float = 120.0
-    """Seconds to wait for every worker to answer its first hello (spawned ones are still starting)."""
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S
+    """Seconds to wait for every worker to answer its first hello (spawned ones are still starting); a worker
+    given by address whose connections are refused fails sooner (workers.REFUSED_GRACE_S)."""
 
     keys: str | None = None
     """CURVE for tcp:// workers: this side's key pair (a folder or .key_secret file)."""

@@ -117,9 +117,9 @@ class WorkerGroup:
 
     async def _init(self) -> None:
         """Every rank joins the new group, in its stage at its TP place."""
-        dist_addr = _rendezvous(self.addresses[0], self.config.dist_port)
         staged = len(self.stages) > 1
         links = [link_address(address) for address in self.addresses] if staged else []
+        dist_addr = rendezvous(self.addresses, self.config.dist_port, links)
         curve = staged and not self.relay and self.links[0][0] is not None
         link_keys = [public.decode() for _, public in self.links] if curve else []
         inits = [InitRequest(rank=rank, world_size=len(self.workers), dist_addr=dist_addr,
@@ -240,9 +240,19 @@ def link_address(address: str) -> str:
     return address.removesuffix(".sock") + ".link"
 
 
-def _rendezvous(rank0_address: str, port: int | None) -> str:
-    """Where rank 0 hosts the torch.distributed store: its own host, next port up by default."""
-    if rank0_address.startswith("tcp://"):
-        host, rank0_port = rank0_address[len("tcp://") :].rsplit(":", 1)
-        return f"tcp://{host}:{port or int(rank0_port) + 1}"
-    return f"tcp://127.0.0.1:{port or free_port()}"
+def rendezvous(addresses: list[str], port: int | None, links: list[str]) -> str:
+    """Where rank 0 hosts the torch.distributed store: on rank 0's host, at `port` or by default at
+    the first port above rank 0's that no worker or stage link there listens on (on 127.0.0.1 at a
+    free port for ipc:// workers). A `port` that a worker there listens on is refused."""
+    if not addresses[0].startswith("tcp://"):
+        return f"tcp://127.0.0.1:{port or free_port()}"
+    host, rank0_port = addresses[0][len("tcp://") :].rsplit(":", 1)
+    taken = {int(a.rsplit(":", 1)[1]): a for a in [*addresses, *links] if a.startswith(f"tcp://{host}:")}
+    if port is None:
+        port = next((p for p in range(int(rank0_port) + 1, 65536) if p not in taken), None)
+        if port is None:
+            raise EngineError(f"no free port above {addresses[0]}'s for the rendezvous: choose one with --dist-port")
+    elif port in taken:
+        raise EngineError(f"dist_port {port} is where {taken[port]} listens: give the rendezvous another port "
+                          "(--dist-port)")
+    return f"tcp://{host}:{port}"

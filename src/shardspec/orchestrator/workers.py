@@ -52,17 +52,20 @@ class WorkerClient:
         if keys is not None and server_key is not None:
             security.make_client(self.sock, keys, server_key)
         self.monitor = self.sock.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
             | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
         )
         self.sock.connect(address)
         self.pending: dict[int, asyncio.Future] = {}
         self.next_id = 1
         self.connected = False
+        self.refused_since: float | None = None  # loop time of the first refused attempt since the last connection
         self.answered = False  # a reply came: the connection (and any CURVE handshake) works
+        self.last_sent = 0.0  # loop time of the last request: the worker's lease runs from its last one
         self.failure: Exception | None = None
         self.closed = False
-        self.tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+        self.tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch()),
+                      asyncio.create_task(self._keep_lease())]
 
     def submit(self, request: Any, tensors: dict[str, torch.Tensor] | None = None) -> asyncio.Future:
         """Send a request now; the future resolves to (reply, tensors) or raises."""
@@ -73,6 +76,7 @@ class WorkerClient:
         request_id, self.next_id = self.next_id, self.next_id + 1
         self.pending[request_id] = future
         transport.send(self.sock, Message(request.OP, request_id, to_meta(request), tensors or {}))
+        self.last_sent = asyncio.get_running_loop().time()
         return future
 
     async def call(self, request: Any, tensors: dict | None = None, timeout: float | None = None) -> tuple:
@@ -126,7 +130,9 @@ class WorkerClient:
         while True:
             event = parse_monitor_message(await self.monitor.recv_multipart())
             if event["event"] == zmq.EVENT_CONNECTED:
-                self.connected = True
+                self.connected, self.refused_since = True, None
+            elif event["event"] == zmq.EVENT_CONNECT_RETRIED and self.refused_since is None:
+                self.refused_since = asyncio.get_running_loop().time()
             elif event["event"] == zmq.EVENT_DISCONNECTED and self.connected:
                 self.connected = False
                 if self.answered:
@@ -141,6 +147,27 @@ class WorkerClient:
             elif event["event"] & (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
                 self.fail(WorkerLost(f"security handshake with worker {self.address} failed: check --keys and "
                                      "--server-keys (CURVE on one side only, or the wrong server key)"))
+
+    async def _keep_lease(self) -> None:
+        """Once the worker has answered, say hello whenever nothing else went out for KEEPALIVE_S: a
+        worker drops an orchestrator that sends nothing for its lease."""
+        loop = asyncio.get_running_loop()
+        while True:
+            wait = self.last_sent + transport.KEEPALIVE_S - loop.time()
+            if wait > 0 or not self.answered or self.failure is not None:
+                await asyncio.sleep(wait if wait > 0 else transport.KEEPALIVE_S / 5)
+                continue
+            future = self.submit(HelloRequest(client=f"shardspec-orchestrator pid {os.getpid()} (lease)"))
+            future.add_done_callback(self._on_keepalive)
+
+    def _on_keepalive(self, future: asyncio.Future) -> None:
+        """A worker that no longer takes this orchestrator fails the connection (the engine recovers)."""
+        if future.cancelled() or future.exception() is None:
+            return
+        exc = future.exception()
+        if isinstance(exc, RemoteError) and exc.code in (ErrorCode.BUSY, ErrorCode.BAD_STATE):
+            self.fail(WorkerLost(f"worker {self.address} dropped this orchestrator ({exc.message}): its lease "
+                                 "lapsed, or another orchestrator took it"))
 
     async def close(self) -> None:
         if self.closed:
@@ -250,9 +277,14 @@ async def wait_ready(client: WorkerClient, local: LocalWorkers | None, timeout: 
         while not future.done():
             if local is not None:
                 local.check_alive()
+            elif client.refused_since is not None and loop.time() - client.refused_since > transport.REFUSED_GRACE_S:
+                future.cancel()
+                raise WorkerLost(f"connection refused: is a worker listening on {client.address}? (refused for "
+                                 f"{transport.REFUSED_GRACE_S:g}s)")
             if loop.time() > deadline:
                 future.cancel()
-                raise WorkerLost(f"worker {client.address} did not answer hello within {timeout:.0f}s")
+                raise WorkerLost(f"worker {client.address} did not answer hello within {timeout:.0f}s "
+                                 "(--connect-timeout)")
             await asyncio.wait([future], timeout=0.1)
         try:
             hello, _ = future.result()

@@ -24,6 +24,8 @@ MIN_TEMPERATURE = 1e-4  # below it, logits / temperature overflow float32: use 0
 MIN_TOP_P = 1e-6  # below it, top_p rounds to 0 in float32 (denormals flushed) and would keep no token
 MAX_LIST = 1 << 20
 INT64 = (-(2**63), 2**63 - 1)
+MAX_PROMPT_TOKENS = 1 << 22  # one sequence's prompt
+MAX_STEP_PROMPT_TOKENS = 2 * MAX_PROMPT_TOKENS  # a step's prompts together, by default (a worker's --max-message-mb)
 
 
 def bounded(lo: float, hi: float, default: Any = dataclasses.MISSING) -> Any:
@@ -170,7 +172,7 @@ class PrefillSpec:
     """A new sequence: its prompt is the next `length` ids of the step's `prompt_ids` tensor."""
 
     seq: int = bounded(0, 2**63 - 1)
-    length: int = bounded(1, 1 << 22)
+    length: int = bounded(1, MAX_PROMPT_TOKENS)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int = bounded(1, 1 << 22, 1 << 22)  # the worker stops the sequence after this many
     stop_ids: list[int] = field(default_factory=list)  # ... or after emitting one of these

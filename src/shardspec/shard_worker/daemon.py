@@ -1,7 +1,8 @@
 """The shard worker daemon: one process per device, serving one orchestrator at a time.
 
-States: idle -> (init) initialized -> (load) loaded; `shutdown` from the orchestrator, or losing
-its connection, frees everything and returns to idle. Only SIGINT/SIGTERM end the process.
+States: idle -> (init) initialized -> (load) loaded; `shutdown` from the orchestrator, losing
+its connection, or its lease lapsing (it sent nothing for the lease time) frees everything and
+returns to idle. Only SIGINT/SIGTERM end the process.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ import time
 import traceback
 from collections import deque
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
@@ -86,11 +87,15 @@ class _AllowList:
 
 class ShardWorker:
     def __init__(self, listen: str, device: str, keys: KeyPair | None = None, allow: list[bytes] | None = None,
-                 heartbeat_timeout: float = transport.DEFAULT_HEARTBEAT_TIMEOUT_S):
+                 heartbeat_timeout: float = transport.DEFAULT_HEARTBEAT_TIMEOUT_S,
+                 lease: float = transport.DEFAULT_LEASE_S,
+                 max_message_bytes: int = transport.DEFAULT_MAX_MESSAGE_BYTES):
         if keys is not None and not allow:
             raise ValueError("a worker with CURVE keys needs at least one allowed client key (--allow)")
         self.listen = listen
         self.heartbeat_timeout = transport.check_heartbeat_timeout(heartbeat_timeout)
+        self.lease = transport.check_range("lease", lease, *transport.LEASE_RANGE)
+        self.max_message_bytes = max_message_bytes
         self.keys = keys
         self.allow = allow or []
         self.device = parse_device(device)
@@ -104,6 +109,9 @@ class ShardWorker:
         self.owner: bytes | None = None
         self.owner_fd: int | None = None
         self.owner_gone = False  # its connection dropped (seen while a step waited on a stage link, say)
+        self.dropping = False  # the owner's last reply was dropped
+        self.owner_seen = 0.0  # when the owner last sent a request, or was last answered (monotonic)
+        self.closed_fds: set[int] = set()  # connections seen to close (and not reused since): departed peers
         self.monitor: zmq.Socket | None = None
         self.sock: zmq.Socket | None = None  # the ROUTER socket orchestrators talk to
         self.authenticator: ThreadAuthenticator | None = None
@@ -136,14 +144,21 @@ class ShardWorker:
             authenticator.start()
             authenticator.configure_curve_callback(domain="*", credentials_provider=_AllowList(self.allow))
         sock = self.sock = ctx.socket(zmq.ROUTER)
-        transport.configure(sock, self.heartbeat_timeout)
+        transport.configure_worker(sock, self.max_message_bytes)
         if self.keys is not None:
             security.make_server(sock, self.keys)
-        monitor = self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
+        socket_file = security.ipc_socket_file(self.listen)
+        bound = False
         try:
-            sock.bind(self.listen)
+            security.check_ipc_free(self.listen)
+            with security.private_umask():  # the ipc socket file: owner only, whatever the umask
+                sock.bind(self.listen)
+            bound = True
+            if socket_file is not None:
+                socket_file.chmod(0o600)
             log.info("listening on %s (%s), device %s, pid %d", self.listen,
                      f"CURVE, {len(self.allow)} allowed client keys" if self.keys else "no encryption",
                      self.device, os.getpid())
@@ -159,6 +174,8 @@ class ShardWorker:
                     self._drain_monitor(monitor)
                 if sock in events:
                     self._serve_one(sock, monitor, sock.recv_multipart(copy=False))
+                if self.owner is not None and time.monotonic() - self.owner_seen > self.lease:
+                    self._reset(f"the orchestrator sent nothing for {self.lease:g}s (its lease lapsed)")
         finally:
             self._reset("worker stopping")
             sock.disable_monitor()
@@ -167,8 +184,8 @@ class ShardWorker:
             if authenticator is not None:
                 authenticator.stop()
             ctx.term()
-            if self.listen.startswith("ipc://"):
-                Path(self.listen[len("ipc://") :]).unlink(missing_ok=True)
+            if bound and socket_file is not None:
+                socket_file.unlink(missing_ok=True)
             log.info("stopped")
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
@@ -184,8 +201,12 @@ class ShardWorker:
     def _owner_left(self, monitor: zmq.Socket) -> bool:
         while monitor.poll(0):
             event = recv_monitor_message(monitor)
-            if event["event"] == zmq.EVENT_DISCONNECTED and event["value"] == self.owner_fd:
-                self.owner_gone = True
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self.closed_fds.discard(event["value"])
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self.closed_fds.add(event["value"])
+                if event["value"] == self.owner_fd:
+                    self.owner_gone = True
         return self.owner_gone
 
     def _reset(self, why: str) -> None:
@@ -197,8 +218,7 @@ class ShardWorker:
         self.model = self.model_key = None
         self.weight_bytes = 0
         self._close_links()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _leave_process_group()
         self.tp = None
         self._free_memory()
         self.state, self.owner, self.owner_fd, self.owner_gone = "idle", None, None, False
@@ -216,7 +236,7 @@ class ShardWorker:
             if request.op == "step" and self.last_step_sent is not None:
                 self.gap_count, self.gap_total = self.gap_count + 1, self.gap_total + received - self.last_step_sent
             self.last_step_sent = None
-            reply = self._dispatch(peer.bytes, frames[0].get(zmq.SRCFD) if frames else None, request)
+            reply = self._dispatch(peer.bytes, _source_fd(frames), request)
         except ProtocolError as exc:
             self.errors += 1
             log.warning("rejected request: %s", exc)
@@ -225,7 +245,7 @@ class ShardWorker:
             self.errors += 1
             log.error("internal error: %s", traceback.format_exc())
             reply = _error(codec.peek_id(frames), ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-        transport.send(sock, reply, envelope=[peer.bytes])
+        self._reply(sock, peer.bytes, reply)
         if reply.op == "step":
             self.last_step_sent = time.perf_counter()
 
@@ -236,8 +256,17 @@ class ShardWorker:
         if not isinstance(self.links, RelayedLinks) or peer != self.owner:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"{msg.op!r} is a stage-link message; this worker takes "
                                 "none on this socket")
+        self.owner_seen = time.monotonic()
         self.links.queue(msg)
         return True
+
+    def _relay_out(self, msg: Message) -> Any:
+        """A stage-link message to the orchestrator, which relays it; never blocks on it."""
+        try:
+            return transport.send_tracked(self.sock, self.owner, msg)
+        except zmq.ZMQError as exc:
+            raise ProtocolError(ErrorCode.BAD_STATE, f"cannot relay a {msg.op!r} message through the "
+                                f"orchestrator: {exc}") from None
 
     def _pump(self, seconds: float) -> None:
         """While a step waits on relayed links: read this worker's socket for up to `seconds`, queue the
@@ -247,8 +276,9 @@ class ShardWorker:
         parts = self.sock.recv_multipart(copy=False)
         if parts[0].bytes != self.owner:  # only the owner's requests wait: others get their answer now
             busy = _error(codec.peek_id(parts[1:]), ErrorCode.BUSY, "this worker serves another orchestrator")
-            transport.send(self.sock, busy, envelope=[parts[0].bytes])
+            self._reply(self.sock, parts[0].bytes, busy)
             return
+        self.owner_seen = time.monotonic()
         try:
             msg = codec.decode(parts[1:])
         except ProtocolError:
@@ -261,6 +291,18 @@ class ShardWorker:
         if msg.op == "shutdown":
             raise LinkDropped("the orchestrator said goodbye")
 
+    def _reply(self, sock: zmq.Socket, peer: bytes, reply: Message) -> None:
+        """Send without blocking: a peer that does not read loses its replies, never this worker."""
+        why_not = transport.send_reply(sock, peer, reply)
+        if peer != self.owner:
+            return  # a refused peer that does not read, or left: nothing to do
+        self.owner_seen = time.monotonic()  # it may have waited for this reply all along
+        if why_not is not None and not self.dropping:  # once per run of drops, not per reply
+            log.warning("dropping replies to the orchestrator (%r first): %s", reply.op, why_not)
+        self.dropping = why_not is not None
+        if why_not == transport.PEER_GONE and self.state == "idle":  # its hello was queued before it left
+            self._reset("the orchestrator left before its hello was answered")
+
     def _dispatch(self, peer: bytes, fd: int | None, request: Message) -> Message:
         if request.op not in REQUESTS:
             raise ProtocolError(ErrorCode.BAD_MESSAGE, f"{request.op!r} is not a request op")
@@ -268,11 +310,14 @@ class ShardWorker:
         if request.op == "hello":
             if self.owner not in (None, peer):
                 raise ProtocolError(ErrorCode.BUSY, "this worker serves another orchestrator")
+            if self.owner is None and fd in self.closed_fds:  # queued by a client that already left
+                raise ProtocolError(ErrorCode.BAD_STATE, "hello from a connection that is closed")
             self.owner, self.owner_fd = peer, fd
         elif self.owner is None:
             raise ProtocolError(ErrorCode.BAD_STATE, f"say hello before {request.op!r}")
         elif peer != self.owner:
             raise ProtocolError(ErrorCode.BUSY, "this worker serves another orchestrator")
+        self.owner_seen = time.monotonic()
         meta, tensors = self.handlers[request.op](body, request.tensors)
         return Message(op=request.op, id=request.id, meta=to_meta(meta), tensors=tensors or {})
 
@@ -303,30 +348,35 @@ class ShardWorker:
             log.info("joining %s group at %s as rank %d/%d", backend, body.dist_addr, body.rank, body.world_size)
             if backend == "gloo":
                 self._choose_gloo_interface(body.dist_addr)
-            try:
-                dist.init_process_group(
-                    backend,
-                    init_method=body.dist_addr,
-                    rank=body.rank,
-                    world_size=body.world_size,
-                    timeout=timedelta(seconds=body.timeout_s),
-                    device_id=self.device if self.device.type == "cuda" else None,
-                )
-            except Exception as exc:  # a peer that never came, a port in use
-                raise ProtocolError(ErrorCode.BAD_STATE, f"could not join the process group: {exc}") from None
-        self.tp = self._tp_group(body)
-        self.stage, self.stages = body.stage, body.stages
-        if body.stages > 1:
-            try:
+            self._join_process_group(backend, body)
+        try:
+            self.tp = self._tp_group(body)
+            self.stage, self.stages = body.stage, body.stages
+            if body.stages > 1:
                 self.links = self._open_links(body)
-            except ProtocolError:
-                self.tp = None
-                if dist.is_initialized():  # back to idle as it was
-                    dist.destroy_process_group()
-                raise
+        except BaseException:
+            self.tp = None
+            _leave_process_group()  # back to idle as it was
+            raise
         self.state = "initialized"
         return InitReply(rank=body.rank, world_size=body.world_size, backend=backend, stage=body.stage,
                          tp_rank=self.tp.rank, tp_size=self.tp.size), None
+
+    def _join_process_group(self, backend: str, body: InitRequest) -> None:
+        """torch.distributed's default group, through the rendezvous store at body.dist_addr (rank 0
+        hosts it); on any failure this worker is left as if it had never tried."""
+        timeout = timedelta(seconds=body.timeout_s)
+        try:
+            store = _rendezvous_store(body.dist_addr, body.rank, body.world_size, timeout)
+            dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=body.rank,
+                                    world_size=body.world_size, timeout=timeout,
+                                    device_id=self.device if self.device.type == "cuda" else None)
+        except ProtocolError:
+            _leave_process_group()
+            raise
+        except Exception as exc:  # a peer that never came
+            _leave_process_group()
+            raise ProtocolError(ErrorCode.BAD_STATE, f"could not join the process group: {exc}") from None
 
     def _tp_group(self, body: InitRequest) -> TPGroup:
         """This rank's group: its stage's ranks (every rank makes every stage's group, in order)."""
@@ -343,8 +393,7 @@ class ShardWorker:
     def _open_links(self, body: InitRequest) -> StageLinks:
         if body.relay:
             log.info("stage %d of %d; stage links relayed through the orchestrator", body.stage, body.stages)
-            return RelayedLinks(lambda msg: transport.send(self.sock, msg, envelope=[self.owner]), self._pump,
-                                body.timeout_s, abort=self._why_abort)
+            return RelayedLinks(self._relay_out, self._pump, body.timeout_s, abort=self._why_abort)
         if self.keys is not None and not body.link_keys:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "this worker has CURVE keys: its stage links need every "
                                 "rank's public key (link_keys), or relay")
@@ -561,6 +610,52 @@ def _interface_towards(address: str) -> str | None:
     except (OSError, ValueError):
         pass
     return None
+
+
+def _rendezvous_store(dist_addr: str, rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """The group's key-value store at tcp://HOST:PORT. Rank 0 serves it on a socket it binds itself:
+    on HOST only when HOST is a loopback address (a group on one machine is not reachable from
+    others), on every interface otherwise; a port in use fails at once, naming the port."""
+    host, port = dist_addr[len("tcp://") :].rsplit(":", 1)
+    host = host.strip("[]")
+    if rank != 0:
+        return dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timeout)
+    listener = _rendezvous_listener(host, int(port))
+    fd = listener.detach()  # the store owns the descriptor from here on
+    return dist.TCPStore(host, int(port), world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=fd)
+
+
+def _rendezvous_listener(host: str, port: int) -> socket.socket:
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host if loopback else "", port))
+        listener.listen(128)
+    except OSError as exc:
+        listener.close()
+        raise ProtocolError(ErrorCode.BAD_STATE, f"cannot host the process group's rendezvous on port {port}: "
+                            f"{exc.strerror or exc}; choose a free port with --dist-port") from None
+    return listener
+
+
+def _leave_process_group() -> None:
+    """Destroy the process group, if any, and reset torch.distributed's group counter: a failed init
+    counts a group too, and a counter one ahead of the peers' names every key of the next group
+    differently (the next init then waits for keys nobody writes)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    c10d._world.group_count = 0
+
+
+def _source_fd(frames: list) -> int | None:
+    """The file descriptor of the connection a message came on (libzmq's SRCFD), if any."""
+    return frames[0].get(zmq.SRCFD) if frames else None
 
 
 def _libc() -> Any:
