@@ -23,7 +23,7 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from shardspec.cli import BUNDLED_MODEL
+from shardspec.cli import BUNDLED_MODEL, main
 from shardspec.orchestrator.tokenizer import Tokenizer
 from shardspec.server.api import MAX_STOP_CHARS
 from shardspec.server.app import Service, StopText
@@ -439,12 +439,23 @@ def test_a_half_sent_request_is_closed_after_the_read_timeout(guarded_server):
             for _ in range(600):  # 30 s
                 conn.sendall(b"X")
                 time.sleep(0.05)
-    with socket.create_connection((host, int(port)), timeout=30) as conn:
-        conn.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 9\r\n\r\n{")
-        reply = b"".join(iter(lambda: conn.recv(65536), b""))  # ends: the server closed the connection
-    assert reply.startswith(b"HTTP/1.1 408 ")
     body, headers = b'{"a": 1}', {"Content-Type": "application/json"}
     assert httpx.post(f"http://{guarded_server}/", content=body, headers=headers).text == "8"  # the next is served
+
+
+@pytest.mark.parametrize("method", [b"POST", b"GET"])
+def test_a_half_sent_body_gets_408_and_its_connection_closed(guarded_server, method):
+    host, port = guarded_server.split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(method + b" / HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 9\r\n\r\n{")
+        reply = b"".join(iter(lambda: conn.recv(65536), b""))  # ends: the server closed the connection
+    assert reply.startswith(b"HTTP/1.1 408 ")
+
+
+@pytest.mark.parametrize("option", ["--max-body-bytes=0", "--read-timeout=-1", "--max-connections=0"])
+def test_serve_refuses_a_limit_below_one_naming_the_option(option, capsys):
+    assert main(["serve", option]) == 2
+    assert option.split("=")[0] in capsys.readouterr().err
 
 
 def test_a_503_body_has_the_failure_s_first_line_and_the_log_has_the_worker_s_log_tail(caplog):

@@ -78,11 +78,12 @@ class RequestGuard:
         self.limits = limits
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["method"] in BODILESS_METHODS:
+        headers = dict(scope["headers"]) if scope["type"] == "http" else {}
+        if scope["type"] != "http" or (scope["method"] in BODILESS_METHODS and not _declares_body(headers)):
             await self.app(scope, receive, send)
             return
         try:
-            self._check_headers(dict(scope["headers"]))
+            self._check_headers(headers)
             async with asyncio.timeout(self.limits.read_timeout_s):
                 body = await self._read_body(receive)
         except ApiError as exc:
@@ -122,6 +123,11 @@ class RequestGuard:
     def _too_large(self) -> ApiError:
         return ApiError(413, f"the request body exceeds the server's limit of {self.limits.max_body_bytes} bytes "
                         "(shardspec serve --max-body-bytes)")
+
+
+def _declares_body(headers: dict[bytes, bytes]) -> bool:
+    """A GET with a body is read under the same rules: left unread, it would hold the connection."""
+    return b"transfer-encoding" in headers or headers.get(b"content-length", b"0") != b"0"
 
 
 def _replay(body: bytes, receive: Any) -> Any:
