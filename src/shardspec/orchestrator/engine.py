@@ -279,9 +279,8 @@ def _sampling(temperature: float, top_k: int, top_p: float, seed: int | None) ->
     rejected would fail the whole step, and with it every running request)."""
     if seed is None:
         seed = random.getrandbits(63)
-    kinds = {"temperature": float, "top_k": int, "top_p": float, "seed": int}
-    values = {name: _in_wire_range(name, value, kinds[name], SamplingParams, name)
-              for name, value in {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}.items()}
+    given = {"temperature": (temperature, float), "top_k": (top_k, int), "top_p": (top_p, float), "seed": (seed, int)}
+    values = {name: _in_wire_range(name, value, kind, SamplingParams, name) for name, (value, kind) in given.items()}
     return SamplingParams(**values)  # its own checks (top_p, temperature near 0) name the field too
 
 
