@@ -3,23 +3,34 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
+import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from shardspec.cli import BUNDLED_MODEL
+from shardspec.cli import BUNDLED_MODEL, main
 from shardspec.orchestrator.tokenizer import Tokenizer
+from shardspec.server.api import MAX_STOP_CHARS
+from shardspec.server.app import Service, StopText
 from shardspec.server.chat import ChatTemplate
+from shardspec.server.guard import uvicorn_config
+from shardspec.server.limits import DEFAULT_MAX_BODY_BYTES, HttpLimits
+from shardspec.server.run import bind
 
 MODEL = "shardspec-tiny-stdlib"
 MAX_SLOTS = 32  # the 64-request test also overflows the cache: half of it must queue
@@ -250,7 +261,11 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
         ("/completions", b'{"prompt": [1, 99999]}', 400, "prompt"),
         ("/completions", b'{"prompt": {"text": "x"}}', 400, "prompt"),
         ("/completions", b'{"max_tokens": 4}', 400, "prompt"),
+        ("/completions", b'{"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}', 400, "stop"),
+        ("/completions", b'{"prompt": "x", "stop": "' + b"s" * 1025 + b'"}', 400, "stop"),
         ("/chat/completions", b'{"messages": []}', 400, "messages"),
+        ("/chat/completions", b'{"messages": [' + b", ".join([b'{"role": "user", "content": "x"}'] * 2049) + b"]}",
+         400, "messages"),
         ("/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400,
          "messages[0].content"),
         ("/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}', 400,
@@ -291,7 +306,7 @@ def test_sigint_stops_the_server_and_its_workers(tiny_model, tmp_path):
         httpx.get(f"{server.root}/health")
 
 
-def test_dead_workers_give_503_saying_so_and_the_server_still_stops(tiny_model, tmp_path):
+def test_dead_workers_give_503_with_a_one_line_reason_and_the_server_still_stops(tiny_model, tmp_path):
     server = start_server(tmp_path, "--model", str(tiny_model), "--local", "1", "--max-seq-len", "128")
     try:
         for pid in server.worker_pids():
@@ -301,6 +316,154 @@ def test_dead_workers_give_503_saying_so_and_the_server_still_stops(tiny_model, 
             time.sleep(0.05)
         reply = httpx.post(f"{server.url}/completions", json={"prompt": [1, 2], "max_tokens": 2})
         assert health.status_code == reply.status_code == 503
-        assert "workers are down" in reply.json()["error"]["message"]
+        for message in (health.json()["error"]["message"], reply.json()["error"]["message"]):
+            assert message.startswith("the model's workers are unavailable: ") and "exited" in message
+            assert "\n" not in message and "Traceback" not in message and len(message) < 300
+        assert "the model's workers are unavailable" in server.log.read_text()
     finally:
         assert server.stop() == 0
+
+
+# --- hardening: what one bad or hostile client can cost the others ------------------------------------
+
+
+def test_out_of_range_sampling_values_get_400_naming_them_and_a_running_stream_is_unharmed(server):
+    """Each value is beyond what the workers accept; sent on, a worker would fail the whole step."""
+    body = {"prompt": "def parse(", "max_tokens": 64, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    bad = {"top_k": 2**31, "seed": 2**63, "temperature": 1e-5, "top_p": 1e-9, "max_tokens": 2**40}
+    with httpx.Client(timeout=60) as http, http.stream("POST", f"{server.url}/completions", json=body) as stream:
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data: ")  # the stream runs
+        for param, value in bad.items():
+            reply = http.post(f"{server.url}/completions", json={"prompt": "x", param: value})
+            assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert not [e for e in events if "error" in e]
+    assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1]["usage"]["completion_tokens"] == 64
+
+
+def test_health_answers_while_a_large_prompt_is_tokenized(server):
+    prompt = "def f(x):\n    return x + 1\n" * 40_000  # 1.1 MB, within the body limit: seconds of tokenizing
+
+    async def run() -> tuple[httpx.Response, float, list[float]]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            start = time.perf_counter()
+            completion = asyncio.ensure_future(http.post(f"{server.url}/completions", json={"prompt": prompt}))
+            latencies = []
+            while not completion.done():
+                asked = time.perf_counter()
+                assert (await http.get(f"{server.root}/health")).status_code == 200
+                latencies.append(time.perf_counter() - asked)
+            return await completion, time.perf_counter() - start, latencies
+
+    reply, took, latencies = asyncio.run(run())
+    assert reply.status_code == 400 and "does not fit the context" in reply.json()["error"]["message"]
+    assert len(latencies) >= 3 and max(latencies) < took / 2  # on the loop, one /health would wait it all out
+
+
+def _raw(server: Server, data: bytes) -> bytes:
+    """Send `data` on a fresh connection and return everything the server answers until it closes."""
+    host, port = server.root.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as conn:
+        conn.sendall(data)
+        return b"".join(iter(lambda: conn.recv(65536), b""))
+
+
+def test_a_body_over_the_limit_gets_413_by_its_length_or_as_it_streams(server):
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    too_big = DEFAULT_MAX_BODY_BYTES + 1
+    by_length = _raw(server, head + b"Content-Length: %d\r\n\r\n" % too_big)  # refused before the body is sent
+    chunked = _raw(server, head + b"Transfer-Encoding: chunked\r\n\r\n%x\r\n" % too_big + b"x" * too_big)
+    for reply in (by_length, chunked):
+        assert reply.startswith(b"HTTP/1.1 413 "), reply[:200]
+        assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["message"].startswith("the request body exceeds")
+    assert httpx.get(f"{server.root}/health").status_code == 200
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_a_body_not_sent_as_json_gets_415(server, content_type):
+    headers = {"Content-Type": content_type} if content_type else {}
+    reply = httpx.post(f"{server.url}/completions", content=b'{"prompt": "x"}', headers=headers)
+    assert reply.status_code == 415 and "application/json" in reply.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("pieces", "stops", "emitted", "stopped"), [
+    (["x ab", "c", "e y"], ["abcd"], ["x ", "", "abce y"], False),  # held back while it may become a stop
+    (["x ab", "cd y"], ["bcd", "zz"], ["x a", ""], True),
+    (["qaba", "ab"], ["aabx"], ["qab", ""], False),  # "aba" cannot start the stop, "a" can
+])
+def test_stop_text_holds_back_only_what_may_start_a_stop(pieces, stops, emitted, stopped):
+    text = StopText(stops)
+    results = [text.feed(piece) for piece in pieces]
+    assert [out for out, _ in results] == emitted and results[-1][1] == stopped
+
+
+def test_stop_matching_time_is_linear_in_the_text():
+    """Four stops of the longest length allowed, over 20,000 pieces that each could still begin one."""
+    stops = ["a" * (MAX_STOP_CHARS - 1) + end for end in "bcde"]
+    text, start = StopText(stops), time.perf_counter()
+    out = "".join(text.feed("a")[0] for _ in range(20_000))
+    emitted, stopped = text.feed("c")
+    assert stopped and len(out + emitted) == 20_000 - (MAX_STOP_CHARS - 1)
+    assert time.perf_counter() - start < 5  # matching the whole tail again each piece: minutes
+
+
+@pytest.fixture()
+def guarded_server() -> str:
+    """uvicorn, configured as `serve` configures it (read timeout 0.5 s), over an app that echoes the body size."""
+    async def app(scope, receive, send):
+        body = (await receive())["body"]
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"%d" % len(body)})
+
+    sock = bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn_config(app, HttpLimits(read_timeout_s=0.5), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
+    thread.start()
+    try:
+        while not server.started and thread.is_alive():
+            time.sleep(0.01)
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join()
+        sock.close()
+
+
+def test_a_half_sent_request_is_closed_after_the_read_timeout(guarded_server):
+    host, port = guarded_server.split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(b"POST / HTTP/1.1\r\nHost: x\r\n")
+        with pytest.raises(OSError):  # slowloris: a byte at a time never completes the headers
+            for _ in range(600):  # 30 s
+                conn.sendall(b"X")
+                time.sleep(0.05)
+    body, headers = b'{"a": 1}', {"Content-Type": "application/json"}
+    assert httpx.post(f"http://{guarded_server}/", content=body, headers=headers).text == "8"  # the next is served
+
+
+@pytest.mark.parametrize("method", [b"POST", b"GET"])
+def test_a_half_sent_body_gets_408_and_its_connection_closed(guarded_server, method):
+    host, port = guarded_server.split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(method + b" / HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 9\r\n\r\n{")
+        reply = b"".join(iter(lambda: conn.recv(65536), b""))  # ends: the server closed the connection
+    assert reply.startswith(b"HTTP/1.1 408 ")
+
+
+@pytest.mark.parametrize("option", ["--max-body-bytes=0", "--read-timeout=-1", "--max-connections=0"])
+def test_serve_refuses_a_limit_below_one_naming_the_option(option, capsys):
+    assert main(["serve", option]) == 2
+    assert option.split("=")[0] in capsys.readouterr().err
+
+
+def test_a_503_body_has_the_failure_s_first_line_and_the_log_has_the_worker_s_log_tail(caplog):
+    failure = ("local worker 0 exited with code 1 after 3 restarts:\nTraceback (most recent call last):\n"
+               '  File "daemon.py", line 9, in load\nOSError: /secret/model/config.json')
+    service = Service(SimpleNamespace(draft_tokens=0, observer=None), MODEL, None)
+    with caplog.at_level(logging.ERROR, logger="shardspec.server"):
+        error = service.unavailable(failure)
+    assert error.status == 503 and error.body()["error"]["code"] == "workers_unavailable"
+    assert error.message == "the model's workers are unavailable: local worker 0 exited with code 1 after 3 restarts"
+    assert "OSError: /secret/model/config.json" in caplog.text

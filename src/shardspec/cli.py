@@ -200,6 +200,19 @@ def _add_serve_parser(commands: Any) -> None:
     serve.add_argument("--served-model-name", metavar="NAME", default=None,
                        help="the model id clients send (default: the model folder's name)")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    _add_http_limit_options(serve)
+
+
+def _add_http_limit_options(serve: Any) -> None:
+    from shardspec.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S
+
+    serve.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+                       help=f"largest request body accepted (default {DEFAULT_MAX_BODY_BYTES}); a larger one gets 413")
+    serve.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S, metavar="SECONDS",
+                       help=f"a request's headers, and then its body, must arrive within this time (default "
+                            f"{DEFAULT_READ_TIMEOUT_S:g}); a slower client's connection is closed")
+    serve.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
+                       help=f"open connections at most (default {DEFAULT_MAX_CONNECTIONS}); beyond it requests get 503")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -454,14 +467,19 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _serve_options(args: argparse.Namespace) -> Any:
+    from shardspec.server.limits import HttpLimits
     from shardspec.server.run import ServeOptions, default_model_name
 
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    try:
+        limits = HttpLimits(args.max_body_bytes, args.read_timeout, args.max_connections)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     return ServeOptions(
         engine=_engine_config(args, max_slots=args.max_slots), host=args.host, port=args.port,
         model_name=args.served_model_name or default_model_name(args.model, BUNDLED_MODEL),
-        log_level=args.log_level.lower(),
+        log_level=args.log_level.lower(), limits=limits,
     )
 
 

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import numbers
 import random
 from collections import deque
 from collections.abc import AsyncIterator
@@ -24,14 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardspec.orchestrator.config import EngineConfig
+from shardspec.orchestrator.config import EngineConfig, message_range
 from shardspec.orchestrator.group import WorkerGroup
 from shardspec.orchestrator.requests import Chunk, EngineError, Request, StepObserver, deliver
 from shardspec.orchestrator.scheduler import Batch, Scheduler
 from shardspec.orchestrator.tokenizer import Detokenizer, Tokenizer
 from shardspec.orchestrator.workers import WorkerLost
 from shardspec.protocol.errors import ErrorCode, RemoteError
-from shardspec.protocol.messages import LoadReply, ReleaseRequest, SamplingParams, StatsRequest, StepReply
+from shardspec.protocol.messages import LoadReply, PrefillSpec, ReleaseRequest, SamplingParams, StatsRequest, StepReply
 
 __all__ = ["Chunk", "Engine", "EngineConfig", "EngineError", "connect"]
 
@@ -165,8 +166,8 @@ class Engine:
             raise EngineError(failure)
         ids = self._prompt_ids(prompt)
         context = self.load_info.max_seq_len
-        if type(max_tokens) is not int or max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        max_tokens = _in_wire_range("max_tokens", max_tokens, int, PrefillSpec, "max_tokens")
+        _in_wire_range("prompt", len(ids), int, PrefillSpec, "length", "the prompt's length in tokens")
         if len(ids) + max_tokens > context:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of "
                              f"{context} tokens")
@@ -309,15 +310,24 @@ class Engine:
 
 
 def _sampling(temperature: float, top_k: int, top_p: float, seed: int | None) -> SamplingParams:
+    """SamplingParams every rank accepts; ValueError naming the field otherwise (a value a worker
+    rejected would fail the whole step, and with it every running request)."""
     if seed is None:
         seed = random.getrandbits(63)
-    try:
-        sampling = SamplingParams(float(temperature), int(top_k), float(top_p), int(seed))
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"bad sampling parameters: {exc}") from None
-    if not 0 <= sampling.temperature <= 100 or sampling.top_k < 0 or not 0 <= sampling.seed < 2**63:
-        raise ValueError("temperature must be in [0, 100], top_k >= 0, seed in [0, 2**63)")
-    return sampling
+    given = {"temperature": (temperature, float), "top_k": (top_k, int), "top_p": (top_p, float), "seed": (seed, int)}
+    values = {name: _in_wire_range(name, value, kind, SamplingParams, name) for name, (value, kind) in given.items()}
+    return SamplingParams(**values)  # its own checks (top_p, temperature near 0) name the field too
+
+
+def _in_wire_range(name: str, value: Any, kind: type, message: type, field: str, what: str | None = None) -> Any:
+    """`value` as a `kind`; ValueError naming `name` unless it is a number of that kind (an integer
+    also does for a float) inside the range that the wire accepts for `message.field`."""
+    lo, hi = message_range(message, field)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real if kind is float else numbers.Integral):
+        raise ValueError(f"{name} must be {'a number' if kind is float else 'an integer'}, got {value!r}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{what or name} must be in [{lo}, {hi}], got {value!r}")
+    return kind(value)
 
 
 def _agreed(replies: list[tuple]) -> StepReply:

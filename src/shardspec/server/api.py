@@ -8,7 +8,9 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-MAX_STOP_STRINGS = 4
+MAX_STOP_STRINGS = 4  # as OpenAI's API
+MAX_STOP_CHARS = 1024  # each; the text held back while a stop may still be matching is shorter
+MAX_CHAT_MESSAGES = 2048
 Body = TypeVar("Body", bound=BaseModel)
 
 
@@ -53,7 +55,8 @@ class GenerationBody(BaseModel):
     logit_bias: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        """(param, why) for a feature this server does not have, asked for with a non-default value."""
+        """(param, why) for a feature this server does not have, asked for with a non-default value, or
+        a value beyond its limits."""
         checks = [
             ("n", self.n not in (None, 1), "only n=1 is supported; send several requests instead (they are batched)"),
             ("presence_penalty", bool(self.presence_penalty), "presence_penalty is not supported"),
@@ -61,6 +64,8 @@ class GenerationBody(BaseModel):
             ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
             ("stop", isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS,
              f"at most {MAX_STOP_STRINGS} stop sequences"),
+            ("stop", any(len(stop) > MAX_STOP_CHARS for stop in self.stop_strings()),
+             f"a stop sequence has at most {MAX_STOP_CHARS} characters"),
         ]
         return next(((param, why) for param, bad, why in checks if bad), None)
 
@@ -108,7 +113,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatBody(GenerationBody):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     tools: list[Any] | None = None

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 
 from shardspec.orchestrator.engine import Engine, EngineError
 from shardspec.orchestrator.metrics import CONTENT_TYPE, ServingMetrics
+from shardspec.orchestrator.tokenizer import Tokenizer
 from shardspec.orchestrator.workers import WorkerLost
 from shardspec.protocol.errors import RemoteError
 from shardspec.server.api import (
@@ -62,7 +63,10 @@ class Job:
 
 
 class StopText:
-    """Cuts streamed text at the first stop string; holds back a tail that may be the start of one."""
+    """Cuts streamed text at the first stop string; holds back a tail that may be the start of one.
+
+    Only that tail (shorter than the longest stop) is kept and searched again, so the work per
+    piece of text is bounded by the stops' lengths, not by the text generated so far."""
 
     def __init__(self, stops: list[str]):
         self.stops = stops
@@ -75,15 +79,23 @@ class StopText:
         if hits:
             out, self.pending = self.pending[: min(hits)], ""
             return out, True
-        keep = max((n for stop in self.stops for n in range(1, len(stop)) if self.pending.endswith(stop[:n])),
-                   default=0)
-        cut = len(self.pending) - keep
+        cut = len(self.pending) - max((_partial_match(self.pending, stop) for stop in self.stops), default=0)
         out, self.pending = self.pending[:cut], self.pending[cut:]
         return out, False
 
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
+
+
+def _partial_match(text: str, stop: str) -> int:
+    """The length of the longest end of `text` that is a proper start of `stop` (0 if none)."""
+    i = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+    while i >= 0:
+        if stop.startswith(text[i:]):
+            return len(text) - i
+        i = text.find(stop[0], i + 1)
+    return 0
 
 
 class Generation:
@@ -165,6 +177,18 @@ def _sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
+def _encode_without_the_gil(tokenizer: Tokenizer, text: str) -> list[int]:
+    """`tokenizer.encode(text)`; the `tokenizers` library holds the GIL through `encode` (the event loop
+    would stall for the whole prompt even with it in a thread), but releases it in `encode_batch`."""
+    return tokenizer.inner.encode_batch([text], add_special_tokens=False)[0].ids
+
+
+def _short_reason(text: str, limit: int = 200) -> str:
+    """A failure's first line, bounded: what an HTTP client is told (no log tails, no tracebacks)."""
+    line = text.strip().split("\n", 1)[0].rstrip(":").strip()
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 async def _until_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Await `work`; if the client disconnects first, cancel it (closing its engine stream)."""
     task = asyncio.ensure_future(work)
@@ -195,6 +219,7 @@ class Service:
         self.chat = chat
         self.created = int(time.time())
         self.metrics = ServingMetrics(engine.draft_tokens)
+        self.logged_failure: str | None = None
         engine.observer = self.metrics
 
     # --- checks -------------------------------------------------------------------------------
@@ -204,11 +229,14 @@ class Service:
         if failure is not None:
             return self.unavailable(failure)
         log.error("generation failed: %s", exc)
-        return ApiError(500, f"generation failed: {exc}", kind="server_error")
+        return ApiError(500, f"generation failed: {_short_reason(str(exc))}", kind="server_error")
 
-    @staticmethod
-    def unavailable(failure: str) -> ApiError:
-        return ApiError(503, f"the model's workers are down ({failure})",
+    def unavailable(self, failure: str) -> ApiError:
+        """503 with the failure's first line; its details (a worker's log tail) go to the server's log."""
+        if failure != self.logged_failure:
+            log.error("the model's workers are unavailable: %s", failure)
+            self.logged_failure = failure
+        return ApiError(503, f"the model's workers are unavailable: {_short_reason(failure)}",
                         code="workers_unavailable", kind="service_unavailable")
 
     def check(self, body: GenerationBody) -> None:
@@ -220,10 +248,11 @@ class Service:
         if (failure := self.engine.failure) is not None:
             raise self.unavailable(failure)
 
-    def encode(self, text: str, param: str) -> list[int]:
+    async def encode(self, text: str, param: str) -> list[int]:
+        """The text's token ids, tokenized in a thread: a long prompt must not stall other requests."""
         if self.engine.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer.json: send the prompt as token ids", param)
-        return self.engine.tokenizer.encode(text)
+        return await asyncio.to_thread(_encode_without_the_gil, self.engine.tokenizer, text)
 
     def job(self, endpoint: str, body: GenerationBody, prompt_ids: list[int], param: str,
             max_tokens: int | None) -> Job:
@@ -248,7 +277,7 @@ class Service:
         body = parse_body(await request.body(), CompletionBody)
         self.check(body)
         prompt = body.single_prompt()
-        ids = self.encode(prompt, "prompt") if isinstance(prompt, str) else prompt
+        ids = await self.encode(prompt, "prompt") if isinstance(prompt, str) else prompt
         job = self.job(request.url.path, body, ids, "prompt", body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS)
         return await self.respond(request, job, Shape(self.name), body)
 
@@ -259,11 +288,11 @@ class Service:
             raise ApiError(400, "this model has no chat template (tokenizer_config.json): use /v1/completions",
                            "messages")
         messages = [m.for_template(i) for i, m in enumerate(body.messages)]
-        try:
-            prompt = self.chat.render(messages, add_generation_prompt=True)
+        try:  # in a thread, like tokenizing: a template may take long over many messages
+            prompt = await asyncio.to_thread(self.chat.render, messages, add_generation_prompt=True)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), "messages") from None
-        job = self.job(request.url.path, body, self.encode(prompt, "messages"), "messages",
+        job = self.job(request.url.path, body, await self.encode(prompt, "messages"), "messages",
                        body.max_completion_tokens or body.max_tokens)
         return await self.respond(request, job, ChatShape(self.name), body)
 

@@ -13,7 +13,7 @@ import contextlib
 import signal
 import socket
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
@@ -22,6 +22,8 @@ from shardspec.orchestrator.config import EngineConfig
 from shardspec.orchestrator.engine import Engine, connect
 from shardspec.server.app import create_app
 from shardspec.server.chat import ChatTemplate
+from shardspec.server.guard import uvicorn_config
+from shardspec.server.limits import HttpLimits
 
 BUNDLED_NAME = "shardspec-tiny-stdlib"
 GRACEFUL_SHUTDOWN_S = 5
@@ -36,6 +38,7 @@ class ServeOptions:
     port: int
     model_name: str  # the model id clients send
     log_level: str = "info"
+    limits: HttpLimits = field(default_factory=HttpLimits)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -81,7 +84,7 @@ async def serve(options: ServeOptions, sock: socket.socket, ready: Callable[[str
         model_dir = Path(options.engine.model)
         chat = ChatTemplate.from_folder(model_dir) if model_dir.is_dir() else None
         app = create_app(engine, options.model_name, chat)
-        config = uvicorn.Config(app, lifespan="off", log_level=options.log_level, access_log=False,
+        config = uvicorn_config(app, options.limits, lifespan="off", log_level=options.log_level, access_log=False,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         server = _Server(config)
         host, port = sock.getsockname()[:2]

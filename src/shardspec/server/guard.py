@@ -1,0 +1,149 @@
+"""The HTTP limits enforced: body size and type, read deadlines, connections (see limits.py).
+
+`RequestGuard` (ASGI) reads a request's whole body before the application sees it: JSON only (415),
+at most `max_body_bytes` (413, from Content-Length or while the body streams in), within
+`read_timeout_s` (408). `DeadlineH11Protocol` (uvicorn's h11 protocol) closes a connection whose
+request headers have not all arrived `read_timeout_s` after its first byte (or after the connection
+opened), which uvicorn alone never does: any byte resets its keep-alive timer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from typing import Any
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from shardspec.server.api import ApiError
+from shardspec.server.limits import KEEP_ALIVE_S, MAX_HEADER_BYTES, HttpLimits
+
+BODILESS_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+JSON = b"application/json"
+
+
+def uvicorn_config(app: Any, limits: HttpLimits, **options: Any) -> uvicorn.Config:
+    """uvicorn's config for `app` behind the guard, with the connection limits of `limits`."""
+    return uvicorn.Config(RequestGuard(app, limits), http=functools.partial(DeadlineH11Protocol, limits.read_timeout_s),
+                          timeout_keep_alive=KEEP_ALIVE_S, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+                          limit_concurrency=limits.max_connections, **options)
+
+
+class DeadlineH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection whose request headers arrive too slowly (slowloris)."""
+
+    def __init__(self, read_timeout_s: float, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.read_timeout_s = read_timeout_s
+        self.headers_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self.headers_deadline is None and self.conn.their_state is h11.IDLE:
+            self._arm()  # the first byte of a request on a kept-alive connection
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:  # its headers are in: the body has its own deadline
+            self._disarm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self.headers_deadline = self.loop.call_later(self.read_timeout_s, self._expired)
+
+    def _disarm(self) -> None:
+        if self.headers_deadline is not None:
+            self.headers_deadline.cancel()
+            self.headers_deadline = None
+
+    def _expired(self) -> None:
+        self.headers_deadline = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+class RequestGuard:
+    """ASGI middleware: a request's body is JSON, bounded, and read in time, before the app runs."""
+
+    def __init__(self, app: Any, limits: HttpLimits):
+        self.app = app
+        self.limits = limits
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        headers = dict(scope["headers"]) if scope["type"] == "http" else {}
+        if scope["type"] != "http" or (scope["method"] in BODILESS_METHODS and not _declares_body(headers)):
+            await self.app(scope, receive, send)
+            return
+        try:
+            self._check_headers(headers)
+            async with asyncio.timeout(self.limits.read_timeout_s):
+                body = await self._read_body(receive)
+        except ApiError as exc:
+            await _refuse(send, exc)
+            return
+        except TimeoutError:
+            timeout = self.limits.read_timeout_s
+            await _refuse(send, ApiError(408, f"the request body did not arrive within {timeout:g} s"))
+            return
+        if body is None:
+            return  # the client left
+        await self.app(scope, _replay(body, receive), send)
+
+    def _check_headers(self, headers: dict[bytes, bytes]) -> None:
+        media_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+        if media_type != JSON:
+            raise ApiError(415, f"the request body must be JSON sent as Content-Type: application/json, not "
+                           f"{media_type.decode('latin-1') or 'none'}")
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limits.max_body_bytes:
+            raise self._too_large()
+
+    async def _read_body(self, receive: Any) -> bytes | None:
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limits.max_body_bytes:
+                raise self._too_large()
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"the request body exceeds the server's limit of {self.limits.max_body_bytes} bytes "
+                        "(shardspec serve --max-body-bytes)")
+
+
+def _declares_body(headers: dict[bytes, bytes]) -> bool:
+    """A GET with a body is read under the same rules: left unread, it would hold the connection."""
+    return b"transfer-encoding" in headers or headers.get(b"content-length", b"0") != b"0"
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    """A receive that gives the app the body read, then what the client sends next (its disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed() -> dict[str, Any]:
+        return pending.pop() if pending else await receive()
+
+    return replayed
+
+
+async def _refuse(send: Any, error: ApiError) -> None:
+    """The error object, and the connection closed: the rest of the body is not read."""
+    payload = json.dumps(error.body()).encode()
+    await send({"type": "http.response.start", "status": error.status,
+                "headers": [(b"content-type", JSON), (b"content-length", str(len(payload)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": payload})
