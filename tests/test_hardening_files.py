@@ -4,22 +4,36 @@ keep flowing; key files and spawned workers' folders other users could read or t
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
 import struct
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import wait_for_socket
 
-from shardspec.cli import BUNDLED_MODEL
+import shardspec
+from shardspec.cli import BUNDLED_MODEL, UsageError, _engine_config, build_parser
 from shardspec.layers.parallel import TPGroup
 from shardspec.models import loader
 from shardspec.models.config import ConfigError, read_config
+from shardspec.orchestrator.engine import EngineError
+from shardspec.orchestrator.group import (
+    GUESSED_S_PER_TOKEN_PER_GB,
+    STEP_FLOOR_S,
+    STEP_SLACK,
+    WARMUP_FLOOR_S,
+    WARMUP_STEPS,
+    StepWatchdog,
+)
 from shardspec.orchestrator.tokenizer import Tokenizer
 from shardspec.protocol import ErrorCode, Message, decode, encode
+from shardspec.shard_worker.daemon import TEST_HANG_ENV
 
 LOAD = {"dtype": "auto", "max_slots": 2, "max_seq_len": 64, "prefill_chunk": 8}
 
@@ -112,3 +126,64 @@ def test_a_checkpoint_index_cannot_name_a_file_outside_the_model_folder(tmp_path
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ConfigError, match="inside the model folder"):
         loader.checkpoint_files(tmp_path)
+
+
+# --- the step watchdog -------------------------------------------------------------------------
+
+HANG_S = 10.0
+
+
+def test_a_worker_hung_in_a_step_fails_the_stream_naming_it_and_the_engine_serves_again(tiny_model, spawn_worker,
+                                                                                        monkeypatch):
+    monkeypatch.setenv(TEST_HANG_ENV, f"4:{HANG_S}")  # its 4th step sleeps; libzmq still answers heartbeats
+    worker = spawn_worker()
+    monkeypatch.delenv(TEST_HANG_ENV)
+
+    async def run():
+        async with shardspec.connect(model=str(tiny_model), workers=[worker.address], step_timeout=2) as engine:
+            received = []
+            started = time.monotonic()
+            with pytest.raises(EngineError) as failed:
+                async for chunk in engine.generate([5, 17, 300, 42], max_tokens=500, stop_at_eos=False):
+                    received += chunk.token_ids
+                    started = time.monotonic()
+            elapsed = time.monotonic() - started
+            deadline = time.monotonic() + 120
+            while not engine.healthy:
+                assert time.monotonic() < deadline, f"the engine did not recover: {engine.failure}"
+                await asyncio.sleep(0.1)
+            after = []
+            async for chunk in engine.generate([5, 17, 300, 42], max_tokens=40, stop_at_eos=False):
+                after += chunk.token_ids
+            return received, elapsed, str(failed.value), after
+
+    received, elapsed, error, after = asyncio.run(run())
+    assert worker.address in error and "did not answer its step within 2s" in error
+    assert elapsed < HANG_S  # the watchdog, not the end of the hang, ended the stream
+    assert received and after[: len(received)] == received  # the same greedy output, served again
+
+
+def test_the_derived_step_bound_has_a_warm_up_floor_then_scales_with_the_measured_rate():
+    watchdog = StepWatchdog(configured=0)
+    watchdog.loaded(weight_bytes=2 * 10**9, draft_tokens=3)
+    batch = SimpleNamespace(prefill=[SimpleNamespace(prompt=[1] * 100)], decode=[7, 8])
+    assert watchdog.tokens(batch) == 100 + 2 * 4
+    assert watchdog.bound(100) == WARMUP_FLOOR_S  # compiling, capturing: generous
+    for _ in range(WARMUP_STEPS):
+        watchdog.measured(8, 500.0)  # warm-up steps say nothing of the rate
+    assert watchdog.bound(100) == STEP_FLOOR_S + STEP_SLACK * GUESSED_S_PER_TOKEN_PER_GB * 2 * 100
+    watchdog.measured(8, 0.08)  # 10 ms per token
+    assert watchdog.bound(8) == STEP_FLOOR_S + STEP_SLACK * 0.01 * 8
+    assert watchdog.bound(4000) == pytest.approx(STEP_FLOOR_S + STEP_SLACK * 0.01 * 4000)
+    watchdog.measured(8, 0.01)  # a faster step does not lower the bound
+    assert watchdog.bound(8) == STEP_FLOOR_S + STEP_SLACK * 0.01 * 8
+    assert StepWatchdog(configured=2.5).bound(10**6) == 2.5
+
+
+def test_step_timeout_is_a_flag_of_generate_and_serve_and_is_checked():
+    for command in ("generate", "serve"):
+        args = build_parser().parse_args([command, "--step-timeout", "7.5", *(["x"] if command == "generate" else [])])
+        assert _engine_config(args).step_timeout == 7.5
+    args = build_parser().parse_args(["generate", "x", "--step-timeout", "-1"])
+    with pytest.raises(UsageError, match=r"--step-timeout must be a number of seconds in \[0, "):
+        _engine_config(args)

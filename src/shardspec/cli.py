@@ -130,6 +130,11 @@ def _add_model_options(parser: argparse.ArgumentParser,
     parser.add_argument("--dist-timeout", type=float, default=DEFAULT_DIST_TIMEOUT_S, metavar="S",
                         help="a worker's collective that waits this long for a stuck peer fails, and the workers go "
                         f"back to idle (default {DEFAULT_DIST_TIMEOUT_S:g})")
+    parser.add_argument("--step-timeout", type=float, default=0.0, metavar="S",
+                        help="a step whose reply a worker has not sent after this many seconds fails, naming the "
+                        "worker, and the orchestrator reconnects as for a lost one (catches a worker hung while its "
+                        "heartbeats still flow; default 0: derived from the step's tokens and the measured step "
+                        "times, at least 30)")
 
 
 def _add_heartbeat_option(parser: argparse.ArgumentParser, what: str) -> None:
@@ -222,7 +227,7 @@ def _engine_config(args: argparse.Namespace, **options: Any) -> EngineConfig:
             max_seq_len=args.max_seq_len, mtp=False if args.no_mtp else None,
             draft_tokens=DEFAULT_DRAFT_TOKENS if args.draft_tokens is None else args.draft_tokens,
             keys=args.keys, server_keys=args.server_keys, heartbeat_timeout=args.heartbeat_timeout,
-            dist_timeout=args.dist_timeout, **options,
+            dist_timeout=args.dist_timeout, step_timeout=args.step_timeout, **options,
         )
     except ValueError as exc:
         raise UsageError(_in_flags(str(exc), args)) from None

@@ -214,7 +214,7 @@ class Engine:
                     await self.wakeup.wait()
                 continue
             try:
-                self._deliver(await self.group.gather(inflight.popleft().futures))
+                self._deliver(await self.group.gather_step(inflight.popleft()))  # within the step watchdog's bound
             except Exception as exc:
                 if _breaks_group(exc):
                     self.lost = str(exc)
