@@ -6,22 +6,30 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
+import stat
 import struct
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+import zmq.auth
 from conftest import wait_for_socket
 
 import shardspec
+from shardspec import security
 from shardspec.cli import BUNDLED_MODEL, UsageError, _engine_config, build_parser
 from shardspec.layers.parallel import TPGroup
 from shardspec.models import loader
 from shardspec.models.config import ConfigError, read_config
+from shardspec.orchestrator import workers
 from shardspec.orchestrator.engine import EngineError
 from shardspec.orchestrator.group import (
     GUESSED_S_PER_TOKEN_PER_GB,
@@ -187,3 +195,74 @@ def test_step_timeout_is_a_flag_of_generate_and_serve_and_is_checked():
     args = build_parser().parse_args(["generate", "x", "--step-timeout", "-1"])
     with pytest.raises(UsageError, match=r"--step-timeout must be a number of seconds in \[0, "):
         _engine_config(args)
+
+
+# --- key files, spawned workers' folders, the restart budget -----------------------------------
+
+
+def test_key_files_and_their_folder_are_private_from_creation_even_under_umask_000(tmp_path):
+    old = os.umask(0)
+    try:
+        public, secret = security.generate(tmp_path / "keys", "worker")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "keys").stat().st_mode) == 0o700
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert stat.S_IMODE(public.stat().st_mode) == 0o644
+    pair = security.load_pair(tmp_path / "keys")  # zmq's certificate format: zmq reads them back
+    assert zmq.auth.load_certificate(str(public)) == (pair.public, None)
+    with pytest.raises(security.KeyFileError, match="not overwriting"):
+        security.generate(tmp_path / "keys", "worker")
+
+
+def test_a_secret_key_that_other_users_can_read_is_loaded_with_a_one_line_warning(tmp_path, caplog):
+    _, secret = security.generate(tmp_path, "worker")
+    with caplog.at_level(logging.WARNING, logger="shardspec.security"):
+        security.load_pair(secret)
+    assert not caplog.records  # 0600: nothing to say
+    secret.chmod(0o644)
+    with caplog.at_level(logging.WARNING, logger="shardspec.security"):
+        security.load_pair(tmp_path)
+    (record,) = caplog.records
+    assert str(secret) in record.getMessage() and "chmod 600" in record.getMessage()
+    assert "\n" not in record.getMessage()
+
+
+def test_folders_left_by_killed_orchestrators_are_removed_at_the_next_start_and_live_ones_kept(tmp_path,
+                                                                                              monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid is gone
+    stale = tmp_path / f"{workers.DIR_PREFIX}{dead.pid}-abc"
+    live = tmp_path / f"{workers.DIR_PREFIX}{os.getpid()}-def"
+    unrelated = tmp_path / f"{workers.DIR_PREFIX}other"
+    for folder in (stale, live, unrelated):
+        folder.mkdir()
+        (folder / "worker0.log").write_text("log")
+    assert workers.remove_stale_dirs() == [stale]
+    assert not stale.exists() and live.exists() and unrelated.exists()
+
+
+def test_the_restart_budget_is_per_window_not_per_life(monkeypatch, tmp_path):
+    now = [1000.0]
+    monkeypatch.setattr(workers.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(workers.LocalWorkers, "_spawn", lambda self, i, mode: subprocess.Popen(
+        [sys.executable, "-c", "raise SystemExit(3)"]))  # a worker that crashes at once
+    local = workers.LocalWorkers(1, "cpu")
+
+    def crash_and_restart() -> None:
+        local.procs[0].wait()
+        local.restart_exited()
+
+    try:
+        for _ in range(workers.LocalWorkers.MAX_RESTARTS):
+            crash_and_restart()
+            now[0] += 60
+        with pytest.raises(workers.WorkerLost, match="after 3 restarts in the last 600s"):
+            crash_and_restart()  # a crash loop: reported
+        now[0] += workers.LocalWorkers.RESTART_WINDOW_S  # ten quiet minutes later: the budget is back
+        crash_and_restart()
+        assert local.restarts == [workers.LocalWorkers.MAX_RESTARTS + 1]
+    finally:
+        local.stop()
