@@ -13,7 +13,7 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 
 class ConfigError(ValueError):
@@ -55,20 +55,29 @@ def check_regular(path: str | Path) -> os.stat_result:
     return info
 
 
-def read_bytes(path: str | Path, limit: int) -> bytes:
-    """The whole file, if it is a regular file of at most `limit` bytes.
-
-    Opened non-blocking (a FIFO's open returns at once) and checked with fstat on that descriptor,
-    so a file swapped after the check cannot be read instead."""
+def open_regular(path: str | Path) -> BinaryIO:
+    """`path` opened for reading, if it is a regular file: opened non-blocking (a FIFO's open
+    returns at once) and checked with fstat on that descriptor, so a file swapped after a check
+    cannot be read instead."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
-    with os.fdopen(fd, "rb") as file:
-        info = os.fstat(fd)
-        _require_regular(path, info)
-        if info.st_size > limit:
-            raise ConfigError(f"{path} is {info.st_size} bytes; at most {limit} are read from such a file")
+    file = os.fdopen(fd, "rb")
+    try:
+        _require_regular(path, os.fstat(fd))
+    except ConfigError:
+        file.close()
+        raise
+    return file
+
+
+def read_bytes(path: str | Path, limit: int) -> bytes:
+    """The whole file, if it is a regular file (open_regular) of at most `limit` bytes."""
+    with open_regular(path) as file:
+        size = os.fstat(file.fileno()).st_size
+        if size > limit:
+            raise ConfigError(f"{path} is {size} bytes; at most {limit} are read from such a file")
         data = file.read(limit + 1)  # it may grow while being read
     if len(data) > limit:
         raise ConfigError(f"{path} is over {limit} bytes; at most {limit} are read from such a file")

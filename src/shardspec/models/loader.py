@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -16,7 +17,7 @@ from safetensors import safe_open
 from shardspec.layers.parallel import TPGroup
 from shardspec.models import registry
 from shardspec.models.base import CausalLM, Stage, split_layers
-from shardspec.models.config import MAX_CONFIG_BYTES, ConfigError, check_regular, read_json
+from shardspec.models.config import MAX_CONFIG_BYTES, ConfigError, check_regular, open_regular, read_json
 
 Progress = Callable[[int, int], None]
 MAX_HEADER_BYTES = 100 * 2**20  # a safetensors header (the safetensors library's own limit)
@@ -42,8 +43,8 @@ def checkpoint_files(folder: Path) -> dict[str, Path]:
 def read_header(file: Path) -> dict[str, list[int]]:
     """Every tensor's shape in a safetensors file, from its header, read only if the file is a
     regular one whose header is bounded and whose tensors' bytes are all in the file."""
-    size = check_regular(file).st_size
-    with open(file, "rb") as f:  # regular: opening cannot block
+    with open_regular(file) as f:
+        size = os.fstat(f.fileno()).st_size
         length_bytes = f.read(8)
         if len(length_bytes) < 8:
             raise ConfigError(f"{file} is not a safetensors file (shorter than its header length)")
@@ -134,7 +135,7 @@ def load_model(
         def read(key: str, spec: tuple | None) -> torch.Tensor:
             """This rank's slice of checkpoint tensor `key`."""
             if files[key] not in handles:
-                check_regular(files[key])
+                check_regular(files[key])  # safetensors opens it by name
                 handles[files[key]] = stack.enter_context(safe_open(files[key], framework="pt"))
             return _read_shard(handles[files[key]].get_slice(key), spec)
 
