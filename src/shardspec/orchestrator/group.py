@@ -34,6 +34,7 @@ log = logging.getLogger("shardspec.orchestrator")
 RECONNECT_HELLO_S = 10.0  # per attempt at reaching every worker again after a failure
 RECONNECT_PAUSE_S = 1.0
 GOODBYE_TIMEOUT_S = 5.0
+LATE_READ_S = 1.0  # after a wait's timeout, for replies already on the socket to be read
 
 # the step watchdog's derived bound (step_timeout 0): FLOOR_S + SLACK × the slowest seconds per
 # token measured so far × the step's tokens; the first steps after a load may compile kernels and
@@ -195,6 +196,8 @@ class WorkerGroup:
         send). The futures left are cancelled either way."""
         try:
             _, pending = await asyncio.wait(futures, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
+            if pending and not _errors(futures):  # a loop that was busy may not have read replies that came in time
+                _, pending = await asyncio.wait(pending, timeout=LATE_READ_S, return_when=asyncio.FIRST_EXCEPTION)
             if not (errors := _errors(futures)):
                 if pending:
                     silent = [w.address for w, f in zip(self.workers, futures, strict=True) if f in pending]
