@@ -29,9 +29,10 @@ async def generate_all(engine, prompts, **kwargs) -> list[list[int]]:
 
 
 def greedy_outputs(model, prompts, tp, mtp, max_tokens=64, draft_tokens=3):
+    # float32 on CPU: where equal outputs are guaranteed whatever shares a step (docs/architecture.md, "dtype")
     async def run():
         async with shardspec.connect(model=str(model), local=tp, mtp=mtp, draft_tokens=draft_tokens,
-                                     max_slots=8) as engine:
+                                     max_slots=8, dtype="float32") as engine:
             return await generate_all(engine, prompts, max_tokens=max_tokens)
 
     return asyncio.run(run())
@@ -61,7 +62,8 @@ def test_sequences_accepting_different_draft_counts_in_one_step_stay_correct(sma
     solo = greedy_outputs(small_vocab_model, prompts, 2, mtp=False, max_tokens=40)
 
     async def run():
-        async with shardspec.connect(model=str(small_vocab_model), local=2, mtp=True, max_slots=8) as engine:
+        async with shardspec.connect(model=str(small_vocab_model), local=2, mtp=True, max_slots=8,
+                                     dtype="float32") as engine:
             step = StepRequest(prefill=[PrefillSpec(seq=i, length=3, max_tokens=40) for i in range(8)])
             tensors = {"prompt_ids": torch.tensor([t for p in prompts for t in p])}
             replies = await engine.group.call_all(step, tensors=tensors)

@@ -165,6 +165,11 @@ def _add_model_options(parser: argparse.ArgumentParser,
                         help="give up when a worker has not answered hello within S seconds (default "
                         f"{DEFAULT_CONNECT_TIMEOUT_S:g}); a worker address that refuses connections fails after "
                         f"{REFUSED_GRACE_S:g}s")
+    parser.add_argument("--step-timeout", type=float, default=0.0, metavar="S",
+                        help="a step whose reply a worker has not sent after this many seconds fails, naming the "
+                        "worker, and the orchestrator reconnects as for a lost one (catches a worker hung while its "
+                        "heartbeats still flow; default 0: derived from the step's tokens and the measured step "
+                        "times, at least 30)")
 
 
 def _add_heartbeat_option(parser: argparse.ArgumentParser, what: str) -> None:
@@ -271,7 +276,7 @@ def _engine_config(args: argparse.Namespace, **options: Any) -> EngineConfig:
             draft_tokens=DEFAULT_DRAFT_TOKENS if args.draft_tokens is None else args.draft_tokens,
             keys=args.keys, server_keys=args.server_keys, heartbeat_timeout=args.heartbeat_timeout,
             dist_timeout=args.dist_timeout, dist_port=args.dist_port, connect_timeout=args.connect_timeout,
-            **options,
+            step_timeout=args.step_timeout, **options,
         )
     except ValueError as exc:
         raise UsageError(_in_flags(str(exc), args)) from None

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import sys
 from pathlib import Path
 
 import torch
+
+from shardspec.models.config import ConfigError, read_json
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 _ADDRESS = re.compile(r"^(tcp://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):\d{1,5}|ipc://.+)$")
@@ -47,10 +48,12 @@ def resolve_dtype(name: str, model_dir: str | Path, device: torch.device) -> tor
     if device.type == "cuda":
         return torch.bfloat16
     try:
-        raw = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
+        raw = read_json(Path(model_dir) / "config.json")  # a bounded regular file: never blocks
+    except ConfigError:
+        return torch.float32  # loading it reports what is wrong
+    text = raw.get("text_config") or raw if isinstance(raw, dict) else None
+    if not isinstance(text, dict):
         return torch.float32
-    text = raw.get("text_config") or raw
     found = text.get("dtype") or text.get("torch_dtype") or raw.get("torch_dtype") or "float32"
     return getattr(torch, found) if found in DTYPE_CHOICES else torch.float32
 

@@ -4,9 +4,12 @@ slices of the tensors the stage holds."""
 from __future__ import annotations
 
 import json
+import math
+import os
+import struct
 from collections.abc import Callable
 from contextlib import ExitStack
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 from safetensors import safe_open
@@ -14,22 +17,73 @@ from safetensors import safe_open
 from shardspec.layers.parallel import TPGroup
 from shardspec.models import registry
 from shardspec.models.base import CausalLM, Stage, split_layers
-from shardspec.models.config import ConfigError
+from shardspec.models.config import MAX_CONFIG_BYTES, ConfigError, check_regular, open_regular, read_json
 
 Progress = Callable[[int, int], None]
+MAX_HEADER_BYTES = 100 * 2**20  # a safetensors header (the safetensors library's own limit)
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
 
 def checkpoint_files(folder: Path) -> dict[str, Path]:
     """Map every tensor name of the checkpoint to the file that holds it."""
     index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: folder / file for name, file in weight_map.items()}
+    if index.exists():
+        contents = read_json(index, MAX_CONFIG_BYTES)
+        weight_map = contents.get("weight_map") if isinstance(contents, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ConfigError(f"{index} must hold a weight_map of tensor names to file names")
+        return {name: _shard_file(folder, file) for name, file in weight_map.items()}
     single = folder / "model.safetensors"
-    if not single.is_file():
+    if not single.exists():
         raise ConfigError(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
-    with safe_open(single, framework="pt") as f:
-        return dict.fromkeys(f.keys(), single)
+    return dict.fromkeys(read_header(single), single)
+
+
+def read_header(file: Path) -> dict[str, list[int]]:
+    """Every tensor's shape in a safetensors file, from its header, read only if the file is a
+    regular one whose header is bounded and whose tensors' bytes are all in the file."""
+    with open_regular(file) as f:
+        size = os.fstat(f.fileno()).st_size
+        length_bytes = f.read(8)
+        if len(length_bytes) < 8:
+            raise ConfigError(f"{file} is not a safetensors file (shorter than its header length)")
+        (length,) = struct.unpack("<Q", length_bytes)
+        if length > min(MAX_HEADER_BYTES, size - 8):
+            raise ConfigError(f"{file}: a safetensors header of {length} bytes in a file of {size} bytes")
+        raw = f.read(length)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{file}: unreadable safetensors header ({exc})") from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"{file}: the safetensors header is not a JSON object")
+    header.pop("__metadata__", None)
+    shapes = {name: _entry_shape(file, name, entry) for name, entry in header.items()}
+    end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
+    if 8 + length + end > size:
+        raise ConfigError(f"{file} is {size} bytes, its header says its tensors need {8 + length + end}: truncated?")
+    return shapes
+
+
+def _entry_shape(file: Path, name: str, entry: object) -> list[int]:
+    """A header entry's shape, once its data offsets are seen to hold exactly that many bytes."""
+    if isinstance(entry, dict):
+        shape, dtype, offsets = entry.get("shape"), entry.get("dtype"), entry.get("data_offsets")
+        if (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape) and dtype in DTYPE_BYTES
+                and isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int for n in offsets)
+                and offsets[0] >= 0 and offsets[1] - offsets[0] == math.prod(shape) * DTYPE_BYTES[dtype]):
+            return shape
+    raise ConfigError(f"{file}: tensor {name!r} has a malformed safetensors header entry (its shape, dtype and "
+                      "data offsets must agree)")
+
+
+def _shard_file(folder: Path, name: str) -> Path:
+    """A file named by the index: a plain name inside the folder, never a path out of it."""
+    parts = PurePosixPath(name).parts
+    if not parts or PurePosixPath(name).is_absolute() or ".." in parts:
+        raise ConfigError(f"the checkpoint index names {name!r}; shard files must be inside the model folder")
+    return folder / name
 
 
 def has_mtp(folder: str | Path) -> bool:
@@ -68,46 +122,74 @@ def load_model(
         whole = family.build(config, TPGroup(), stage, mtp)  # one rank's view of every full tensor
     specs = {name: (getattr(param, "shard", None), getattr(param, "parts", None))
              for name, param in model.named_parameters()}
+    plan = _reads(model, whole, specs, files)
+    _check_shapes(plan, files, folder)  # before allocating: the checkpoint really holds every tensor the config implies
     model = model.to(dtype).to_empty(device=device)  # new parameter objects: give them their specs back
     for name, param in model.named_parameters():
         param.shard, param.parts = specs[name]  # type: ignore[attr-defined]
 
-    # multimodal wrappers keep the text model under model.language_model.
-    text_prefix = "model.language_model." if any(k.startswith("model.language_model.") for k in files) else "model."
     params = list(model.named_parameters())
     with ExitStack() as stack:
         handles: dict[Path, object] = {}
 
-        def read(key: str, spec: tuple | None, shape: list[int]) -> torch.Tensor:
-            """This rank's slice of checkpoint tensor `key`, whose full shape must be `shape`."""
-            if key not in files:
-                raise ConfigError(f"checkpoint in {folder} lacks tensor {key!r}")
+        def read(key: str, spec: tuple | None) -> torch.Tensor:
+            """This rank's slice of checkpoint tensor `key`."""
             if files[key] not in handles:
+                check_regular(files[key])  # safetensors opens it by name
                 handles[files[key]] = stack.enter_context(safe_open(files[key], framework="pt"))
-            full = handles[files[key]].get_slice(key)
-            if list(full.get_shape()) != shape:
-                raise ConfigError(f"tensor {key!r} has shape {list(full.get_shape())}, the config implies {shape}")
-            return _read_shard(full, spec)
-
-        def in_file(key: str) -> str:
-            return text_prefix + key[len("model.") :] if key.startswith("model.") else key
+            return _read_shard(handles[files[key]].get_slice(key), spec)
 
         for done, (name, param) in enumerate(params, 1):
-            spec, parts = specs[name]
-            keys = [in_file(key) for key in sources(model, name, parts)]
-            shape = list(whole.get_parameter(name).shape)
-            if parts is None:
-                tensor = read(keys[0], spec, shape)
-            else:  # stacked rows of sibling tensors: .../in_proj.weight from .../in_proj_qkv.weight, ...
-                sizes = whole.get_submodule(name.rsplit(".", 1)[0]).sizes
-                tensor = torch.cat([read(key, (0, ranges), [rows, *shape[1:]])
-                                    for key, (_, ranges), rows in zip(keys, parts, sizes, strict=True)])
+            reads, stacked = plan[name]
+            tensor = torch.cat([read(key, spec) for key, spec, _ in reads]) if stacked else read(*reads[0][:2])
             assert list(tensor.shape) == list(param.shape), (name, tensor.shape, param.shape)
             with torch.no_grad():
                 param.copy_(tensor)
             if progress:
                 progress(done, len(params))
     return model
+
+
+Read = tuple[str, tuple | None, list[int]]  # a checkpoint tensor, this rank's slice of it, its full shape
+
+
+def _reads(model: CausalLM, whole: CausalLM, specs: dict, files: dict[str, Path]) -> dict[str, tuple[list[Read], bool]]:
+    """Per parameter: the checkpoint tensors it is read from, and whether they are stacked rows
+    of sibling tensors (.../in_proj.weight from .../in_proj_qkv.weight, ...)."""
+    # multimodal wrappers keep the text model under model.language_model.
+    text_prefix = "model.language_model." if any(k.startswith("model.language_model.") for k in files) else "model."
+
+    def in_file(key: str) -> str:
+        return text_prefix + key[len("model.") :] if key.startswith("model.") else key
+
+    plan = {}
+    for name, (spec, parts) in specs.items():
+        keys = [in_file(key) for key in sources(model, name, parts)]
+        shape = list(whole.get_parameter(name).shape)
+        if parts is None:
+            plan[name] = ([(keys[0], spec, shape)], False)
+        else:
+            sizes = whole.get_submodule(name.rsplit(".", 1)[0]).sizes
+            plan[name] = ([(key, (0, ranges), [rows, *shape[1:]])
+                           for key, (_, ranges), rows in zip(keys, parts, sizes, strict=True)], True)
+    return plan
+
+
+def _check_shapes(plan: dict[str, tuple[list[Read], bool]], files: dict[str, Path], folder: Path) -> None:
+    """Every tensor the plan reads is in the checkpoint, with the shape the config implies (from
+    the safetensors headers, whose sizes match the files' bytes)."""
+    headers: dict[Path, dict[str, list[int]]] = {}
+    for reads, _ in plan.values():
+        for key, _, shape in reads:
+            if key not in files:
+                raise ConfigError(f"checkpoint in {folder} lacks tensor {key!r}")
+            if files[key] not in headers:
+                headers[files[key]] = read_header(files[key])
+            found = headers[files[key]].get(key)
+            if found is None:
+                raise ConfigError(f"{files[key]} lacks tensor {key!r}, which the checkpoint index puts there")
+            if found != shape:
+                raise ConfigError(f"tensor {key!r} has shape {found}, the config implies {shape}")
 
 
 def sources(model: CausalLM, name: str, parts: list | None) -> list[str]:

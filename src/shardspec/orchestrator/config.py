@@ -112,6 +112,11 @@ class EngineConfig:
     dist_timeout: float = DEFAULT_DIST_TIMEOUT_S
     """How long a worker's collective waits for a stuck peer before it gives up."""
 
+    step_timeout: float = 0.0
+    """Seconds a step's replies may take; a worker silent past it is named and handled as lost (its requests
+    fail, the engine reconnects). 0: derived from the step's tokens and the step times measured since the
+    model loaded, never under 30s (group.StepWatchdog). A hung worker still answers heartbeats."""
+
     def __post_init__(self) -> None:
         self._check_workers()
         self._check_decoding()
@@ -253,6 +258,7 @@ class EngineConfig:
         self.heartbeat_timeout = transport.check_heartbeat_timeout(self.heartbeat_timeout)
         self.dist_timeout = _seconds("dist_timeout", self.dist_timeout, *message_range(InitRequest, "timeout_s"))
         self.connect_timeout = _seconds("connect_timeout", self.connect_timeout, 0.1, MAX_CONNECT_TIMEOUT_S)
+        self.step_timeout = _seconds("step_timeout", self.step_timeout, 0.0, MAX_CONNECT_TIMEOUT_S)
         if self.dist_port is not None and (type(self.dist_port) is not int or not 0 < self.dist_port < 65536):
             raise ValueError(f"dist_port must be a port in [1, 65535], got {self.dist_port!r}")
         if (self.keys is None) != (self.server_keys is None):

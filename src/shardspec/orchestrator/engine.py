@@ -217,7 +217,7 @@ class Engine:
                 continue
             step = inflight.popleft()
             try:
-                self._deliver(await self.group.gather(step.futures))
+                self._deliver(await self.group.gather_step(step))  # within the step watchdog's bound
             except Exception as exc:
                 if _breaks_group(exc):
                     self.lost = str(exc)

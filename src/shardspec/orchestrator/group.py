@@ -6,9 +6,11 @@ rank also learns every rank's stage-link address: the stages send each other hid
 acceptance records directly, worker to worker), then `load`.
 
 Failures: a worker that exits or stops answering heartbeats fails the requests in flight with an
-error naming it; `recover` then says goodbye to the others and reconnects until every worker answers
-again (a supervisor restarted it, or this engine did for a worker it spawned), joins them in a new
-process group and loads the model again.
+error naming it, and so does one whose step reply does not come within the step watchdog's bound
+(a worker hung outside a collective still answers heartbeats from libzmq's IO thread); `recover`
+then says goodbye to the others and reconnects until every worker answers again (a supervisor
+restarted it, or this engine did for a worker it spawned), joins them in a new process group and
+loads the model again.
 """
 
 from __future__ import annotations
@@ -40,6 +42,17 @@ log = logging.getLogger("shardspec.orchestrator")
 RECONNECT_HELLO_S = 10.0  # per attempt at reaching every worker again after a failure
 RECONNECT_PAUSE_S = 1.0
 GOODBYE_TIMEOUT_S = 5.0
+LATE_READ_S = 1.0  # after a wait's timeout, for replies already on the socket to be read
+
+# the step watchdog's derived bound (step_timeout 0): FLOOR_S + SLACK × the slowest seconds per
+# token measured so far × the step's tokens; the first steps after a load may compile kernels and
+# capture graphs, so they get at least WARMUP_FLOOR_S, and before any step is measured the rate is
+# guessed from the weights as a slow CPU's (2 FLOPs per weight per token at ~40 GFLOP/s)
+STEP_FLOOR_S = 30.0
+STEP_SLACK = 10.0
+WARMUP_STEPS = 8
+WARMUP_FLOOR_S = 600.0
+GUESSED_S_PER_TOKEN_PER_GB = 0.05
 
 
 class WorkerGroup:
@@ -55,6 +68,7 @@ class WorkerGroup:
         self.load_request = config.load_request()
         self.load_info: LoadReply | None = None  # rank 0's
         self.relay = config.relay is True  # stage links through this engine (or after a direct one failed)
+        self.watchdog = StepWatchdog(config.step_timeout)
 
     @property
     def workers(self) -> list[WorkerClient]:
@@ -140,6 +154,7 @@ class WorkerGroup:
             log.info("stage %d: decoder layers %s on %s", stage, replies[ranks[0]][0].layers,
                      ", ".join(self.workers[rank].address for rank in ranks))
         self.load_request, self.load_info = request, replies[0][0]
+        self.watchdog.loaded(sum(reply.weight_bytes for reply, _ in replies), self.load_info.draft_tokens)
         return self.load_info
 
     async def disconnect(self) -> None:
@@ -206,17 +221,34 @@ class WorkerGroup:
         """Send one request to every rank and wait for all (reply, tensors), in rank order."""
         return await self.gather(self.submit_all(request, tensors), timeout)
 
-    async def gather(self, futures: list[asyncio.Future], timeout: float | None = None) -> list[tuple]:
+    async def gather_step(self, step: Any) -> list[tuple]:
+        """A step's replies (`step`: the engine's, with .futures and .batch), each within the
+        watchdog's bound; a rank silent past it is reported as lost, as a dead one would be."""
+        tokens = self.watchdog.tokens(step.batch)
+        bound = self.watchdog.bound(tokens)
+        started = asyncio.get_running_loop().time()
+        replies = await self.gather(step.futures, bound, f"its step within {bound:g}s (the step timeout, "
+                                    f"{'set' if self.config.step_timeout else 'derived from the batch'})")
+        self.watchdog.measured(tokens, asyncio.get_running_loop().time() - started)
+        return replies
+
+    async def gather(self, futures: list[asyncio.Future], timeout: float | None = None,
+                     what: str | None = None) -> list[tuple]:
         """Every rank's reply, in rank order; on an error, the most telling one.
 
         A rank that dies makes its peers' collectives fail too, often before its own connection is
         seen to drop: give that a heartbeat timeout to show, and report the lost worker rather than
-        its peers. The futures left are cancelled either way."""
+        its peers. Ranks silent after `timeout` are named in a WorkerLost (`what`: what they did not
+        send). The futures left are cancelled either way."""
         try:
             _, pending = await asyncio.wait(futures, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
+            if pending and not _errors(futures):  # a loop that was busy may not have read replies that came in time
+                _, pending = await asyncio.wait(pending, timeout=LATE_READ_S, return_when=asyncio.FIRST_EXCEPTION)
             if not (errors := _errors(futures)):
                 if pending:
-                    raise WorkerLost(f"the workers did not answer within {timeout:.0f}s")
+                    silent = [w.address for w, f in zip(self.workers, futures, strict=True) if f in pending]
+                    raise WorkerLost(f"worker{'s' * (len(silent) > 1)} {', '.join(silent)} did not answer "
+                                     f"{what or f'within {timeout:g}s'}: hung or overloaded")
                 return [future.result() for future in futures]
             if not any(isinstance(e, WorkerLost) for e in errors):
                 await asyncio.wait(futures, timeout=self.config.heartbeat_timeout)
@@ -225,6 +257,39 @@ class WorkerGroup:
         finally:
             for future in futures:
                 future.cancel()
+
+
+class StepWatchdog:
+    """How long a step's replies may take: the configured step_timeout, or (0) a bound derived
+    from the step's tokens and the slowest rate measured since the model loaded."""
+
+    def __init__(self, configured: float) -> None:
+        self.configured = configured
+        self.draft_tokens = 0
+        self.guessed_rate = 0.0  # seconds per token before any step is measured
+        self.rate: float | None = None  # the slowest seconds per token measured
+        self.steps = 0  # measured since the last load
+
+    def loaded(self, weight_bytes: int, draft_tokens: int) -> None:
+        self.draft_tokens = draft_tokens
+        self.guessed_rate = GUESSED_S_PER_TOKEN_PER_GB * weight_bytes / 1e9
+        self.rate, self.steps = None, 0
+
+    def tokens(self, batch: Any) -> int:
+        """The tokens a step computes: its prompts, and each decoded sequence's drafts and one more."""
+        return sum(len(r.prompt) for r in batch.prefill) + len(batch.decode) * (1 + self.draft_tokens)
+
+    def bound(self, tokens: int) -> float:
+        if self.configured:
+            return self.configured
+        rate = self.guessed_rate if self.rate is None else self.rate
+        floor = WARMUP_FLOOR_S if self.steps < WARMUP_STEPS else STEP_FLOOR_S
+        return max(floor, STEP_FLOOR_S + STEP_SLACK * rate * max(tokens, 1))
+
+    def measured(self, tokens: int, seconds: float) -> None:
+        self.steps += 1
+        if self.steps > WARMUP_STEPS:  # warm-up steps compile and capture: not the model's rate
+            self.rate = max(self.rate or 0.0, seconds / max(tokens, 1))
 
 
 def _errors(futures: list[asyncio.Future]) -> list[BaseException]:

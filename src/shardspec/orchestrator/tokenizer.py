@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
+
+from shardspec.models.config import MAX_TOKENIZER_BYTES, ConfigError, read_bytes, read_json
 
 
 class Tokenizer:
@@ -15,15 +16,17 @@ class Tokenizer:
 
     @classmethod
     def from_folder(cls, folder: Path) -> Tokenizer | None:
-        """The folder's tokenizer, or None when it has no tokenizer.json."""
+        """The folder's tokenizer, or None when it has no tokenizer.json; ConfigError for one that
+        is not a bounded regular file or that `tokenizers` cannot parse."""
         path = folder / "tokenizer.json"
-        if not path.is_file():
+        if not path.exists():
             return None
-        template = None
-        config = folder / "tokenizer_config.json"
-        if config.is_file():
-            template = json.loads(config.read_text()).get("chat_template")
-        return cls(_HFTokenizer.from_file(str(path)), template)
+        data = read_bytes(path, MAX_TOKENIZER_BYTES)
+        try:
+            inner = _HFTokenizer.from_str(data.decode())
+        except Exception as exc:  # not UTF-8, or any parse error (tokenizers raises a bare Exception)
+            raise ConfigError(f"cannot read {path}: {exc}") from None
+        return cls(inner, tokenizer_config(folder).get("chat_template"))
 
     def encode(self, text: str) -> list[int]:
         return self.inner.encode(text, add_special_tokens=False).ids
@@ -47,3 +50,14 @@ class Detokenizer:
             return ""
         new, self.emitted = text[self.emitted :], len(text)
         return new
+
+
+def tokenizer_config(folder: Path) -> dict:
+    """The folder's tokenizer_config.json ({} when it has none); ConfigError for a bad one."""
+    path = folder / "tokenizer_config.json"
+    if not path.exists():
+        return {}
+    config = read_json(path)
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} must hold a JSON object")
+    return config

@@ -10,9 +10,12 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
+import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -200,13 +203,16 @@ def _die_with_parent() -> None:
 
 class LocalWorkers:
     """Worker daemons spawned on this machine on ipc:// sockets; they die with this process, and
-    this process restarts one that exits (at most MAX_RESTARTS times each: a worker that keeps
-    crashing is a fault to report, not to hide)."""
+    this process restarts one that exits (at most MAX_RESTARTS times each in RESTART_WINDOW_S: a
+    worker that keeps crashing is a fault to report, not to hide, but crashes spread over a long
+    life are not)."""
 
     MAX_RESTARTS = 3
+    RESTART_WINDOW_S = 600.0
 
     def __init__(self, count: int, device: str, heartbeat_timeout: float = transport.DEFAULT_HEARTBEAT_TIMEOUT_S):
-        self.dir = Path(tempfile.mkdtemp(prefix="shardspec-"))
+        remove_stale_dirs()
+        self.dir = Path(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-"))
         self.addresses = [f"ipc://{self.dir}/worker{i}.sock" for i in range(count)]
         self.logs = [self.dir / f"worker{i}.log" for i in range(count)]
         devices = [f"cuda:{i}" for i in range(count)] if device == "cuda" else [device] * count
@@ -217,6 +223,7 @@ class LocalWorkers:
             for address, dev in zip(self.addresses, devices, strict=True)
         ]
         self.restarts = [0] * count
+        self.recent_restarts: list[deque[float]] = [deque() for _ in range(count)]  # monotonic times, in the window
         self.procs: list[subprocess.Popen] = [self._spawn(i, "wb") for i in range(count)]
 
     def _spawn(self, i: int, mode: str) -> subprocess.Popen:
@@ -235,12 +242,16 @@ class LocalWorkers:
         for i, proc in enumerate(self.procs):
             if proc.poll() is None:
                 continue
-            if self.restarts[i] >= self.MAX_RESTARTS:
-                raise WorkerLost(f"local worker {i} exited with code {proc.returncode} after {self.restarts[i]} "
-                                 f"restarts:\n{self.log_tail(i)}")
+            recent, now = self.recent_restarts[i], time.monotonic()
+            while recent and recent[0] <= now - self.RESTART_WINDOW_S:
+                recent.popleft()
+            if len(recent) >= self.MAX_RESTARTS:
+                raise WorkerLost(f"local worker {i} exited with code {proc.returncode} after {len(recent)} restarts "
+                                 f"in the last {self.RESTART_WINDOW_S:g}s:\n{self.log_tail(i)}")
+            recent.append(now)
             self.restarts[i] += 1
-            log.warning("local worker %d exited with code %s; starting it again (%d/%d)", i, proc.returncode,
-                        self.restarts[i], self.MAX_RESTARTS)
+            log.warning("local worker %d exited with code %s; starting it again (%d/%d in %gs)", i, proc.returncode,
+                        len(recent), self.MAX_RESTARTS, self.RESTART_WINDOW_S)
             self.procs[i] = self._spawn(i, "ab")
             restarted.append(i)
         return restarted
@@ -262,6 +273,35 @@ class LocalWorkers:
                 proc.kill()
                 proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+DIR_PREFIX = "shardspec-"  # LocalWorkers' folders: shardspec-PID-RANDOM in the temporary folder
+
+
+def remove_stale_dirs() -> list[Path]:
+    """Remove this user's LocalWorkers folders whose orchestrator's process is gone (killed with
+    SIGKILL, it could not remove its own); -> the folders removed."""
+    removed = []
+    for path in Path(tempfile.gettempdir()).glob(f"{DIR_PREFIX}*-*"):
+        pid = path.name[len(DIR_PREFIX) :].split("-", 1)[0]
+        try:
+            info = path.lstat()
+        except OSError:
+            continue
+        if pid.isdigit() and stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether it exists
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 async def wait_ready(client: WorkerClient, local: LocalWorkers | None, timeout: float) -> Any:

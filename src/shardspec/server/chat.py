@@ -16,6 +16,8 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from shardspec.orchestrator.tokenizer import tokenizer_config
+
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
@@ -55,10 +57,7 @@ class ChatTemplate:
     @classmethod
     def from_folder(cls, folder: Path) -> ChatTemplate | None:
         """The folder's `tokenizer_config.json` chat template, or None when it has none."""
-        path = folder / "tokenizer_config.json"
-        if not path.is_file():
-            return None
-        config = json.loads(path.read_text())
+        config = tokenizer_config(folder)  # a bounded regular file, or {}
         source = config.get("chat_template")
         if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
             source = next((t.get("template") for t in source if t.get("name") == "default"), None)

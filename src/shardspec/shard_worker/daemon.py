@@ -534,6 +534,7 @@ class ShardWorker:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"step takes one tensor 'prompt_ids', got {sorted(tensors)}")
         prompt_ids = tensors.get("prompt_ids", torch.empty(0, dtype=torch.int64))
         started = time.perf_counter()
+        _hang_for_test()
         result = runner.step(body, prompt_ids)
         self.steps += 1
         step_s = time.perf_counter() - started
@@ -656,6 +657,27 @@ def _leave_process_group() -> None:
 def _source_fd(frames: list) -> int | None:
     """The file descriptor of the connection a message came on (libzmq's SRCFD), if any."""
     return frames[0].get(zmq.SRCFD) if frames else None
+TEST_HANG_ENV = "SHARDSPEC_TEST_HANG_STEP"  # tests only: "N:S" sleeps S seconds in this process's Nth step, once
+
+
+def _test_hang() -> list[float] | None:
+    value = os.environ.get(TEST_HANG_ENV)
+    if not value:
+        return None
+    step, _, seconds = value.partition(":")
+    return [int(step), float(seconds or 60)]
+
+
+_TEST_HANG = _test_hang()
+
+
+def _hang_for_test() -> None:
+    """Tests of the step watchdog only: hang once, outside any collective; heartbeats keep flowing."""
+    if _TEST_HANG is not None:
+        _TEST_HANG[0] -= 1
+        if _TEST_HANG[0] == 0:
+            log.warning("%s: hanging in this step for %gs (a test hook)", TEST_HANG_ENV, _TEST_HANG[1])
+            time.sleep(_TEST_HANG[1])
 
 
 def _libc() -> Any:
