@@ -195,7 +195,8 @@ async def run(args: argparse.Namespace, out: dict, save) -> None:
         out["link_cost"] = link_costs(config, args.batch, sorted({0, *args.k}), device)
         save()
     max_seq_len = max([PROMPT_LEN + args.new_tokens + 64, *(p + 8 for p in args.prefill)])
-    async with shardspec.connect(model=str(args.ckpt), local=args.tp * args.pp, pp=args.pp, tp=args.tp,
+    stages = {"micro_batches": args.micro_batches} if args.micro_batches else {}
+    async with shardspec.connect(model=str(args.ckpt), local=args.tp * args.pp, pp=args.pp, tp=args.tp, **stages,
                                  device=args.device, mtp=None, max_slots=max(args.batch), max_seq_len=max_seq_len,
                                  connect_timeout=600) as engine:
         bench = Bench(engine, str(Path(args.ckpt).resolve()), config, out["bandwidth_GBps"] * 1e9, max_seq_len,
@@ -257,6 +258,7 @@ def main() -> None:
     parser.add_argument("--ckpt", type=Path, default=None, help="checkpoint folder (written if missing)")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (with --device cuda:N: all on that GPU)")
+    parser.add_argument("--micro-batches", type=int, default=None, help="micro-batches in flight (default: --pp)")
     parser.add_argument("--link-cost", action="store_true", help="also time one stage-link message per batch and k")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
@@ -272,7 +274,8 @@ def main() -> None:
     if not (args.ckpt / "config.json").exists():
         dtype = torch.float32 if args.size == "tiny" else torch.bfloat16
         write_random_checkpoint(args.ckpt, SIZES[args.size](), seed=0, dtype=dtype, keep=False)
-    out: dict = {"size": args.size, "tp": args.tp, "pp": args.pp, "device": torch.cuda.get_device_name() if
+    out: dict = {"size": args.size, "tp": args.tp, "pp": args.pp, "micro_batches": args.micro_batches,
+                 "device": torch.cuda.get_device_name() if
                  torch.cuda.is_available() else "cpu", "setup": setup()}
 
     def save() -> None:

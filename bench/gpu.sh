@@ -22,7 +22,7 @@
 #           1/8/32, MTP off and k = 3 at 0.8; TP = 2 unfused without MTP
 #   pp      pipeline stages on one GPU (one H200 is enough): tests/test_cuda.py, then 9B-class PP = 1 and
 #           PP = 2 with both stages on cuda:0, batch 1/8, MTP off and k = 3 at 0.8, and the stage link's
-#           cost per message; each part runs even if one before it failed (the exit status says)
+#           cost per message; batch 8 again as one micro-batch; each part runs even if one before it failed (the exit status says)
 # Then, where matplotlib is: python bench/plot_decode.py OUT/decode-9b-tp1.json ... --out docs/decode.png
 set -euo pipefail
 if [ $# -lt 3 ]; then
@@ -100,6 +100,8 @@ for stage in "$@"; do
             --out "$out/decode-9b-pp1.json" 2>&1 | tee "$out/decode-9b-pp1.log" || failed=1
         python3 bench/decode.py --size 9b --ckpt .bench/9b --pp 2 --device cuda:0 --batch 1 8 --k 3 --forced 0.8 \
             --prefill --link-cost --out "$out/decode-9b-pp2.json" 2>&1 | tee "$out/decode-9b-pp2.log" || failed=1
+        python3 bench/decode.py --size 9b --ckpt .bench/9b --pp 2 --micro-batches 1 --device cuda:0 --batch 8 --k 3 \
+            --forced 0.8 --prefill --out "$out/decode-9b-pp2-mb1.json" 2>&1 | tee "$out/decode-9b-pp2-mb1.log" || failed=1
         ;;
     esac
 done

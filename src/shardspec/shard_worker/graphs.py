@@ -14,7 +14,8 @@ Under pipeline stages the link I/O stays outside the graphs: a stage after the f
 input hidden states from a buffer per bucket (the received frame, one host-to-device copy), and a
 stage before the last captures its layers alone (verify, no LM head) and the commit of the accepted
 prefix (in place of draft), which runs when the last stage's record comes, after other steps: each
-bucket has `copies`, one per step still to commit.
+bucket has `copies`, one per step still to commit, and each copy index its own graph pool, so that
+no other step's graphs reuse the memory of a held copy's outputs as their temporaries.
 """
 
 from __future__ import annotations
@@ -60,12 +61,12 @@ class _Bucket:
     """The graphs of one (batch bucket, context bucket), captured at load (capture_all) or on first use."""
 
     context: int
+    copy: int  # its copy index: the graph pool it is captured in
     padding: torch.Tensor  # rows of padding only: what the graphs are captured on
     packed: torch.Tensor  # the input rows every graph reads
     accepts: torch.Tensor  # the draft graph's second input
     inputs: torch.Tensor | None  # a stage after the first: the hidden states the graphs read [size, k + 1, H]
     graphs: dict[str, tuple[torch.cuda.CUDAGraph, Any]] = field(default_factory=dict)
-    held: bool = False  # its verify outputs wait for their follow pass (the commit of a step in flight)
 
 
 class StepPasses:
@@ -89,7 +90,10 @@ class StepPasses:
         self.graphs = graphs and device.type == "cuda"
         self.inputs, self.copies = inputs, copies
         self.buckets: dict[tuple[int, int, int], _Bucket] = {}  # (batch bucket, context bucket, copy)
-        self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        # per copy index: its graph pool, and whether one of its buckets' verify outputs wait for their
+        # follow pass (the commit of a step in flight), so no other graph of the pool may run
+        self.pools = [torch.cuda.graph_pool_handle() for _ in range(copies)] if self.graphs else []
+        self.held = [False] * copies
 
     def fused(self, rows: list[list[int]], context: int, x: torch.Tensor | None = None) -> torch.Tensor:
         bucket = self._upload(rows, context, x)
@@ -108,11 +112,11 @@ class StepPasses:
             return hidden, argmax, lambda accepts: self.draft_fn(packed, upload(accepts, self.device), hidden, saved,
                                                                  context)
         hidden, argmax, _ = self._replay(bucket, "verify")
-        bucket.held = self.draft_len > 0
+        self.held[bucket.copy] = self.draft_len > 0
 
         def follow(accepts: list[list[int]]) -> torch.Tensor | None:
             upload(accepts + [[0, 0]] * (len(bucket.packed) - B), self.device, out=bucket.accepts)
-            bucket.held = False
+            self.held[bucket.copy] = False
             out = self._replay(bucket, "draft")
             return None if out is None else out[:B]
 
@@ -150,11 +154,11 @@ class StepPasses:
         size = bucket_size(len(rows)) if self.graphs else None
         if size is None:
             return None
-        copies = [self._bucket(size, self._context_bucket(context), i) for i in range(self.copies)]
         # with one copy (the last stage) a verify's follow runs before the next verify, or never (a failed step)
-        bucket = next((b for b in copies if not b.held), copies[0] if self.copies == 1 else None)
-        if bucket is None:
+        copy = next((i for i, held in enumerate(self.held) if not held), 0 if self.copies == 1 else None)
+        if copy is None:
             return None
+        bucket = self._bucket(size, self._context_bucket(context), copy)
         upload(rows + [self.pad_row] * (size - len(rows)), self.device, out=bucket.packed)
         if x is not None:
             bucket.inputs[: len(rows)].copy_(x)  # padding rows keep whatever they held: they touch the scratch slot
@@ -172,7 +176,7 @@ class StepPasses:
             if self.inputs is not None:
                 hidden, dtype = self.inputs
                 inputs = torch.zeros(size, self.draft_len + 1, hidden, dtype=dtype, device=self.device)
-            bucket = _Bucket(context, padding, padding.clone(), accepts, inputs)
+            bucket = _Bucket(context, copy, padding, padding.clone(), accepts, inputs)
             self.buckets[size, context, copy] = bucket
         return bucket
 
@@ -196,18 +200,19 @@ class StepPasses:
         bucket.packed.copy_(bucket.padding)
         packed, accepts, context, x = bucket.packed, bucket.accepts, bucket.context, bucket.inputs
         if name == "fused":
-            bucket.graphs["fused"] = self._graph(lambda: self.fused_fn(packed, context, x))
+            bucket.graphs["fused"] = self._graph(lambda: self.fused_fn(packed, context, x), bucket.copy)
         else:
             # verify and draft together: the draft graph reads the verify graph's outputs (hidden
             # states, the saved inputs of the commit); the bucket owns them, so no later capture
             # can take their memory from the pool
-            bucket.graphs["verify"] = self._graph(lambda: self.verify_fn(packed, context, x))
+            bucket.graphs["verify"] = self._graph(lambda: self.verify_fn(packed, context, x), bucket.copy)
             if self.draft_len:
                 hidden, _, saved = bucket.graphs["verify"][1]
-                bucket.graphs["draft"] = self._graph(lambda: self.draft_fn(packed, accepts, hidden, saved, context))
+                bucket.graphs["draft"] = self._graph(lambda: self.draft_fn(packed, accepts, hidden, saved, context),
+                                                     bucket.copy)
         bucket.packed.copy_(rows)
 
-    def _graph(self, fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    def _graph(self, fn: Callable[[], Any], copy: int) -> tuple[torch.cuda.CUDAGraph, Any]:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up outside the capture (lazy init, library handles, autotuning)
@@ -215,6 +220,6 @@ class StepPasses:
                 fn()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pools[copy]):
             outputs = fn()
         return graph, outputs
