@@ -11,6 +11,11 @@ weights never draft right), and prefill tokens/s at the given prompt lengths. Ev
 is set against its floor: (this rank's weight bytes + the cache bytes a step reads and writes) ÷
 the measured copy bandwidth. With --hf, transformers' `generate` runs on the same checkpoint and
 GPU in the same run. Results go to stdout as tables and to --out as JSON, row by row.
+
+With --pp P the workers form P pipeline stages (P × --tp of them); `--device cuda:0` puts every
+stage on one GPU, whose floor is then the whole model's bytes (the stages run one after the other
+on it). --link-cost adds what one stage-link message of this model's hidden states costs at each
+batch size: its bytes, encode + send + receive through ZeroMQ, and the copies off and onto the GPU.
 """
 
 from __future__ import annotations
@@ -58,9 +63,11 @@ def step_bytes(config: Qwen3_5Config, tp: int, weight_bytes: int, batch: int, co
 
 
 class Bench:
-    def __init__(self, engine, model: str, config: Qwen3_5Config, bandwidth: float, max_seq_len: int):
+    def __init__(self, engine, model: str, config: Qwen3_5Config, bandwidth: float, max_seq_len: int,
+                 last_rank: int = 0):
         self.engine, self.model, self.config = engine, model, config
         self.bandwidth, self.max_seq_len = bandwidth, max_seq_len
+        self.last_rank = last_rank  # a rank of the last stage: it verifies, so it counts the drafts
 
     async def reload(self, slots: int, k: int | None, forced: float | None) -> None:
         """New caches and MTP settings on the loaded weights (the workers keep them)."""
@@ -80,11 +87,12 @@ class Bench:
             return final.stats
 
         await asyncio.gather(*(one(p, 4) for p in prompts))  # warm-up
-        before = (await self.engine.stats())[0]
+        every_before = await self.engine.stats()
         started = time.perf_counter()
         stats = await asyncio.gather(*(one(p, new_tokens) for p in prompts))
         wall = time.perf_counter() - started
-        after = (await self.engine.stats())[0]
+        every_after = await self.engine.stats()
+        before, after = every_before[self.last_rank], every_after[self.last_rank]
         steps = after.steps - before.steps
         ttft = max(s["time_to_first_token_s"] for s in stats)
         decode_s = wall - ttft
@@ -92,6 +100,10 @@ class Bench:
         result = {"batch": batch, "tokens_per_s": tokens / decode_s, "step_ms": 1000 * decode_s / max(1, steps - 1),
                   "steps": steps, "idle_gap_ms": 1000 * (after.step_gap_total_s - before.step_gap_total_s)
                   / max(1, after.step_gaps - before.step_gaps)}
+        if len(every_after) > 1:  # per rank: waits on the stage links, and the share of the run outside steps
+            result["link_wait_ms_per_step"] = [1000 * (a.link_wait_s - b.link_wait_s) / max(1, steps)
+                                               for a, b in zip(every_after, every_before)]
+            result["idle"] = [1 - (a.busy_s - b.busy_s) / wall for a, b in zip(every_after, every_before)]
         drafts = after.drafts - before.drafts
         if drafts:
             result["mean_acceptance_length"] = 1 + (after.accepted_tokens - before.accepted_tokens) / drafts
@@ -143,18 +155,56 @@ def transformers_decode(model: str, batches: list[int], new_tokens: int, vocab: 
     return rows
 
 
+def link_costs(config: Qwen3_5Config, batches: list[int], ks: list[int], device: torch.device) -> list[dict]:
+    """One stage-link message of a verify pass at each batch and k: bytes, encode + send + receive
+    (bench/pipeline.py's link_cost, best of 200), and the copy off the GPU into a reused pinned
+    buffer plus the copy of the received frame onto it (best of 200)."""
+    from pipeline import link_cost
+
+    from shardspec.shard_worker.links import PinnedStaging
+
+    rows = []
+    for batch in batches:
+        for k in ks:
+            size, seconds = link_cost(config.hidden_size, batch * (k + 1))
+            row = {"batch": batch, "k": k, "bytes": size, "encode_send_receive_us": 1e6 * seconds}
+            if device.type == "cuda":
+                hidden = torch.randn(batch, k + 1, config.hidden_size, dtype=torch.bfloat16, device=device)
+                staging, inputs, best = PinnedStaging(), torch.empty_like(hidden), float("inf")
+                for _ in range(200):
+                    sync(device)
+                    started = time.perf_counter()
+                    host = staging.host_copy(hidden)
+                    inputs.copy_(host)
+                    sync(device)
+                    best = min(best, time.perf_counter() - started)
+                row["copies_us"] = 1e6 * best
+            rows.append(row)
+            copies = f"; off + onto the GPU {row['copies_us']:.0f} us" if "copies_us" in row else ""
+            print(f"stage link, batch {batch}, k = {k}: {size} bytes per message; encode + send + receive "
+                  f"{row['encode_send_receive_us']:.0f} us{copies}", flush=True)
+    return rows
+
+
 async def run(args: argparse.Namespace, out: dict, save) -> None:
     config = Qwen3_5Config.from_folder(args.ckpt)
-    device = torch.device("cuda" if args.device == "cuda" else "cpu")
+    device = torch.device(args.device)
     out["bandwidth_GBps"] = copy_bandwidth(device) / 1e9
     print(f"copy bandwidth {out['bandwidth_GBps']:.0f} GB/s", flush=True)
+    if args.link_cost:
+        out["link_cost"] = link_costs(config, args.batch, sorted({0, *args.k}), device)
+        save()
     max_seq_len = max([PROMPT_LEN + args.new_tokens + 64, *(p + 8 for p in args.prefill)])
-    async with shardspec.connect(model=str(args.ckpt), local=args.tp, device=args.device, mtp=None,
-                                 max_slots=max(args.batch), max_seq_len=max_seq_len,
+    stages = {"micro_batches": args.micro_batches} if args.micro_batches else {}
+    async with shardspec.connect(model=str(args.ckpt), local=args.tp * args.pp, pp=args.pp, tp=args.tp, **stages,
+                                 device=args.device, mtp=None, max_slots=max(args.batch), max_seq_len=max_seq_len,
                                  connect_timeout=600) as engine:
-        bench = Bench(engine, str(Path(args.ckpt).resolve()), config, out["bandwidth_GBps"] * 1e9, max_seq_len)
-        weight_bytes = engine.load_info.weight_bytes
-        out["weight_bytes_per_rank"] = weight_bytes
+        bench = Bench(engine, str(Path(args.ckpt).resolve()), config, out["bandwidth_GBps"] * 1e9, max_seq_len,
+                      last_rank=(args.pp - 1) * args.tp)
+        out["weight_bytes_per_rank"] = engine.load_info.weight_bytes
+        # one sequence's step reads a rank's weights of every stage, one stage after the other
+        out["weight_bytes_per_stage"] = [s.weight_bytes for s in (await engine.stats())[:: args.tp]]
+        weight_bytes = sum(out["weight_bytes_per_stage"])
         out["decode"] = []
         print("| batch | MTP | tokens/s | step ms | floor ms | of floor | MAL | idle gap ms |", flush=True)
         print("|---|---|---|---|---|---|---|---|", flush=True)
@@ -207,6 +257,9 @@ def main() -> None:
     parser.add_argument("--size", choices=SIZES, default="9b")
     parser.add_argument("--ckpt", type=Path, default=None, help="checkpoint folder (written if missing)")
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (with --device cuda:N: all on that GPU)")
+    parser.add_argument("--micro-batches", type=int, default=None, help="micro-batches in flight (default: --pp)")
+    parser.add_argument("--link-cost", action="store_true", help="also time one stage-link message per batch and k")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--k", type=int, nargs="*", default=[1, 2, 3, 4])
@@ -221,7 +274,8 @@ def main() -> None:
     if not (args.ckpt / "config.json").exists():
         dtype = torch.float32 if args.size == "tiny" else torch.bfloat16
         write_random_checkpoint(args.ckpt, SIZES[args.size](), seed=0, dtype=dtype, keep=False)
-    out: dict = {"size": args.size, "tp": args.tp, "device": torch.cuda.get_device_name() if
+    out: dict = {"size": args.size, "tp": args.tp, "pp": args.pp, "micro_batches": args.micro_batches,
+                 "device": torch.cuda.get_device_name() if
                  torch.cuda.is_available() else "cpu", "setup": setup()}
 
     def save() -> None:

@@ -20,6 +20,9 @@
 #           TP = 1 and at TP = 2 fused and unfused (with the all-reduce kernels of both ranks)
 #   27b     27B-class (written first, ~1.5 min): TP = 2 (symmetric memory, fused) and TP = 1, batch
 #           1/8/32, MTP off and k = 3 at 0.8; TP = 2 unfused without MTP
+#   pp      pipeline stages on one GPU (one H200 is enough): tests/test_cuda.py, then 9B-class PP = 1 and
+#           PP = 2 with both stages on cuda:0, batch 1/8, MTP off and k = 3 at 0.8, and the stage link's
+#           cost per message; batch 8 again as one micro-batch; each part runs even if one before it failed (the exit status says)
 # Then, where matplotlib is: python bench/plot_decode.py OUT/decode-9b-tp1.json ... --out docs/decode.png
 set -euo pipefail
 if [ $# -lt 3 ]; then
@@ -30,11 +33,12 @@ wheels=$1 out=$2
 shift 2
 for stage in "$@"; do
     case $stage in
-    tests | 9b | 9b-tp2 | tp2-profile | 27b) ;;
-    *) echo "gpu.sh: unknown stage '$stage' (tests, 9b, 9b-tp2, tp2-profile, 27b)" >&2; exit 2 ;;
+    tests | 9b | 9b-tp2 | tp2-profile | 27b | pp) ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, 9b, 9b-tp2, tp2-profile, 27b, pp)" >&2; exit 2 ;;
     esac
 done
 mkdir -p "$out" .bench
+failed=0
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/shardspec-site \
     "$wheels"/*.whl
 export PYTHONPATH=/tmp/shardspec-site:$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -87,5 +91,18 @@ for stage in "$@"; do
             --batch 1 8 32 --k --forced --prefill --out "$out/decode-27b-tp2-symm-unfused.json" 2>&1 \
             | tee "$out/decode-27b-tp2-symm-unfused.log"
         ;;
+    pp)
+        [ -f .bench/9b/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/9b --size 9b &
+        writer=$!   # on the CPUs, while the tests take the GPU
+        python3 -m pytest -q tests/test_cuda.py --durations=10 --timeout 300 2>&1 | tee "$out/tests-pp.log" || failed=1
+        wait $writer || failed=1
+        python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 1 --batch 1 8 --k 3 --forced 0.8 --prefill \
+            --out "$out/decode-9b-pp1.json" 2>&1 | tee "$out/decode-9b-pp1.log" || failed=1
+        python3 bench/decode.py --size 9b --ckpt .bench/9b --pp 2 --device cuda:0 --batch 1 8 --k 3 --forced 0.8 \
+            --prefill --link-cost --out "$out/decode-9b-pp2.json" 2>&1 | tee "$out/decode-9b-pp2.log" || failed=1
+        python3 bench/decode.py --size 9b --ckpt .bench/9b --pp 2 --micro-batches 1 --device cuda:0 --batch 8 --k 3 \
+            --forced 0.8 --prefill --out "$out/decode-9b-pp2-mb1.json" 2>&1 | tee "$out/decode-9b-pp2-mb1.log" || failed=1
+        ;;
     esac
 done
+exit $failed

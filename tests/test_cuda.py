@@ -34,16 +34,22 @@ def held_out_ids(count: int) -> list[int]:
     return Tokenizer.from_folder(BUNDLED_MODEL).encode(text)[:count]
 
 
-def greedy(device: str, dtype: str, tp: int, mtp: bool) -> list[list[int]]:
+def greedy(device: str, dtype: str, tp: int, mtp: bool, prompts: list[str] = PROMPTS, pp: int = 1,
+           logs: list[str] | None = None) -> list[list[int]]:
+    """The greedy outputs of `prompts`, generated together; `logs` receives the local workers' logs."""
     async def run():
-        async with shardspec.connect(model=str(BUNDLED_MODEL), local=tp, device=device, dtype=dtype, mtp=mtp) as e:
+        async with shardspec.connect(model=str(BUNDLED_MODEL), local=tp * pp, pp=pp, tp=tp, device=device, dtype=dtype,
+                                     mtp=mtp) as e:
             async def one(prompt):
                 out = []
                 async for chunk in e.generate(prompt, max_tokens=64, stop_at_eos=False):
                     out += chunk.token_ids
                 return out
 
-            return await asyncio.gather(*(one(p) for p in PROMPTS))
+            outputs = await asyncio.gather(*(one(p) for p in prompts))
+            if logs is not None:
+                logs.extend(path.read_text(errors="replace") for path in e.group.local.logs)
+            return outputs
 
     return asyncio.run(run())
 
@@ -80,6 +86,20 @@ def test_bf16_greedy_with_mtp_equals_without_on_the_gpu(tp):
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} GPUs")
     assert greedy("cuda", "bfloat16", tp, mtp=True) == greedy("cuda", "bfloat16", tp, mtp=False)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_greedy_at_pp_2_with_graphs_on_both_stages_of_one_gpu_equals_pp_1(dtype):
+    """Two stage workers on one GPU, both replaying CUDA graphs: the last stage's fused pass reads
+    the received hidden states from its bucket's buffer, stage 0's verify pass ends at its layers'
+    output and its commit waits for the record. Four sequences in two micro-batches of one bucket,
+    so two of stage 0's steps await their records at once, each in its own graph copy. MTP on; the
+    same greedy tokens as one worker (whose batch of four is another bucket's shapes)."""
+    prompts = [*PROMPTS, "for i in range(10):\n"]
+    logs: list[str] = []
+    staged = greedy("cuda:0", dtype, 1, mtp=True, prompts=prompts, pp=2, logs=logs)
+    assert all("captured" in log for log in logs), "a stage ran without CUDA graphs"
+    assert staged == greedy("cuda:0", dtype, 1, mtp=True, prompts=prompts)
 
 
 def test_the_all_reduce_fused_with_the_norm_equals_all_reduce_then_norm():
@@ -205,7 +225,7 @@ def test_every_graph_a_step_replays_is_captured_at_load():
     model = load_model(BUNDLED_MODEL, TPGroup(), torch.bfloat16, torch.device("cuda"), with_mtp=True)
     runner = ModelRunner(model, torch.device("cuda"), max_slots=6, max_seq_len=128, prefill_chunk=128, draft_len=2)
     captured = {key: set(bucket.graphs) for key, bucket in runner.passes.buckets.items()}
-    assert sorted(size for size, _ in captured) == [1, 2, 4, 8]
+    assert sorted(size for size, _, _ in captured) == [1, 2, 4, 8]
     assert all(names == {"fused", "verify", "draft"} for names in captured.values())
     prompt = torch.tensor(Tokenizer.from_folder(BUNDLED_MODEL).encode(PROMPTS[0]))
     sampled = 5  # the longest-lived: mixed steps at every size, greedy-only steps of up to 5 rows

@@ -342,7 +342,7 @@ class ShardWorker:
             check_allreduce_setting()
         except ValueError as exc:
             raise ProtocolError(ErrorCode.BAD_STATE, f"this worker's {exc}") from None
-        if body.world_size > 1:
+        if body.tp_size > 1:  # stages of one rank each share no collective (nor could ranks on one GPU: NCCL)
             if not body.dist_addr.startswith("tcp://"):
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"dist_addr must be tcp://HOST:PORT, got {body.dist_addr!r}")
             log.info("joining %s group at %s as rank %d/%d", backend, body.dist_addr, body.rank, body.world_size)

@@ -9,6 +9,13 @@ around the host's acceptance decision (rejection sampling): `verify` (the target
 sequence's pending token and drafts, and the greedy argmax) and `draft` (commit the accepted
 prefix, run the MTP head over it, chain k new drafts). The batch is padded to its bucket with rows
 that touch only a scratch cache slot. The host uploads one packed int64 tensor per pass.
+
+Under pipeline stages the link I/O stays outside the graphs: a stage after the first reads its
+input hidden states from a buffer per bucket (the received frame, one host-to-device copy), and a
+stage before the last captures its layers alone (verify, no LM head) and the commit of the accepted
+prefix (in place of draft), which runs when the last stage's record comes, after other steps: each
+bucket has `copies`, one per step still to commit, and each copy index its own graph pool, so that
+no other step's graphs reuse the memory of a held copy's outputs as their temporaries.
 """
 
 from __future__ import annotations
@@ -24,11 +31,13 @@ from shardspec import kernels
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MIN_CONTEXT_BUCKET = 256
 
-# (packed, context) -> (hidden, argmax, what the pass saved for the commit: Batch.saved)
-VerifyFn = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, dict]]
-# (packed, accepts, hidden, saved, context) -> the next drafts [B, k]
-DraftFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, dict, int], torch.Tensor]
-FusedFn = Callable[[torch.Tensor, int], torch.Tensor]  # (packed, context) -> [B, 2 + k]
+# (packed, context, input hidden states or None) -> (hidden, argmax (None before the last stage),
+# what the pass saved for the commit: Batch.saved)
+VerifyFn = Callable[[torch.Tensor, int, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None, dict]]
+# (packed, accepts, hidden, saved, context) -> the next drafts [B, k] (before the last stage: the commit, None)
+DraftFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, dict, int], torch.Tensor | None]
+FusedFn = Callable[[torch.Tensor, int, torch.Tensor | None], torch.Tensor]  # (packed, context, input) -> [B, 2 + k]
+Follow = Callable[[list[list[int]]], torch.Tensor | None]  # accepts -> the draft (or commit) of a verify
 
 
 def bucket_size(n: int) -> int | None:
@@ -52,54 +61,66 @@ class _Bucket:
     """The graphs of one (batch bucket, context bucket), captured at load (capture_all) or on first use."""
 
     context: int
+    copy: int  # its copy index: the graph pool it is captured in
     padding: torch.Tensor  # rows of padding only: what the graphs are captured on
     packed: torch.Tensor  # the input rows every graph reads
     accepts: torch.Tensor  # the draft graph's second input
+    inputs: torch.Tensor | None  # a stage after the first: the hidden states the graphs read [size, k + 1, H]
     graphs: dict[str, tuple[torch.cuda.CUDAGraph, Any]] = field(default_factory=dict)
 
 
 class StepPasses:
-    """fused(rows, context), or verify(rows, context) then draft(accepts); eager or from graphs;
-    outputs are valid until the next call. rows: [pending, d1..dk, length, slot, forced] per
-    sequence; accepts: [accepted, new token]."""
+    """fused(rows, context, x), or verify(rows, context, x) then its follow(accepts); eager or from
+    graphs; outputs are valid until the next call (a held copy's, until its follow). rows:
+    [pending, d1..dk, length, slot, forced] per sequence; accepts: [accepted, new token]; x: the
+    stage before's hidden states [B, k + 1, H] on the host, None on the first stage.
 
-    def __init__(self, verify_fn: VerifyFn, draft_fn: DraftFn, fused_fn: FusedFn, device: torch.device,
-                 draft_len: int, scratch_slot: int, max_context: int, graphs: bool):
+    `inputs` (hidden size, dtype): the stage reads the stage before's hidden states, not token ids.
+    `copies` of each bucket: how many verifies may wait for their follow at once (a stage before the
+    last: its steps in flight); one more runs eagerly. fused_fn None: the stage has no fused pass."""
+
+    def __init__(self, verify_fn: VerifyFn, draft_fn: DraftFn, fused_fn: FusedFn | None, device: torch.device,
+                 draft_len: int, scratch_slot: int, max_context: int, graphs: bool,
+                 inputs: tuple[int, torch.dtype] | None = None, copies: int = 1):
         self.verify_fn, self.draft_fn, self.fused_fn = verify_fn, draft_fn, fused_fn
         self.device = device
         self.draft_len = draft_len
         self.pad_row = [0] * (draft_len + 2) + [scratch_slot, -1]
         self.max_context = max_context
         self.graphs = graphs and device.type == "cuda"
-        self.buckets: dict[tuple[int, int], _Bucket] = {}
-        self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
-        self._draft: Callable[[list[list[int]]], torch.Tensor] | None = None  # the draft of the last verify
+        self.inputs, self.copies = inputs, copies
+        self.buckets: dict[tuple[int, int, int], _Bucket] = {}  # (batch bucket, context bucket, copy)
+        # per copy index: its graph pool, and whether one of its buckets' verify outputs wait for their
+        # follow pass (the commit of a step in flight), so no other graph of the pool may run
+        self.pools = [torch.cuda.graph_pool_handle() for _ in range(copies)] if self.graphs else []
+        self.held = [False] * copies
 
-    def fused(self, rows: list[list[int]], context: int) -> torch.Tensor:
-        bucket = self._upload(rows, context)
+    def fused(self, rows: list[list[int]], context: int, x: torch.Tensor | None = None) -> torch.Tensor:
+        bucket = self._upload(rows, context, x)
         if bucket is None:
-            return self.fused_fn(upload(rows, self.device), min(context, self.max_context))
+            return self.fused_fn(upload(rows, self.device), min(context, self.max_context), self._to_device(x))
         return self._replay(bucket, "fused")[: len(rows)]
 
-    def verify(self, rows: list[list[int]], context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def verify(self, rows: list[list[int]], context: int,
+               x: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, Follow]:
+        """(hidden, argmax, the follow pass of this verify: draft, or commit before the last stage)."""
         B = len(rows)
-        bucket = self._upload(rows, context)
+        bucket = self._upload(rows, context, x)
         if bucket is None:
             packed, context = upload(rows, self.device), min(context, self.max_context)
-            hidden, argmax, saved = self.verify_fn(packed, context)
-            self._draft = lambda accepts: self.draft_fn(packed, upload(accepts, self.device), hidden, saved, context)
-            return hidden, argmax
+            hidden, argmax, saved = self.verify_fn(packed, context, self._to_device(x))
+            return hidden, argmax, lambda accepts: self.draft_fn(packed, upload(accepts, self.device), hidden, saved,
+                                                                 context)
         hidden, argmax, _ = self._replay(bucket, "verify")
+        self.held[bucket.copy] = self.draft_len > 0
 
-        def draft(accepts: list[list[int]]) -> torch.Tensor:
+        def follow(accepts: list[list[int]]) -> torch.Tensor | None:
             upload(accepts + [[0, 0]] * (len(bucket.packed) - B), self.device, out=bucket.accepts)
-            return self._replay(bucket, "draft")[:B]
+            self.held[bucket.copy] = False
+            out = self._replay(bucket, "draft")
+            return None if out is None else out[:B]
 
-        self._draft = draft
-        return hidden[:B], argmax[:B]
-
-    def draft(self, accepts: list[list[int]]) -> torch.Tensor:
-        return self._draft(accepts)
+        return hidden[:B], None if argmax is None else argmax[:B], follow
 
     def capture_all(self, max_batch: int) -> int:
         """Capture, ahead of any step, every graph a step of up to max_batch sequences can replay:
@@ -111,36 +132,52 @@ class StepPasses:
             return 0
         top = bucket_size(max_batch) or BATCH_BUCKETS[-1]  # larger batches run eagerly
         sizes = [b for b in BATCH_BUCKETS if b <= top]
-        names = ["fused", "verify"] if self.draft_len else ["verify"]  # verify captures draft with it
+        # verify captures draft with it
+        names = ["fused", "verify"] if self.draft_len and self.fused_fn is not None else ["verify"]
         before = sum(len(bucket.graphs) for bucket in self.buckets.values())
         for size in reversed(sizes):
-            bucket = self._bucket(size, self.max_context)
-            for name in names:
-                if name not in bucket.graphs:
-                    self._capture(bucket, name)
+            for copy in range(self.copies):
+                bucket = self._bucket(size, self.max_context, copy)
+                for name in names:
+                    if name not in bucket.graphs:
+                        self._capture(bucket, name)
         return sum(len(bucket.graphs) for bucket in self.buckets.values()) - before
 
     def close(self) -> None:
         """Drop every graph and what they hold (the pool's memory goes back once nothing else
         holds it: the caller also drops the layers' references to the last pass)."""
         self.buckets.clear()
-        self._draft = None
 
-    def _upload(self, rows: list[list[int]], context: int) -> _Bucket | None:
-        """The rows, padded, into their bucket's input (None: no graph for this batch, run eagerly)."""
+    def _upload(self, rows: list[list[int]], context: int, x: torch.Tensor | None) -> _Bucket | None:
+        """The rows, padded, and the input hidden states into a free copy of their bucket (None: no
+        graph for this batch, or every copy held: run eagerly)."""
         size = bucket_size(len(rows)) if self.graphs else None
         if size is None:
             return None
-        bucket = self._bucket(size, self._context_bucket(context))
+        # with one copy (the last stage) a verify's follow runs before the next verify, or never (a failed step)
+        copy = next((i for i, held in enumerate(self.held) if not held), 0 if self.copies == 1 else None)
+        if copy is None:
+            return None
+        bucket = self._bucket(size, self._context_bucket(context), copy)
         upload(rows + [self.pad_row] * (size - len(rows)), self.device, out=bucket.packed)
+        if x is not None:
+            bucket.inputs[: len(rows)].copy_(x)  # padding rows keep whatever they held: they touch the scratch slot
         return bucket
 
-    def _bucket(self, size: int, context: int) -> _Bucket:
-        bucket = self.buckets.get((size, context))
+    def _to_device(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x.to(self.device, copy=True)  # (a received frame is read-only)
+
+    def _bucket(self, size: int, context: int, copy: int = 0) -> _Bucket:
+        bucket = self.buckets.get((size, context, copy))
         if bucket is None:
             padding = torch.tensor([self.pad_row] * size, dtype=torch.long, device=self.device)
             accepts = torch.zeros(size, 2, dtype=torch.long, device=self.device)
-            bucket = self.buckets[size, context] = _Bucket(context, padding, padding.clone(), accepts)
+            inputs = None
+            if self.inputs is not None:
+                hidden, dtype = self.inputs
+                inputs = torch.zeros(size, self.draft_len + 1, hidden, dtype=dtype, device=self.device)
+            bucket = _Bucket(context, copy, padding, padding.clone(), accepts, inputs)
+            self.buckets[size, context, copy] = bucket
         return bucket
 
     def _context_bucket(self, context: int) -> int:
@@ -157,23 +194,25 @@ class StepPasses:
 
     def _capture(self, bucket: _Bucket, name: str) -> None:
         """Capture on padding rows (the warm-up runs really run: they must touch only the scratch
-        slot), then put the step's rows back."""
+        slot; the input hidden states, which the layers only read, may be anything), then put the
+        step's rows back."""
         rows = bucket.packed.clone()
         bucket.packed.copy_(bucket.padding)
-        packed, accepts, context = bucket.packed, bucket.accepts, bucket.context
+        packed, accepts, context, x = bucket.packed, bucket.accepts, bucket.context, bucket.inputs
         if name == "fused":
-            bucket.graphs["fused"] = self._graph(lambda: self.fused_fn(packed, context))
+            bucket.graphs["fused"] = self._graph(lambda: self.fused_fn(packed, context, x), bucket.copy)
         else:
             # verify and draft together: the draft graph reads the verify graph's outputs (hidden
             # states, the saved inputs of the commit); the bucket owns them, so no later capture
             # can take their memory from the pool
-            bucket.graphs["verify"] = self._graph(lambda: self.verify_fn(packed, context))
+            bucket.graphs["verify"] = self._graph(lambda: self.verify_fn(packed, context, x), bucket.copy)
             if self.draft_len:
                 hidden, _, saved = bucket.graphs["verify"][1]
-                bucket.graphs["draft"] = self._graph(lambda: self.draft_fn(packed, accepts, hidden, saved, context))
+                bucket.graphs["draft"] = self._graph(lambda: self.draft_fn(packed, accepts, hidden, saved, context),
+                                                     bucket.copy)
         bucket.packed.copy_(rows)
 
-    def _graph(self, fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    def _graph(self, fn: Callable[[], Any], copy: int) -> tuple[torch.cuda.CUDAGraph, Any]:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up outside the capture (lazy init, library handles, autotuning)
@@ -181,6 +220,6 @@ class StepPasses:
                 fn()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pools[copy]):
             outputs = fn()
         return graph, outputs

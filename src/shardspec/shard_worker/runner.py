@@ -24,7 +24,9 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -42,10 +44,13 @@ from shardspec.layers.sampling import (
 from shardspec.models.base import CausalLM
 from shardspec.protocol.errors import ErrorCode, ProtocolError
 from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepReply, StepRequest
-from shardspec.shard_worker.graphs import StepPasses, upload
+from shardspec.shard_worker.graphs import StepPasses
 from shardspec.shard_worker.links import StageLinks
 
 log = logging.getLogger("shardspec.worker")
+# on a stage before the last: graph copies per batch bucket, one per step whose record is still to
+# come (one per micro-batch in flight: pp of them by default); more at once run eagerly
+STAGE_COPIES = 4
 # how the MTP drafts read the LM head on CUDA: "fp8" (shardspec.kernels.head on an fp8 copy: no
 # logits, half the bytes; 316 vs 509 µs per 9B-class draft on an H200), "bf16" (the kernel on the
 # head itself) or "cublas" (logits, then argmax, as the target's own passes)
@@ -97,8 +102,7 @@ class Forwarded:
     step: int
     new: list[int]  # the sequences it prefilled
     running: list[Sequence]  # the sequences it verified
-    saved: dict  # what the speculative pass saved for the commit
-    slots: torch.Tensor | None
+    commit: Callable[[list[list[int]]], Any] | None  # its verify pass's commit (accepts -> None)
 
     def names(self, seqs: set[int]) -> bool:
         return any(seq in seqs for seq in self.new) or any(s.seq in seqs for s in self.running)
@@ -183,9 +187,14 @@ class ModelRunner:
         # scratch space for the padding rows of graphed batches
         self.context = max_seq_len + 2 * draft_len
         self.cache_dtype = dtype
-        # stage links carry each pass's input and output from the host: no graphs there
-        self.passes = StepPasses(self._verify_pass, self._draft_pass, self._fused_pass, device, draft_len,
-                                 scratch_slot=max_slots, max_context=self.context, graphs=cuda_graphs and whole)
+        # the stage links stay outside the graphs: a later stage's graphs read the received hidden
+        # states from a buffer; an earlier one's end at its layers' output, and commit when the record comes
+        last = model.stage.last
+        inputs = None if model.stage.first else (model.config.hidden_size, dtype)
+        self.passes = StepPasses(self._verify_pass, self._draft_pass if last else self._commit_pass,
+                                 self._fused_pass if last else None, device, draft_len, scratch_slot=max_slots,
+                                 max_context=self.context, graphs=cuda_graphs, inputs=inputs,
+                                 copies=1 if last else STAGE_COPIES)
         try:  # out of memory, say: leave no caches, fp8 head or graphs behind on the (kept) model
             self.draft_head = "cublas"
             if draft_len and model.lm_head is not None:
@@ -224,7 +233,7 @@ class ModelRunner:
         running = [self.sequences[s] for s in request.decode if not self.sequences[s].finished]
         if running:
             self._verify(running, result, request.return_logits)
-        if self.links is not None:
+        if self.links is not None and result.seqs:  # a step of finished sequences only has no record
             self.links.send_record(self.steps, result.reply())
         return result
 
@@ -343,20 +352,34 @@ class ModelRunner:
     # --- a stage before the last ----------------------------------------------------------------
 
     def _forward(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """The stage's layers over one pass: from the token ids on the first stage, from the stage
-        before's hidden states on the others; a stage before the last sends its output on."""
+        """The stage's layers over one (prefill) pass: from the token ids on the first stage, from the
+        stage before's hidden states on the others; a stage before the last sends its output on."""
+        index = self._next_pass()
+        x = self._receive(index, ids.shape)
+        hidden = self.model(ids if x is None else x.to(self.device, copy=True), batch)  # (a frame is read-only)
+        self._send(index, hidden)
+        return hidden
+
+    def _next_pass(self) -> int:
+        """The number of the step's next pass, which names its messages on the stage links."""
         index, self.passes_run = self.passes_run, self.passes_run + 1
-        x = ids
-        if not self.model.stage.first:
-            x = self.links.recv_hidden(self.steps, index, ids)
-            if x.dtype != self.cache_dtype:
-                raise ProtocolError(ErrorCode.BAD_MESSAGE, f"hidden states in {x.dtype}; this stage runs "
-                                    f"{self.cache_dtype}")
-            x = x.to(self.device, copy=True)  # (a received frame is read-only)
-        hidden = self.model(x, batch)
+        return index
+
+    def _receive(self, index: int, tokens: tuple[int, ...]) -> torch.Tensor | None:
+        """The stage before's hidden states for pass `index` over `tokens` [B, T] (on the host);
+        None on the first stage, which starts from the token ids."""
+        if self.model.stage.first:
+            return None
+        x = self.links.recv_hidden(self.steps, index, torch.empty(tokens, device="meta"))
+        if x.dtype != self.cache_dtype:
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"hidden states in {x.dtype}; this stage runs "
+                                f"{self.cache_dtype}")
+        return x
+
+    def _send(self, index: int, hidden: torch.Tensor) -> None:
+        """A stage before the last: pass `index`'s output to the next stage (one copy off the device)."""
         if not self.model.stage.last:
             self.links.send_hidden(self.steps, index, hidden)
-        return hidden
 
     def _stage_step(self, request: StepRequest, prompts: list[torch.Tensor]) -> StepResult:
         """A step on a stage before the last: the stage's layers over every pass of the step, sent on;
@@ -365,14 +388,16 @@ class ModelRunner:
         before = set(self.sequences)
         self._prefill_all(request, prompts, StepResult())
         running = [self.sequences[s] for s in request.decode if not self.sequences[s].finished]
-        saved, slots = {}, None
+        commit = None
         if running:
-            ids, batch = self._verify_batch(upload(self._rows(running), self.device), self._context(running))
-            self._forward(ids, batch)
-            saved, slots = batch.saved, batch.slots
+            index = self._next_pass()
+            x = self._receive(index, (len(running), self.draft_len + 1))
+            hidden, _, commit = self.passes.verify(self._rows(running), self._context(running), x)
+            self._send(index, hidden)
         new = [s for s in self.sequences if s not in before]
-        self.forwarded.append(Forwarded(self.steps, new, running, saved, slots))
-        self.forwarded_max = max(self.forwarded_max, len(self.forwarded))
+        if new or running:  # else the last stage has nothing to run either (the same finished flags): no record
+            self.forwarded.append(Forwarded(self.steps, new, running, commit))
+            self.forwarded_max = max(self.forwarded_max, len(self.forwarded))
         return StepResult()
 
     def _settle(self, seqs: set[int]) -> None:
@@ -393,9 +418,8 @@ class ModelRunner:
             s = self.sequences[seq]
             s.next_token, s.drafts, s.finished = tokens[0], drafts, finished
         accepted = [max(n, 0) for n in record.accepted[len(new) :]]
-        if step.saved:
-            self.model.commit(step.saved, step.slots, torch.tensor(accepted, device=self.device))
-        if self.draft_len and running:
+        if self.draft_len and running:  # without drafts the pass wrote its state itself
+            step.commit([[n, 0] for n in accepted])
             self._count(accepted)
         tail = zip(running, accepted, record.tokens[len(new) :], record.drafts[len(new) :], record.finished[len(new) :])
         for s, n, tokens, drafts, finished in tail:
@@ -407,16 +431,17 @@ class ModelRunner:
     def _verify(self, seqs: list[Sequence], result: StepResult, want_logits: bool) -> None:
         k = self.draft_len
         context = self._context(seqs)
+        x = self._receive(self._next_pass(), (len(seqs), k + 1))
         if k and not want_logits and all(s.sampling.greedy for s in seqs):
             # greedy (or forced) acceptance needs no host decision: the whole step is one pass
             rows = self._rows(seqs, [self._forced(s) for s in seqs])
-            out = self.passes.fused(rows, context).tolist()
+            out = self.passes.fused(rows, context, x).tolist()
             accepted, tokens, drafts = [r[0] for r in out], [r[1] for r in out], [r[2:] for r in out]
         else:
-            hidden, argmax = self.passes.verify(self._rows(seqs), context)
+            hidden, argmax, draft = self.passes.verify(self._rows(seqs), context, x)
             accepted, tokens = self._accept(seqs, hidden, argmax, result if want_logits else None)
             if k:
-                drafts = self.passes.draft([[n, token] for n, token in zip(accepted, tokens)]).tolist()
+                drafts = draft([[n, token] for n, token in zip(accepted, tokens)]).tolist()
         if k:
             self._count(accepted)
         emitted = []
@@ -435,12 +460,14 @@ class ModelRunner:
         """Benchmark mode: the drafts this sequence keeps, drawn before the pass; -1 otherwise."""
         return -1 if self.forced is None else forced_accepts(len(s.drafts), self.forced, s.generator)
 
-    def _verify_pass(self, packed: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """The target over [pending, d1..dk] of each row: (hidden [B, k+1, H], greedy tokens [B, k+1],
+    def _verify_pass(self, packed: torch.Tensor, context: int,
+                     x: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+        """The stage's layers over [pending, d1..dk] of each row, from the ids or the stage before's
+        hidden states x: (hidden [B, k+1, H], greedy tokens [B, k+1] (None before the last stage),
         what the speculative pass saved for the commit)."""
         ids, batch = self._verify_batch(packed, context)
-        hidden = self._forward(ids, batch)
-        return hidden, self.model.lm_head.argmax(hidden), batch.saved
+        hidden = self.model(ids if x is None else x, batch)
+        return hidden, self.model.lm_head.argmax(hidden) if self.model.stage.last else None, batch.saved
 
     def _rows(self, seqs: list[Sequence], forced: list[int] | None = None) -> list[list[int]]:
         """The packed rows of a verify pass (see _unpack)."""
@@ -469,10 +496,15 @@ class ModelRunner:
         head = heads.gather(1, index[:, None, None].expand(-1, 1, heads.shape[-1]))[:, 0]
         return self._chain(head, slots, positions[:, 0] + index + 1, context)
 
-    def _fused_pass(self, packed: torch.Tensor, context: int) -> torch.Tensor:
+    def _commit_pass(self, packed: torch.Tensor, accepts: torch.Tensor, hidden: torch.Tensor, saved: dict,
+                     context: int) -> None:
+        """A stage before the last: keep the accepted prefix of its verify pass (the record's counts)."""
+        self.model.commit(saved, self._unpack(packed)[2], accepts[:, 0])
+
+    def _fused_pass(self, packed: torch.Tensor, context: int, x: torch.Tensor | None) -> torch.Tensor:
         """Verify, accept on the device (drafts while they equal the target's argmax, or the forced
         count in packed's last column when it is >= 0), and draft: [B, 2 + k] = (accepted, token, drafts)."""
-        hidden, argmax, saved = self._verify_pass(packed, context)
+        hidden, argmax, saved = self._verify_pass(packed, context, x)
         k = self.draft_len
         matches = (argmax[:, :k] == packed[:, 1 : k + 1]).long().cumprod(1).sum(1)
         forced = packed[:, k + 3]
