@@ -58,7 +58,8 @@ def test_generate_streams_token_ids_and_a_summary_without_json(tiny_model):
     ],
 )
 def test_generate_rejects_bad_input_with_exit_code_2_and_no_traceback(tiny_model, args, message):
-    result = shardspec("generate", "--model", str(tiny_model), *args)
+    local = [] if "--local" in args or "--workers" in args else ["--local", "1"]
+    result = shardspec("generate", "--model", str(tiny_model), *local, *args)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
 

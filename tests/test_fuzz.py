@@ -26,7 +26,7 @@ from shardspec.protocol.codec import DTYPES
 from shardspec.protocol.messages import MAX_STR, PrefillSpec
 
 BATCH = 10  # messages per hypothesis example
-EXAMPLES = 1000  # -> 10,000 fuzzed messages
+EXAMPLES = 300  # -> 3,000 fuzzed messages
 VOCAB = 512  # the tiny test model's
 SEQS = st.integers(0, 12)  # few sequence ids, so steps, decodes and releases meet live sequences
 
@@ -230,7 +230,7 @@ def test_fuzzed_messages_of_every_op_never_kill_the_worker_nor_leak_a_slot(tiny_
         assert released.op == "release" and sorted(released.meta["released"]) == stats["live_sequences"]
         after = fuzzer.stats()
         assert after["slots_free"] == after["slots_total"] > 0 and after["live_sequences"] == []
-        assert fuzzer.sent >= 10_000
+        assert fuzzer.sent >= 10 * EXAMPLES
         assert worker.proc.poll() is None
         assert fuzzer.steps_run > 0, "no fuzzed step ever ran the model: the fuzzer is too shallow"
     finally:

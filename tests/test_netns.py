@@ -1,7 +1,7 @@
 """Two emulated hosts (tools/hosts.py: network namespaces joined by VDE wirefilter links with a real
-one-way delay): TP = 2 with CURVE across them gives the loopback output, and PP = 2 across them,
-worker to worker over CURVE links and relayed through the orchestrator, gives transformers' greedy
-output with MTP on.
+one-way delay): PP = 2 across them, worker to worker over CURVE (the orchestrator's connections and
+the stage links) and relayed through the orchestrator, gives transformers' greedy output with MTP
+on.
 
 Host 0 runs the orchestrator and worker 0 (rank 0, hence the rendezvous), host 1 runs worker 1;
 every orchestrator <-> worker 1 message, every collective and every stage link crosses the delayed
@@ -11,7 +11,6 @@ are skipped and say what is missing.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
@@ -21,7 +20,6 @@ import pytest
 from hosts import EmulatedHosts
 from reference import hf_greedy, hf_model
 
-import shardspec
 from shardspec import security
 
 PROMPT = [5, 17, 300, 42, 7, 99]
@@ -62,25 +60,9 @@ def run_across_hosts(model: Path, tmp_path: Path, options: list[str], worker_opt
     return json.loads(out)["token_ids"], logs
 
 
-def loopback_output(model: Path) -> list[int]:
-    async def run():
-        async with shardspec.connect(model=str(model), local=2) as engine:
-            tokens = []
-            async for chunk in engine.generate(PROMPT, max_tokens=24):
-                tokens += chunk.token_ids
-            return tokens
-
-    return asyncio.run(run())
-
-
 def curve_options(keys: Path) -> tuple[list[str], list[str]]:
     return (["--keys", str(keys / "worker"), "--allow", str(keys / "orchestrator" / "orchestrator.key")],
             ["--keys", str(keys / "orchestrator"), "--server-keys", str(keys / "worker" / "worker.key")])
-
-
-def test_tp2_with_curve_across_two_emulated_hosts_matches_loopback(tiny_model, tmp_path, curve_keys):
-    remote, _ = run_across_hosts(tiny_model, tmp_path, [], *curve_options(curve_keys))
-    assert remote == loopback_output(tiny_model) and len(remote) == 24
 
 
 @pytest.mark.parametrize("relay", [False, True], ids=["direct-curve", "relayed"])

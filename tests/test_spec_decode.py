@@ -44,10 +44,10 @@ def test_greedy_output_with_mtp_equals_output_without(model_name, tp, request):
     model = request.getfixturevalue(model_name)
     vocab = 512 if model_name == "tiny_model" else 16
     rng = random.Random(tp)
-    prompts = [rng.choices(range(vocab), k=rng.randint(1, 30)) for _ in range(20)]
-    plain = greedy_outputs(model, prompts, tp, mtp=False)
-    assert all(len(t) == 64 for t in plain)
-    assert greedy_outputs(model, prompts, tp, mtp=True) == plain
+    prompts = [rng.choices(range(vocab), k=rng.randint(1, 30)) for _ in range(10)]
+    plain = greedy_outputs(model, prompts, tp, mtp=False, max_tokens=48)
+    assert all(len(t) == 48 for t in plain)
+    assert greedy_outputs(model, prompts, tp, mtp=True, max_tokens=48) == plain
 
 
 @pytest.mark.parametrize("draft_tokens", [1, 2, 4])
@@ -85,7 +85,7 @@ def test_sequences_accepting_different_draft_counts_in_one_step_stay_correct(sma
     assert batched == solo
 
 
-SAMPLES = 8_000  # generations per distribution compared
+SAMPLES = 2_500  # generations per distribution compared
 
 
 @functools.cache
@@ -113,7 +113,7 @@ async def generate_all_seeded(engine, n, sampling) -> list[list[int]]:
     return await asyncio.gather(*(one(seed) for seed in range(n)))
 
 
-@pytest.mark.timeout(1800)  # 32,000 generations: under a minute on an idle 2-core machine, far more when shared
+@pytest.mark.timeout(1800)  # 10,000 generations: under a minute on an idle 2-core machine, far more when shared
 @pytest.mark.parametrize(
     "sampling", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 6, "top_p": 0.9}], ids=["t1", "t0.7-k6-p0.9"]
 )
@@ -151,7 +151,7 @@ def test_sampling_with_mtp_is_reproducible_with_a_seed(small_vocab_model):
     assert a == b and a != c
 
 
-def test_slots_and_states_are_all_free_after_200_generations_with_cancellations(small_vocab_model):
+def test_slots_and_states_are_all_free_after_100_generations_with_cancellations(small_vocab_model):
     rng = random.Random(0)
 
     async def run():
@@ -167,7 +167,7 @@ def test_slots_and_states_are_all_free_after_200_generations_with_cancellations(
                         break
                 await stream.aclose()
 
-            tasks = [asyncio.create_task(one(i)) for i in range(200)]
+            tasks = [asyncio.create_task(one(i)) for i in range(100)]
             for task in tasks[::7]:  # and some cancelled from outside, at random moments
                 await asyncio.sleep(rng.random() * 0.01)
                 task.cancel()
