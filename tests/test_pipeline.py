@@ -139,3 +139,22 @@ def test_a_stage_link_that_cannot_open_is_relayed_through_the_orchestrator_with_
     assert relayed == asyncio.run(run(local=2))[0]
     with pytest.raises(RemoteError, match=r"w1\.link"):
         asyncio.run(run(workers=workers, relay=False))
+
+
+def test_a_reload_after_steps_of_finished_sequences_only_serves_the_same_output(tiny_model):
+    async def run():
+        async with shardspec.connect(model=str(tiny_model), local=2, pp=2) as engine:
+            # two micro-batches, one sequence each: the short one's group keeps a step on the wire after it
+            # finishes (a step of finished sequences only), while the long one goes on
+            before = await asyncio.gather(collect_tokens(engine, [5, 6, 7], 2), collect_tokens(engine, [9, 8], 24))
+            await engine.group.load(engine.group.load_request)  # new caches on the same stage links
+            after = await asyncio.gather(collect_tokens(engine, [5, 6, 7], 2), collect_tokens(engine, [9, 8], 24))
+            return before, after
+
+    before, after = asyncio.run(run())
+    assert before == after and [len(t) for t in before] == [2, 24]
+
+
+async def collect_tokens(engine, prompt: list[int], max_tokens: int) -> list[int]:
+    return [t async for chunk in engine.generate(prompt, max_tokens=max_tokens, temperature=0,
+                                                 stop_at_eos=False) for t in chunk.token_ids]
