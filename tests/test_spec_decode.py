@@ -113,7 +113,6 @@ async def generate_all_seeded(engine, n, sampling) -> list[list[int]]:
     return await asyncio.gather(*(one(seed) for seed in range(n)))
 
 
-@pytest.mark.xdist_group("sampled")  # one process: the runs without MTP are computed once for all three
 @pytest.mark.timeout(1800)  # 10,000 generations: under a minute on an idle 2-core machine, far more when shared
 @pytest.mark.parametrize(
     "sampling", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 6, "top_p": 0.9}], ids=["t1", "t0.7-k6-p0.9"]
@@ -129,7 +128,6 @@ def test_sampled_distribution_with_mtp_matches_without(small_vocab_model, sampli
         assert chi2_contingency(table).pvalue > P_VALUE_FLOOR
 
 
-@pytest.mark.xdist_group("sampled")
 @pytest.mark.timeout(1800)
 def test_sampled_distribution_with_mtp_at_pp_2_matches_one_worker_without(small_vocab_model):
     """The last stage samples and accepts; the earlier stage commits from its record."""
