@@ -68,6 +68,7 @@ class WorkerGroup:
         self.load_request = config.load_request()
         self.load_info: LoadReply | None = None  # rank 0's
         self.relay = config.relay is True  # stage links through this engine (or after a direct one failed)
+        self.rank_of: dict[int, int] = {}  # id(WorkerClient) -> its rank, for the relay
         self.watchdog = StepWatchdog(config.step_timeout)
 
     @property
@@ -108,6 +109,7 @@ class WorkerGroup:
                                 on_failure=self.on_failure, on_link=self._relay)
                    for address, link in zip(self.addresses, self.links, strict=True)]
         self.stages = [[workers[rank] for rank in ranks] for ranks in self.config.stage_ranks()]
+        self.rank_of = {id(worker): rank for rank, worker in enumerate(workers)}
         await self._hello_all(hello_timeout)
         try:
             await self._init()
@@ -194,7 +196,7 @@ class WorkerGroup:
     def _relay(self, source: WorkerClient, op: str, frames: list) -> None:
         """Forward a stage-link message, unchanged, to the ranks it is for: hidden states to the next
         stage's rank at the sender's TP place, a record from the last stage to every earlier one's."""
-        rank = next((r for r, worker in enumerate(self.workers) if worker is source), None)
+        rank = self.rank_of.get(id(source))
         tp, last = self.config.tp_size, len(self.stages) - 1
         if not self.relay or rank is None:
             log.warning("dropped a stage-link message from %s: this group does not relay", source.address)

@@ -65,18 +65,18 @@ class StageLinks:
         tensor = self.staging.host_copy(hidden)
         self.staging.sent(self._send_next(Message(HiddenStates.OP, 0, meta, {"hidden": tensor})))
 
-    def recv_hidden(self, step: int, index: int, like: torch.Tensor) -> torch.Tensor:
-        """The hidden states of pass `index` of step `step`, as [*like.shape, H] (on the host)."""
+    def recv_hidden(self, step: int, index: int, tokens: tuple[int, ...]) -> torch.Tensor:
+        """The hidden states of pass `index` of step `step` over `tokens` [B, T], as [B, T, H] (on the host)."""
         msg = self._take(HiddenStates.OP, "hidden states from the stage before")
         body = parse(HiddenStates, msg.meta)
         hidden = msg.tensors.get("hidden")
         if (body.step, body.index) != (step, index):
             raise ProtocolError(ErrorCode.INTERNAL, f"stage link out of step: expected pass {index} of step {step}, "
                                 f"got pass {body.index} of step {body.step}")
-        if hidden is None or hidden.dim() != like.dim() + 1 or list(hidden.shape[:-1]) != list(like.shape):
+        if hidden is None or list(hidden.shape[:-1]) != list(tokens):
             shape = None if hidden is None else list(hidden.shape)
             raise ProtocolError(ErrorCode.BAD_MESSAGE, f"hidden states of shape {shape} for a pass over "
-                                f"{list(like.shape)} tokens")
+                                f"{list(tokens)} tokens")
         return hidden
 
     def send_record(self, step: int, reply: StepReply) -> None:

@@ -370,7 +370,7 @@ class ModelRunner:
         None on the first stage, which starts from the token ids."""
         if self.model.stage.first:
             return None
-        x = self.links.recv_hidden(self.steps, index, torch.empty(tokens, device="meta"))
+        x = self.links.recv_hidden(self.steps, index, tuple(tokens))
         if x.dtype != self.cache_dtype:
             raise ProtocolError(ErrorCode.BAD_MESSAGE, f"hidden states in {x.dtype}; this stage runs "
                                 f"{self.cache_dtype}")
