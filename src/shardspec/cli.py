@@ -183,6 +183,9 @@ def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
                         help="plain decoding (default: speculative decoding with the model's MTP head, if it has one)")
     parser.add_argument("--draft-tokens", type=int, default=None, metavar="K",
                         help=f"MTP drafts verified per step (default {DEFAULT_DRAFT_TOKENS})")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="batch-invariant decoding: a request's greedy output is the same whatever else runs "
+                        "with it and with MTP on or off, also in bfloat16 (costs throughput; default off)")
 
 
 def _add_serve_parser(commands: Any) -> None:
@@ -276,7 +279,7 @@ def _engine_config(args: argparse.Namespace, **options: Any) -> EngineConfig:
             draft_tokens=DEFAULT_DRAFT_TOKENS if args.draft_tokens is None else args.draft_tokens,
             keys=args.keys, server_keys=args.server_keys, heartbeat_timeout=args.heartbeat_timeout,
             dist_timeout=args.dist_timeout, dist_port=args.dist_port, connect_timeout=args.connect_timeout,
-            step_timeout=args.step_timeout, **options,
+            step_timeout=args.step_timeout, deterministic=args.deterministic, **options,
         )
     except ValueError as exc:
         raise UsageError(_in_flags(str(exc), args)) from None

@@ -9,6 +9,7 @@ from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
 from shardspec import kernels
 from shardspec.layers.batch import Batch, CachedLayer
+from shardspec.layers.invariant import pointwise
 from shardspec.layers.linear import MergedColumnParallelLinear, RowParallelLinear, head_ranges
 from shardspec.layers.norm import RMSNorm
 from shardspec.layers.parallel import TPGroup
@@ -29,6 +30,22 @@ def tail_causal_flash(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
     if not can_use_flash_attention(SDPAParams(q, keys, values, None, 0.0, False, True)):  # True: GQA
         return None
     return torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, True)[0]
+
+
+def exact_length_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                           positions: torch.Tensor) -> torch.Tensor:
+    """Each query [B, T, H, D] against exactly the cached keys it sees (0 .. its position), one query
+    at a time: a token's arithmetic depends on its position alone, not on the other sequences of the
+    pass or on how many tokens its own row has (batch-invariant mode) -> [B, H, T, D]."""
+    B, T, H, D = q.shape
+    out = q.new_empty(B, H, T, D)
+    for b, (slot, row) in enumerate(zip(slots.tolist(), positions.tolist())):
+        for t, position in enumerate(row):
+            keys = k_cache[slot, : position + 1].transpose(0, 1)[None]  # [1, HK, n, D]
+            values = v_cache[slot, : position + 1].transpose(0, 1)[None]
+            query = q[b, t, :, None][None]  # [1, H, 1, D]
+            out[b, :, t] = F.scaled_dot_product_attention(query, keys, values, enable_gqa=True)[0, :, 0]
+    return out
 
 
 def kv_head_ranges(heads: int, dim: int, tp: TPGroup) -> tuple[int, list[tuple[int, int]]]:
@@ -59,6 +76,7 @@ class GatedAttention(CachedLayer):
         self.rotary = RotaryEmbedding(dim, rotary_dim, rope_theta)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.invariant = False  # batch-invariant mode (CausalLM.set_batch_invariant)
 
     def allocate(self, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device) -> int:
         shape = (num_slots, max_len, self.kv_heads, self.head_dim)
@@ -87,6 +105,8 @@ class GatedAttention(CachedLayer):
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
             )
+        elif self.invariant and not batch.tail:  # decode and verify passes (the kernels above are per token too)
+            out = exact_length_attention(q, self.k_cache, self.v_cache, batch.slots, batch.positions)
         else:
             keys = self.k_cache[batch.slots, : batch.kv_len].transpose(1, 2)
             values = self.v_cache[batch.slots, : batch.kv_len].transpose(1, 2)
@@ -98,7 +118,7 @@ class GatedAttention(CachedLayer):
                 out = F.scaled_dot_product_attention(
                     q.transpose(1, 2), keys, values, attn_mask=visible[:, None], enable_gqa=True
                 )
-        out = out.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate)
+        out = out.transpose(1, 2).reshape(B, T, -1) * pointwise(torch.sigmoid, gate, self.invariant)
         return self.o_proj(out)
 
     def _cached_kernels(self, qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> torch.Tensor:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardspec import kernels
+from shardspec.layers.linear import linear
 from shardspec.layers.parallel import TPGroup, shard
 
 
@@ -40,6 +41,8 @@ DRAFT_HEADS = ("fp8", "bf16", "cublas")  # how draft_argmax can read the head: s
 class ParallelLMHead(nn.Module):
     """Local logits over this rank's vocab slice; full logits or the argmax on request."""
 
+    block_rows = 0  # batch-invariant mode: see layers.linear.linear
+
     def __init__(self, vocab_size: int, dim: int, tp: TPGroup):
         super().__init__()
         self.vocab_size = vocab_size
@@ -51,7 +54,7 @@ class ParallelLMHead(nn.Module):
         self.draft_scale: torch.Tensor | None = None
 
     def local_logits(self, h: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(h, self.weight).float()
+        logits = linear(h, self.weight, self.block_rows).float()
         pad = self.end - self.vocab_size  # padding rows must never win an argmax or get mass
         if pad > 0:
             logits[..., max(0, logits.shape[-1] - pad) :] = float("-inf")

@@ -9,12 +9,15 @@ and the reference; on CUDA the same operations run as Triton kernels (shardspec.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shardspec import kernels
 from shardspec.layers.batch import Batch, CachedLayer
+from shardspec.layers.invariant import matvec, pointwise, row_reduce
 from shardspec.layers.linear import MergedColumnParallelLinear, RowParallelLinear, head_ranges
 from shardspec.layers.norm import GatedRMSNorm
 from shardspec.layers.parallel import TPGroup, shard
@@ -22,22 +25,23 @@ from shardspec.layers.parallel import TPGroup, shard
 CHUNK = 64
 
 
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6, exact: bool = False) -> torch.Tensor:
+    return x * torch.rsqrt(row_reduce(lambda rows: (rows * rows).sum(-1, keepdim=True), x, exact) + eps)
 
 
-def recurrent_delta_rule(q, k, v, g, beta, state, lengths: torch.Tensor | None = None):
+def recurrent_delta_rule(q, k, v, g, beta, state, lengths: torch.Tensor | None = None, exact: bool = False):
     """Token-by-token delta rule. q, k: [B,H,T,Dk]; v: [B,H,T,Dv]; g, beta: [B,H,T]; state fp32.
 
     Returns the output [B,H,T,Dv] and the final state; with `lengths` [B], row b's state stops
-    changing after its first lengths[b] tokens."""
+    changing after its first lengths[b] tokens. exact: batch-invariant (layers.invariant.pointwise)."""
     outputs = []
+    decay = pointwise(torch.exp, g, exact)
     for t in range(q.shape[2]):
-        new = state * g[:, :, t, None, None].exp()
-        predicted = (k[:, :, t, None, :] @ new)[:, :, 0]  # S^T k: [B,H,Dv]
+        new = state * decay[:, :, t, None, None]
+        predicted = matvec(k[:, :, t], new, exact)  # S^T k: [B,H,Dv]
         delta = (v[:, :, t] - predicted) * beta[:, :, t, None]
         new = new + k[:, :, t, :, None] * delta[:, :, None, :]
-        outputs.append((q[:, :, t, None, :] @ new)[:, :, 0])
+        outputs.append(matvec(q[:, :, t], new, exact))
         state = new if lengths is None else torch.where((t < lengths)[:, None, None, None], new, state)
     return torch.stack(outputs, dim=2), state
 
@@ -75,11 +79,26 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     return out.reshape(B, H, n * chunk, -1)[:, :, :T], state
 
 
-def causal_conv(x, state, weight, slots, write_out=True, write_state=True, lengths=None):
+def depthwise_conv(window: torch.Tensor, weight: torch.Tensor, exact: bool = False) -> torch.Tensor:
+    """The depthwise convolution of window [B, C, T + K - 1] by weight [C, 1, K] -> [B, C, T]. exact:
+    tap by tap in fp32, the same sum for a token whatever the length of the window (batch-invariant
+    mode; conv1d may pick its algorithm by shape)."""
+    if not exact:
+        return F.conv1d(window, weight, groups=window.shape[1])
+    K = weight.shape[-1]
+    T = window.shape[-1] - K + 1
+    taps, inputs = weight[:, 0].float(), window.float()
+    out = inputs[..., :T] * taps[:, :1]
+    for j in range(1, K):
+        out = out + inputs[..., j : j + T] * taps[:, j : j + 1]
+    return out.to(window.dtype)
+
+
+def causal_conv(x, state, weight, slots, write_out=True, write_state=True, lengths=None, exact=False):
     """Depthwise causal convolution + SiLU of x [B, T, C] after the conv state [slots, C, K-1] of
     each row's slot (zeros when `state` is None); optionally writes the K-1 inputs ending at token
     lengths[b]-1 (default: the last token) back to the slot. With `lengths` (replaying an accepted
-    prefix) it writes only the state. The reference for kernels.gdn.causal_conv."""
+    prefix) it writes only the state; `exact`: see depthwise_conv. The reference for kernels.gdn.causal_conv."""
     K = weight.shape[-1]
     inputs = x.transpose(1, 2)
     window = F.pad(inputs, (K - 1, 0)) if state is None else torch.cat([state[slots], inputs], dim=-1)
@@ -90,30 +109,31 @@ def causal_conv(x, state, weight, slots, write_out=True, write_state=True, lengt
             index = lengths[:, None, None] + torch.arange(K - 1, device=x.device)
             state[slots] = window.gather(2, index.expand(-1, window.shape[1], -1))
     if write_out:
-        return F.silu(F.conv1d(window, weight, groups=window.shape[1])).transpose(1, 2)
+        return pointwise(F.silu, depthwise_conv(window, weight, exact), exact).transpose(1, 2)
     return None
 
 
 def delta_rule(qkv, a, b, A_log, dt_bias, state, slots, k_heads, dk, write_out=True, write_state=True,
-               lengths=None):
+               lengths=None, exact=False):
     """The gated delta rule over qkv [B, T, q|k|v] (after the convolution), from the recurrent state
     [slots, HV, dk, dv] of each row's slot (zeros when `state` is None); returns the output
     [B, T, HV, dv] in qkv's dtype and optionally writes the state after token lengths[b]-1 (default:
-    the last) back to the slot; with `lengths` only the state. The reference for kernels.gdn.delta_rule."""
+    the last) back to the slot; with `lengths` only the state; `exact`: batch-invariant. The reference for
+    kernels.gdn.delta_rule."""
     B, T, _ = qkv.shape
     v_heads = A_log.shape[0]
     key_dim = k_heads * dk
     q, k, v = qkv.split([key_dim, key_dim, qkv.shape[-1] - 2 * key_dim], -1)
     group = v_heads // k_heads
-    q = l2_normalize(q.reshape(B, T, k_heads, dk).float()).repeat_interleave(group, 2) * dk**-0.5
-    k = l2_normalize(k.reshape(B, T, k_heads, dk).float()).repeat_interleave(group, 2)
+    q = l2_normalize(q.reshape(B, T, k_heads, dk).float(), exact=exact).repeat_interleave(group, 2) * dk**-0.5
+    k = l2_normalize(k.reshape(B, T, k_heads, dk).float(), exact=exact).repeat_interleave(group, 2)
     v = v.reshape(B, T, v_heads, -1).float()
-    beta = torch.sigmoid(b).float()
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    beta = pointwise(torch.sigmoid, b, exact).float()
+    g = -A_log.float().exp() * pointwise(F.softplus, a.float() + dt_bias.float(), exact)
     q, k, v, g, beta = (t.transpose(1, 2) for t in (q, k, v, g, beta))
     initial = q.new_zeros(B, v_heads, dk, v.shape[-1]) if state is None else state[slots]
     if T == 1 or lengths is not None or not write_state:
-        out, final = recurrent_delta_rule(q, k, v, g, beta, initial, lengths)
+        out, final = recurrent_delta_rule(q, k, v, g, beta, initial, lengths, exact)
     else:
         out, final = chunked_delta_rule(q, k, v, g, beta, initial)
     if write_state and state is not None:
@@ -145,6 +165,7 @@ class GatedDeltaNet(CachedLayer):
         self.kernel = kernel
         self.conv_state = torch.empty(0)
         self.recurrent_state = torch.empty(0)
+        self.invariant = False  # batch-invariant mode (CausalLM.set_batch_invariant)
 
     def allocate(self, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device) -> int:
         self.conv_state = torch.zeros(num_slots, self.conv_dim, self.kernel - 1, dtype=dtype, device=device)
@@ -163,7 +184,7 @@ class GatedDeltaNet(CachedLayer):
         qkv, z, b, a = self.in_proj(x)
         cached = batch.slots is not None
         write = not batch.speculative  # a speculative pass leaves the states as they were
-        conv, delta = self._ops(x, cached)
+        conv, delta = self._ops(x, cached, self.invariant)
         mixed = conv(qkv, self.conv_state if cached else None, self.conv1d_weight, batch.slots, write_state=write)
         out = delta(mixed, a, b, self.A_log, self.dt_bias, self.recurrent_state if cached else None, batch.slots,
                     self.k_heads, self.dk, write_state=write)
@@ -175,15 +196,16 @@ class GatedDeltaNet(CachedLayer):
         """Advance each slot's states past tokens 0..index[b] of a speculative pass, by replaying
         them with the same arithmetic."""
         qkv, mixed, a, b = saved
-        conv, delta = self._ops(qkv, True)
+        conv, delta = self._ops(qkv, True, self.invariant)
         lengths = index + 1
         conv(qkv, self.conv_state, self.conv1d_weight, slots, write_out=False, lengths=lengths)
         delta(mixed, a, b, self.A_log, self.dt_bias, self.recurrent_state, slots, self.k_heads, self.dk,
               write_out=False, lengths=lengths)
 
     @staticmethod
-    def _ops(x: torch.Tensor, cached: bool):
-        """The Triton kernels on CUDA (per-slot states in place), else the PyTorch reference."""
+    def _ops(x: torch.Tensor, cached: bool, invariant: bool):
+        """The Triton kernels on CUDA (per-slot states in place, a token at a time), else the
+        PyTorch reference (its convolution tap by tap in batch-invariant mode)."""
         if cached and kernels.enabled(x):
             return kernels.gdn.causal_conv, kernels.gdn.delta_rule
-        return causal_conv, delta_rule
+        return functools.partial(causal_conv, exact=invariant), functools.partial(delta_rule, exact=invariant)

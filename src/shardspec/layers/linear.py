@@ -6,10 +6,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardspec.layers import invariant
 from shardspec.layers.parallel import Ranges, TPGroup, shard, stack
 
 
-class MergedColumnParallelLinear(nn.Module):
+def linear(x: torch.Tensor, weight: torch.Tensor, block_rows: int = 0) -> torch.Tensor:
+    """x @ weight.T; with block_rows > 0 batch-invariant (layers.invariant.matmul)."""
+    return invariant.matmul(x, weight, block_rows) if block_rows else F.linear(x, weight)
+
+
+class Linear(nn.Module):
+    """A projection without bias; `block_rows` (0: off) is set by CausalLM.set_batch_invariant."""
+
+    block_rows = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.block_rows)
+
+
+class MergedColumnParallelLinear(Linear):
     """Column-parallel projections of the same input as one matmul; returns their outputs in
     order (views of one tensor). `parts` maps each checkpoint module name to this rank's rows."""
 
@@ -20,10 +35,10 @@ class MergedColumnParallelLinear(nn.Module):
         self.weight = stack(weight, list(parts.items()))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(x, self.weight).split(self.sizes, -1)
+        return super().forward(x).split(self.sizes, -1)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(Linear):
     """Holds the input columns `ranges` and returns this rank's partial output, unreduced: every
     one of these layers feeds an RMSNorm, which sums it across the group (RMSNorm's `reduce`), in
     the same kernel as its residual add where it can."""
@@ -33,17 +48,11 @@ class RowParallelLinear(nn.Module):
         in_features = sum(end - start for start, end in ranges)
         self.weight = shard(nn.Parameter(torch.empty(out_features, in_features), requires_grad=False), 1, ranges)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
 
-
-class ReplicatedLinear(nn.Module):
+class ReplicatedLinear(Linear):
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
 
 
 def head_ranges(tp: TPGroup, num_heads: int, head_size: int, offset: int = 0) -> Ranges:

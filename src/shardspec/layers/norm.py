@@ -7,7 +7,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardspec import kernels
+from shardspec.layers.invariant import pointwise, row_reduce
 from shardspec.layers.parallel import TPGroup
+
+
+def mean_square(x: torch.Tensor) -> torch.Tensor:
+    return x.pow(2).mean(-1, keepdim=True)
 
 
 class RMSNorm(nn.Module):
@@ -22,6 +27,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
         self.eps = eps
+        self.invariant = False  # batch-invariant mode (CausalLM.set_batch_invariant)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce: TPGroup | None = None):
         if reduce is not None:
@@ -35,7 +41,7 @@ class RMSNorm(nn.Module):
             x = x + residual
             return self.forward(x), x
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        xf = xf * torch.rsqrt(row_reduce(mean_square, xf, self.invariant) + self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
 
 
@@ -46,12 +52,13 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self.invariant = False  # batch-invariant mode (CausalLM.set_batch_invariant)
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         if kernels.enabled(x):
             return kernels.norm.gated_rms_norm(x, z, self.weight, self.eps)
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        xf = xf * torch.rsqrt(row_reduce(mean_square, xf, self.invariant) + self.eps)
         # the weight multiplies in the input dtype, as the reference does, before the fp32 gate
         y = self.weight * xf.to(x.dtype)
-        return (y.float() * F.silu(z.float())).to(x.dtype)
+        return (y.float() * pointwise(F.silu, z.float(), self.invariant)).to(x.dtype)

@@ -30,10 +30,20 @@ class TPGroup:
     size: int = 1
     group: Any = None
     symmetric: bool = False
+    ordered: bool = False  # batch-invariant mode: sums in rank order (see all_reduce)
     _reducer: SymmetricReducer | None = field(default=None, init=False, repr=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
+            return x
+        if self.ordered and self.size > 2:
+            # a ring all-reduce adds an element's parts in an order that depends on where the element
+            # falls in the tensor's chunks, so on the batch; two parts add the same either way
+            parts = self.all_gather(x[None], dim=0)
+            total = parts[0]
+            for part in parts[1:]:
+                total = total + part
+            x.copy_(total)
             return x
         if self.symmetric and x.is_cuda and x.nbytes <= SymmetricReducer.MAX_BYTES:
             return self._symmetric()(x)

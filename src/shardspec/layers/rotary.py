@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardspec.layers.invariant import pointwise
+
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, rotary_dim: int, theta: float):
@@ -12,6 +14,7 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim
         self.theta = theta
         self._inv_freq: torch.Tensor | None = None  # computed on first use, on the input's device
+        self.invariant = False  # batch-invariant mode (CausalLM.set_batch_invariant)
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         if self._inv_freq is None or self._inv_freq.device != device:
@@ -22,8 +25,9 @@ class RotaryEmbedding(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [B, T, H, D]; positions: [B, T] absolute positions."""
         freqs = positions.float()[..., None] * self.inv_freq(x.device)  # [B, T, rotary_dim/2]
-        cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(x.dtype)[:, :, None, :]
-        sin = torch.cat([freqs.sin(), freqs.sin()], -1).to(x.dtype)[:, :, None, :]
+        cos, sin = pointwise(torch.cos, freqs, self.invariant), pointwise(torch.sin, freqs, self.invariant)
+        cos = torch.cat([cos, cos], -1).to(x.dtype)[:, :, None, :]
+        sin = torch.cat([sin, sin], -1).to(x.dtype)[:, :, None, :]
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         half = self.rotary_dim // 2
         rotated = torch.cat([-rot[..., half:], rot[..., :half]], -1)

@@ -17,6 +17,7 @@ from torch import nn
 
 from shardspec.layers.batch import Batch, CachedLayer
 from shardspec.layers.embedding import ParallelLMHead
+from shardspec.layers.parallel import TPGroup
 from shardspec.models.config import ConfigError
 
 
@@ -97,6 +98,21 @@ class CausalLM(nn.Module):
     def checkpoint_key(self, param_name: str) -> str:
         """The checkpoint tensor (text-model layout, `model.…`) a parameter is read from."""
         raise NotImplementedError
+
+    def set_batch_invariant(self, block_rows: int) -> None:
+        """Batch-invariant mode (block_rows > 0; 0 turns it off): every layer computes a token's
+        result with the same arithmetic whatever else is in the pass (how many sequences, how many
+        tokens each), so greedy output depends neither on the batch nor on MTP. Matmuls run in
+        fixed blocks of rows (layers.linear.linear), the layers that attend or recur take their
+        CPU paths one token at a time, and a group of more than two ranks sums in rank order."""
+        for module in self.modules():
+            if hasattr(module, "block_rows"):
+                module.block_rows = block_rows
+            if hasattr(module, "invariant"):
+                module.invariant = block_rows > 0
+            tp = getattr(module, "tp", None)
+            if isinstance(tp, TPGroup):
+                tp.ordered = block_rows > 0
 
     def cached_layers(self) -> list[CachedLayer]:
         return [m for m in self.modules() if isinstance(m, CachedLayer)]

@@ -16,6 +16,7 @@ from shardspec.layers.attention import GatedAttention
 from shardspec.layers.batch import Batch
 from shardspec.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shardspec.layers.gdn import GatedDeltaNet
+from shardspec.layers.invariant import pointwise
 from shardspec.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from shardspec.layers.norm import RMSNorm
 from shardspec.layers.parallel import TPGroup
@@ -138,12 +139,13 @@ class MLP(nn.Module):
         rows = [tp.split(config.intermediate_size)]
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, {"gate_proj": rows, "up_proj": rows})
         self.down_proj = RowParallelLinear(rows, config.hidden_size)
+        self.invariant = False  # batch-invariant mode (CausalLM.set_batch_invariant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x)
         if kernels.enabled(x):
             return self.down_proj(kernels.norm.silu_mul(gate, up))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(pointwise(F.silu, gate, self.invariant) * up)
 
 
 def mixer(config: Qwen3_5Config, layer_type: str, tp: TPGroup) -> GatedDeltaNet | GatedAttention:

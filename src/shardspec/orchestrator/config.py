@@ -77,6 +77,10 @@ class EngineConfig:
     draft_tokens: int = DEFAULT_DRAFT_TOKENS
     """MTP drafts verified per step."""
 
+    deterministic: bool = False
+    """Batch-invariant decoding: a sequence's greedy output is the same whatever else runs with it and with or
+    without MTP, in every dtype (docs/architecture.md, "Deterministic decoding"); costs throughput."""
+
     pipeline: bool = True
     """Keep the next step on the wire while the current one runs."""
 
@@ -155,6 +159,7 @@ class EngineConfig:
             draft_tokens=self.draft_tokens,
             forced_acceptance=-1.0 if self.forced_acceptance is None else self.forced_acceptance,
             layer_split=list(self.layer_split or []),
+            deterministic=self.deterministic,
         )
 
     # --- checks that read files --------------------------------------------------------------------

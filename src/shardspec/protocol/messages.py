@@ -142,6 +142,7 @@ class LoadRequest:
     draft_tokens: int = bounded(1, MAX_DRAFT_TOKENS, 3)
     forced_acceptance: float = bounded(-1.0, 1.0, -1.0)  # benchmarks only; < 0 = off
     layer_split: list[int] = field(default_factory=list)  # decoder layers per stage; []: as even as can be
+    deterministic: bool = False  # batch-invariant decoding (ModelRunner's `deterministic`)
 
     def __post_init__(self) -> None:
         if self.mtp not in ("auto", "on", "off"):

@@ -480,7 +480,7 @@ class ShardWorker:
             log.warning("FORCED ACCEPTANCE %.2f: benchmark mode, the output is not the model's", forced)
         max_seq_len = min(body.max_seq_len, config.max_position_embeddings)
         self.runner = ModelRunner(model, self.device, body.max_slots, max_seq_len, body.prefill_chunk,
-                                  draft_len, forced, links=self.links)
+                                  draft_len, forced, links=self.links, deterministic=body.deterministic)
         self.state = "loaded"
         self.gap_count, self.gap_total, self.steps, self.step_total_s = 0, 0.0, 0, 0.0
         load_s = time.perf_counter() - started

@@ -55,6 +55,13 @@ STAGE_COPIES = 4
 # logits, half the bytes; 316 vs 509 µs per 9B-class draft on an H200), "bf16" (the kernel on the
 # head itself) or "cublas" (logits, then argmax, as the target's own passes)
 DRAFT_HEAD = os.environ.get("SHARDSPEC_DRAFT_HEAD", "fp8")
+# batch-invariant mode: rows per matmul block (layers.linear.linear). On a GPU a decode step's matmuls
+# read the weights once up to this many rows anyway; on a CPU a block costs compute per row
+INVARIANT_BLOCK_ROWS = {"cuda": 64, "cpu": 16}
+
+
+def invariant_block_rows(device: torch.device) -> int:
+    return INVARIANT_BLOCK_ROWS.get(device.type, 16)
 
 
 def draft_head_mode(model: CausalLM, dtype: torch.dtype, device: torch.device) -> str:
@@ -161,6 +168,7 @@ class ModelRunner:
         forced_acceptance: float | None = None,
         cuda_graphs: bool = True,
         links: StageLinks | None = None,
+        deterministic: bool = False,
     ):
         whole = model.stage.first and model.stage.last
         if not whole and links is None:
@@ -176,6 +184,10 @@ class ModelRunner:
         self.prefill_chunk = prefill_chunk
         self.draft_len = draft_len
         self.forced = forced_acceptance
+        # batch-invariant mode: the model's layers (CausalLM.set_batch_invariant), and prompts prefilled one
+        # at a time in chunks that depend on the prompt alone
+        self.deterministic = deterministic
+        model.set_batch_invariant(invariant_block_rows(device) if deterministic else 0)
         self.slots = SlotAllocator(max_slots)
         self.sequences: dict[int, Sequence] = {}
         self.forwarded: deque[Forwarded] = deque()  # on an earlier stage: steps whose record is to come
@@ -277,7 +289,8 @@ class ModelRunner:
         by_length: dict[int, list[int]] = {}  # prompts of one length prefill together, as one batch
         for i, spec in enumerate(request.prefill):
             by_length.setdefault(spec.length, []).append(i)
-        for group in by_length.values():
+        groups = by_length.values() if not self.deterministic else [[i] for i in range(len(request.prefill))]
+        for group in groups:
             self._prefill([request.prefill[i] for i in group], torch.stack([prompts[i] for i in group]), result,
                           request.return_logits)
 
@@ -297,7 +310,8 @@ class ModelRunner:
     def chunk_length(self, prompts: int) -> int:
         """Tokens per prompt in one prefill pass: the pass takes at most prefill_chunk tokens in all,
         in whole multiples of 64 (fla's chunk) per prompt, but never fewer than 64 each (so more than
-        prefill_chunk / 64 prompts overrun it); a prefill_chunk below 64 is taken as it is."""
+        prefill_chunk / 64 prompts overrun it); a prefill_chunk below 64 is taken as it is. Prompts
+        prefill alone in deterministic mode."""
         if self.prefill_chunk < 64:
             return self.prefill_chunk
         share = self.prefill_chunk // prompts
