@@ -69,15 +69,15 @@ def graph_time(fn: Callable[[], object], calls: int = 20, samples: int = 15,
     return statistics.median(times)
 
 
-def start(script: str, columns: list[str]) -> tuple[torch.device, float, dict]:
+def start(script: str, columns: list[str], after: tuple[str, ...] = ()) -> tuple[torch.device, float, dict]:
     """A GPU micro-benchmark's start: the device, its copy bandwidth (bytes/s, measured now), the
-    results dict, and the table's header printed."""
+    results dict, and the table's header printed (`after`: columns after the floor's)."""
     if not torch.cuda.is_available():
         sys.exit(f"bench/{script} needs a CUDA GPU")
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    header = [*columns, "µs", "floor µs", "of floor"]
+    header = [*columns, "µs", "floor µs", "of floor", *after]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     return device, bandwidth, {"device": torch.cuda.get_device_name(), "bandwidth_GBps": bandwidth / 1e9, "rows": []}
