@@ -193,7 +193,7 @@ async def run(args: argparse.Namespace, out: dict, save) -> None:
     stages = {"micro_batches": args.micro_batches} if args.micro_batches else {}
     async with shardspec.connect(model=str(args.ckpt), local=args.tp * args.pp, pp=args.pp, tp=args.tp, **stages,
                                  device=args.device, mtp=None, max_slots=max(args.batch), max_seq_len=max_seq_len,
-                                 connect_timeout=600) as engine:
+                                 connect_timeout=600, heartbeat_timeout=60) as engine:  # a fresh VM stalls as it grows
         bench = Bench(engine, str(Path(args.ckpt).resolve()), config, out["bandwidth_GBps"] * 1e9, max_seq_len,
                       last_rank=(args.pp - 1) * args.tp)
         out["weight_bytes_per_rank"] = engine.load_info.weight_bytes  # loaded: the floor counts what a step reads
