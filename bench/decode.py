@@ -8,9 +8,12 @@ the device's copy bandwidth (bytes read + written by a large device-to-device co
 the real engine (local workers, NCCL): decode tokens/s without MTP at each batch size, with MTP at
 k drafts under forced acceptance (benchmark mode: each draft kept with probability P — random
 weights never draft right), and prefill tokens/s at the given prompt lengths. Every decode figure
-is set against its floor: (this rank's weight bytes + the cache bytes a step reads and writes) ÷
-the measured copy bandwidth. With --hf, transformers' `generate` runs on the same checkpoint and
-GPU in the same run. Results go to stdout as tables and to --out as JSON, row by row.
+is set against its floor: the bytes a step must read and write (shardspec.models.step_bytes: the
+weights it reads — of the embedding table only the rows looked up, the MTP module and the drafts'
+head once per draft pass, none of them at k = 0 —, the KV it attends over, the recurrent state
+read and written) ÷ the copy bandwidth measured with CUDA events. With --hf, transformers'
+`generate` runs on the same checkpoint and GPU in the same run. Results go to stdout as tables and
+to --out as JSON, row by row.
 
 With --pp P the workers form P pipeline stages (P × --tp of them); `--device cuda:0` puts every
 stage on one GPU, whose floor is then the whole model's bytes (the stages run one after the other
@@ -27,6 +30,7 @@ import os
 import random
 import subprocess
 import time
+from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -41,25 +45,13 @@ from shardspec.models.random_checkpoint import (
     twenty_seven_b_config,
     write_random_checkpoint,
 )
+from shardspec.models.step_bytes import StepBytes, step_bytes
 from shardspec.orchestrator.config import FORCED_ACCEPTANCE_ENV
 from shardspec.protocol.messages import LoadRequest
 from shardspec.shard_worker.runner import DRAFT_HEAD
 
 SIZES = {"tiny": tiny_config, "9b": nine_b_config, "27b": twenty_seven_b_config}
 PROMPT_LEN = 128
-
-
-def step_bytes(config: Qwen3_5Config, tp: int, weight_bytes: int, batch: int, context: int, k: int) -> int:
-    """Bytes one rank must move in one decode (k = 0) or verify step: its weights once, plus the KV
-    it attends over and the recurrent state: read and written by a decode step; read by a verify
-    pass, then read and written again by the commit that replays the accepted prefix."""
-    kv_heads = max(1, config.num_key_value_heads // tp)
-    attention_layers = config.layer_types.count("full_attention")
-    kv = batch * context * attention_layers * 2 * kv_heads * config.head_dim * 2
-    gdn_layers = config.layer_types.count("linear_attention")
-    state = gdn_layers * (config.linear_num_value_heads // tp) * config.linear_key_head_dim
-    state *= config.linear_value_head_dim * 4 * batch * (3 if k else 2)  # fp32
-    return weight_bytes + kv + state
 
 
 class Bench:
@@ -124,9 +116,12 @@ class Bench:
         return {"prompt_tokens": length, "tokens_per_s": length / ttft, "ttft_ms": 1000 * ttft,
                 "worker_step_ms": 1000 * sum(steps)}
 
-    def floor_ms(self, weight_bytes: int, tp: int, batch: int, k: int) -> float:
-        context = PROMPT_LEN + 32
-        return 1000 * step_bytes(self.config, tp, weight_bytes, batch, context, k) / self.bandwidth
+    def floor(self, tp: int, batch: int, k: int, new_tokens: int) -> StepBytes:
+        """What one step must move: the whole model's bytes of one rank (with --pp, every stage's
+        share: one sequence's step runs them one after the other), at the run's mean context."""
+        dtype_bytes = 4 if self.config.dtype == "float32" else 2
+        return step_bytes(self.config, tp, batch, PROMPT_LEN + new_tokens // 2, k, dtype_bytes,
+                          DRAFT_HEAD if dtype_bytes == 2 else "cublas")
 
 
 def transformers_decode(model: str, batches: list[int], new_tokens: int, vocab: int, device: str) -> list[dict]:
@@ -198,13 +193,11 @@ async def run(args: argparse.Namespace, out: dict, save) -> None:
     stages = {"micro_batches": args.micro_batches} if args.micro_batches else {}
     async with shardspec.connect(model=str(args.ckpt), local=args.tp * args.pp, pp=args.pp, tp=args.tp, **stages,
                                  device=args.device, mtp=None, max_slots=max(args.batch), max_seq_len=max_seq_len,
-                                 connect_timeout=600) as engine:
+                                 connect_timeout=600, heartbeat_timeout=60) as engine:  # a fresh VM stalls as it grows
         bench = Bench(engine, str(Path(args.ckpt).resolve()), config, out["bandwidth_GBps"] * 1e9, max_seq_len,
                       last_rank=(args.pp - 1) * args.tp)
-        out["weight_bytes_per_rank"] = engine.load_info.weight_bytes
-        # one sequence's step reads a rank's weights of every stage, one stage after the other
+        out["weight_bytes_per_rank"] = engine.load_info.weight_bytes  # loaded: the floor counts what a step reads
         out["weight_bytes_per_stage"] = [s.weight_bytes for s in (await engine.stats())[:: args.tp]]
-        weight_bytes = sum(out["weight_bytes_per_stage"])
         out["decode"] = []
         print("| batch | MTP | tokens/s | step ms | floor ms | of floor | MAL | idle gap ms |", flush=True)
         print("|---|---|---|---|---|---|---|---|", flush=True)
@@ -213,8 +206,10 @@ async def run(args: argparse.Namespace, out: dict, save) -> None:
             for k, forced in configs:
                 await bench.reload(max(args.batch), k, forced)
                 row = await bench.decode(batch, args.new_tokens)
-                floor = bench.floor_ms(weight_bytes, args.tp, batch, k or 0)
-                row |= {"k": k or 0, "forced": forced, "floor_ms": floor, "of_floor": floor / row["step_ms"]}
+                moved = bench.floor(args.tp, batch, k or 0, args.new_tokens)
+                floor = 1000 * moved.total / bench.bandwidth
+                row |= {"k": k or 0, "forced": forced, "floor_bytes": asdict(moved), "floor_ms": floor,
+                        "of_floor": floor / row["step_ms"]}
                 out["decode"].append(row)
                 save()
                 label = "off" if not k else f"k={k} @{forced}"

@@ -19,6 +19,7 @@ from shardspec.cli import BUNDLED_MODEL
 from shardspec.layers.batch import Batch
 from shardspec.layers.parallel import SymmetricReducer, TPGroup, use_symmetric_memory
 from shardspec.models.loader import load_model
+from shardspec.models.random_checkpoint import tiny_config, write_random_checkpoint
 from shardspec.orchestrator.tokenizer import Tokenizer
 from shardspec.orchestrator.workers import free_port
 
@@ -34,11 +35,11 @@ def held_out_ids(count: int) -> list[int]:
     return Tokenizer.from_folder(BUNDLED_MODEL).encode(text)[:count]
 
 
-def greedy(device: str, dtype: str, tp: int, mtp: bool, prompts: list[str] = PROMPTS, pp: int = 1,
-           logs: list[str] | None = None) -> list[list[int]]:
+def greedy(device: str, dtype: str, tp: int, mtp: bool, prompts: list[str] | list[list[int]] = PROMPTS, pp: int = 1,
+           logs: list[str] | None = None, model: Path = BUNDLED_MODEL) -> list[list[int]]:
     """The greedy outputs of `prompts`, generated together; `logs` receives the local workers' logs."""
     async def run():
-        async with shardspec.connect(model=str(BUNDLED_MODEL), local=tp * pp, pp=pp, tp=tp, device=device, dtype=dtype,
+        async with shardspec.connect(model=str(model), local=tp * pp, pp=pp, tp=tp, device=device, dtype=dtype,
                                      mtp=mtp) as e:
             async def one(prompt):
                 out = []
@@ -79,6 +80,45 @@ def test_bf16_logits_agree_with_the_fp32_reference_on_held_out_text():
     agreement = {name: (model.lm_head.logits(hidden)[0].argmax(-1).cpu() == reference).float().mean().item()
                  for name, hidden in (("prefill", prefill), ("chunked", chunked), ("decode", decode))}
     assert min(agreement.values()) >= 0.98, agreement
+
+
+ODD_HEADS = {"head_dim": 48, "linear_key_head_dim": 24, "linear_value_head_dim": 40}  # the kernels pad each
+
+
+@pytest.fixture(scope="module")
+def odd_heads_model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("odd-heads")
+    write_random_checkpoint(path, tiny_config(**ODD_HEADS), seed=3)
+    return path
+
+
+@torch.inference_mode()
+def test_head_dims_that_are_not_powers_of_two_give_the_cpu_logits_through_the_kernels(odd_heads_model):
+    """fp32, head dim 48, linear key dim 24, value dim 40: a cached prefill, one-token decode passes
+    and a three-token (verify-sized) pass through the GPU kernels give the CPU's whole-sequence logits."""
+    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    cpu = load_model(odd_heads_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=False)
+    reference = cpu.lm_head.logits(cpu(ids, Batch.uncached(2, 24, ids.device)))
+    model = load_model(odd_heads_model, TPGroup(), torch.float32, torch.device("cuda"), with_mtp=False)
+    model.allocate_caches(3, 64, torch.float32, torch.device("cuda"))
+    x, slots = ids.cuda(), torch.tensor([2, 0], device="cuda")
+    positions = torch.arange(24, device="cuda").expand(2, -1)
+    spans = [(0, 16), *((t, t + 1) for t in range(16, 21)), (21, 24)]
+    hidden = torch.cat([model(x[:, a:b], Batch(slots, positions[:, a:b], b)) for a, b in spans], 1)
+    torch.testing.assert_close(model.lm_head.logits(hidden).cpu(), reference, rtol=1e-4, atol=1e-4)
+
+
+def test_head_dims_that_are_not_powers_of_two_give_the_same_greedy_tokens_with_and_without_kernels(
+        odd_heads_model, monkeypatch):
+    """The engine on the GPU, fp32: kernels (with MTP too: verify passes), the PyTorch path
+    (SHARDSPEC_KERNELS=0) and the CPU all give the same greedy tokens."""
+    prompts = [[5, 17, 300, 42, 9], [101, 7, 7, 250]]
+    kernels = greedy("cuda", "float32", 1, mtp=False, prompts=prompts, model=odd_heads_model)
+    with_mtp = greedy("cuda", "float32", 1, mtp=True, prompts=prompts, model=odd_heads_model)
+    monkeypatch.setenv("SHARDSPEC_KERNELS", "0")  # the workers read it at start
+    plain = greedy("cuda", "float32", 1, mtp=False, prompts=prompts, model=odd_heads_model)
+    assert kernels == plain == with_mtp == greedy("cpu", "float32", 1, mtp=False, prompts=prompts,
+                                                  model=odd_heads_model)
 
 
 @pytest.mark.parametrize("tp", [1, 2])

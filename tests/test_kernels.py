@@ -90,9 +90,9 @@ def test_gated_rms_norm_and_silu_mul_match_the_reference(dtype):
     assert_agree(kernel_norm.silu_mul(*gate_up.to(DEVICE).split(1500, -1)), torch.nn.functional.silu(gate) * up, dtype)
 
 
-def gdn_inputs(dtype, T):
+def gdn_inputs(dtype, T, DK=16, DV=32):
     torch.manual_seed(T)
-    B, HK, HV, DK, DV, slots = 3, 2, 4, 16, 32, 5
+    B, HK, HV, slots = 3, 2, 4, 5
     C = 2 * HK * DK + HV * DV
     return dict(
         x=torch.randn(B, T, C, dtype=dtype),
@@ -133,6 +133,20 @@ def test_gated_deltanet_kernels_match_the_reference_and_update_states_in_place(d
     assert_agree(dev["state"], ref["state"], torch.float32 if dtype == torch.float32 else dtype)
     untouched = [1, 4]  # slots no row uses
     assert torch.equal(dev["state"][untouched].cpu(), inputs["state"][untouched])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_deltanet_kernels_accept_head_dims_that_are_not_powers_of_two(dtype):
+    """Key head dim 24 and value head dim 40 (padded to 32 and 64, masked): the output and both
+    states as the reference gives them, with a value tile (16) that does not divide 40."""
+    inputs = gdn_inputs(dtype, 3, DK=24, DV=40)
+    ref, dev = on("cpu", inputs), on(DEVICE, inputs)
+    out, _ = run_gdn(reference_gdn, ref, write=True)
+    out_k, _ = run_gdn(kernel_gdn, dev, write=True)
+    assert_agree(out_k, out, dtype)
+    assert_agree(dev["conv_state"], ref["conv_state"], dtype)
+    assert_agree(dev["state"], ref["state"], torch.float32 if dtype == torch.float32 else dtype)
+    assert torch.equal(dev["state"][[1, 4]].cpu(), inputs["state"][[1, 4]])  # slots no row uses
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -192,8 +206,11 @@ def test_a_speculative_pass_leaves_states_alone_and_its_replay_commits_the_accep
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_kernels_match_the_reference_and_fill_the_cache(dtype, monkeypatch):
-    config = Qwen3_5Config.from_dict(tiny_config())
+@pytest.mark.parametrize("head_dim", [16, 48])  # 48: padded to 64 in the kernels, masked
+def test_attention_kernels_match_the_reference_and_fill_the_cache(dtype, head_dim, monkeypatch):
+    if head_dim == 48 and dtype == torch.bfloat16 and not GPU:  # the rotation sums two bf16-rounded terms:
+        pytest.skip("the interpreter's truncation to bf16 is an ulp of the larger term off, beyond two of the sum")
+    config = Qwen3_5Config.from_dict(tiny_config(head_dim=head_dim))
     torch.manual_seed(0)
     layer = mixer(config, "full_attention", TPGroup())
     for p in layer.parameters():
@@ -213,8 +230,9 @@ def test_attention_kernels_match_the_reference_and_fill_the_cache(dtype, monkeyp
         out = layer(step.to(device), Batch(s, positions, 40))
         outputs.append((out, layer.k_cache.clone(), layer.v_cache.clone()))
     (out, k_cache, v_cache), (out_k, k_cache_k, v_cache_k) = outputs
-    # the output projection sums 128 bf16-rounded products, so a few ulps before it show up larger
-    assert_agree(out_k, out, dtype, bf16_tol=0.05)
+    # the output projection sums 8 · head_dim bf16-rounded products, so a few ulps before it show up
+    # larger: 0.05 at 128 products, growing as the square root of their count
+    assert_agree(out_k, out, dtype, bf16_tol=0.05 * (head_dim / 16) ** 0.5)
     assert_agree(k_cache_k, k_cache, dtype)
     assert_agree(v_cache_k, v_cache, dtype)
 

@@ -19,11 +19,13 @@ INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, inv_freq_ptr, pos_ptr, slots_ptr, q_out_ptr,
                          k_cache_ptr, v_cache_ptr, T, stride_q, stride_k, stride_v, cache_len, eps,
-                         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr):
+                         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                         ROT: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)  # b * T + t
     head = tl.program_id(1)
     is_q = head < HQ
-    cols = tl.arange(0, D)
+    cols = tl.arange(0, DP)  # the head dim padded to a power of two; lanes from D on are masked
+    live = cols < D
     half: tl.constexpr = ROT // 2
     partner = tl.where(cols < half, cols + half, cols - half)
     sign = tl.where(cols < half, -1.0, 1.0)
@@ -35,12 +37,12 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, inv_freq_ptr, pos_
         src = k_ptr + token * stride_k + (head - HQ) * D
         w_ptr = kw_ptr
     dtype = q_out_ptr.dtype.element_ty
-    x = tl.load(src + cols).to(tl.float32)
+    x = tl.load(src + cols, mask=live, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
-    normed = (x * rstd * (1.0 + tl.load(w_ptr + cols).to(tl.float32))).to(dtype)
-    other = tl.load(src + partner).to(tl.float32)
-    other = (other * rstd * (1.0 + tl.load(w_ptr + partner).to(tl.float32))).to(dtype)
-    freq = tl.load(pos_ptr + token).to(tl.float32) * tl.load(inv_freq_ptr + (cols % half))
+    normed = (x * rstd * (1.0 + tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32))).to(dtype)
+    other = tl.load(src + partner, mask=live, other=0.0).to(tl.float32)
+    other = (other * rstd * (1.0 + tl.load(w_ptr + partner, mask=live, other=0.0).to(tl.float32))).to(dtype)
+    freq = tl.load(pos_ptr + token).to(tl.float32) * tl.load(inv_freq_ptr + (cols % half), mask=rotary, other=0.0)
     cos = tl.cos(freq).to(dtype).to(tl.float32)
     sin = tl.sin(freq).to(dtype).to(tl.float32)
     # rotate-half over the first ROT channels, each product rounded as in eager bf16
@@ -48,14 +50,14 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, inv_freq_ptr, pos_
                + (sign * other.to(tl.float32) * sin).to(dtype).to(tl.float32))
     out = tl.where(rotary, rotated.to(dtype), normed)
     if is_q:
-        tl.store(q_out_ptr + (token * HQ + head) * D + cols, out)
+        tl.store(q_out_ptr + (token * HQ + head) * D + cols, out, mask=live)
     else:
         b = token // T
         slot = tl.load(slots_ptr + b)
         position = tl.load(pos_ptr + token)
         where = ((slot * cache_len + position) * HKV + (head - HQ)) * D + cols
-        tl.store(k_cache_ptr + where, out)
-        tl.store(v_cache_ptr + where, tl.load(v_ptr + token * stride_v + (head - HQ) * D + cols))
+        tl.store(k_cache_ptr + where, out, mask=live)
+        tl.store(v_cache_ptr + where, tl.load(v_ptr + token * stride_v + (head - HQ) * D + cols, mask=live), mask=live)
 
 
 def qk_norm_rope(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
@@ -73,7 +75,8 @@ def qk_norm_rope(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: t
     positions = positions.contiguous()
     _qk_norm_rope_kernel[(B * T, HQ + HKV)](
         qg2, k2, v2, q_weight, k_weight, inv_freq, positions, slots, q_out, k_cache, v_cache, T,
-        qg2.stride(0), k2.stride(0), v2.stride(0), L, eps, HQ=HQ, HKV=HKV, D=D, ROT=2 * inv_freq.numel(),
+        qg2.stride(0), k2.stride(0), v2.stride(0), L, eps, HQ=HQ, HKV=HKV, D=D, DP=triton.next_power_of_2(D),
+        ROT=2 * inv_freq.numel(),
         num_warps=1,
     )
     return q_out
@@ -82,7 +85,8 @@ def qk_norm_rope(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: t
 @triton.jit
 def _cached_attention_kernel(q_ptr, gate_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slots_ptr, out_ptr, T, stride_g,
                              cache_len, scale, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                             GROUP: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, DOT_FP32: tl.constexpr):
+                             DP: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr,
+                             DOT_FP32: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)  # b * T + t
     kv_head = tl.program_id(1)
     b = token // T
@@ -91,18 +95,21 @@ def _cached_attention_kernel(q_ptr, gate_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
     g = tl.arange(0, GP)
     heads = kv_head * GROUP + g
     live = g < GROUP
-    cols = tl.arange(0, D)
-    q = tl.load(q_ptr + (token * HQ + heads[:, None]) * D + cols[None, :], mask=live[:, None], other=0.0)
+    cols = tl.arange(0, DP)  # the head dim padded to a power of two (at least 16, for tl.dot); masked
+    in_head = cols < D
+    tile = live[:, None] & in_head[None, :]
+    q = tl.load(q_ptr + (token * HQ + heads[:, None]) * D + cols[None, :], mask=tile, other=0.0)
     m = tl.full([GP], float("-inf"), dtype=tl.float32)
     denom = tl.zeros([GP], dtype=tl.float32)
-    acc = tl.zeros([GP, D], dtype=tl.float32)
+    acc = tl.zeros([GP, DP], dtype=tl.float32)
     base = slot * cache_len * HKV * D + kv_head * D
     for start in range(0, last + 1, BN):
         keys = start + tl.arange(0, BN)
         visible = keys <= last
         offsets = base + keys[:, None] * (HKV * D) + cols[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=visible[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + offsets, mask=visible[:, None], other=0.0)
+        kv_tile = visible[:, None] & in_head[None, :]
+        k = tl.load(k_cache_ptr + offsets, mask=kv_tile, other=0.0)
+        v = tl.load(v_cache_ptr + offsets, mask=kv_tile, other=0.0)
         if DOT_FP32:  # float32 models (no TF32), and Triton's interpreter, which has no bf16 dot
             scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
         else:
@@ -119,11 +126,10 @@ def _cached_attention_kernel(q_ptr, gate_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
         m = m_new
     dtype = out_ptr.dtype.element_ty
     attended = (acc / denom[:, None]).to(dtype).to(tl.float32)
-    gate = tl.load(gate_ptr + token * stride_g + heads[:, None] * 2 * D + cols[None, :], mask=live[:, None],
+    gate = tl.load(gate_ptr + token * stride_g + heads[:, None] * 2 * D + cols[None, :], mask=tile,
                    other=0.0).to(tl.float32)
     gate = tl.sigmoid(gate).to(dtype).to(tl.float32)
-    tl.store(out_ptr + (token * HQ + heads[:, None]) * D + cols[None, :], (attended * gate).to(dtype),
-             mask=live[:, None])
+    tl.store(out_ptr + (token * HQ + heads[:, None]) * D + cols[None, :], (attended * gate).to(dtype), mask=tile)
 
 
 def cached_attention(q: torch.Tensor, qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -137,7 +143,7 @@ def cached_attention(q: torch.Tensor, qg: torch.Tensor, k_cache: torch.Tensor, v
     out = torch.empty(B, T, HQ * D, dtype=q.dtype, device=q.device)
     _cached_attention_kernel[(B * T, HKV)](
         q, qg2[:, D:], k_cache, v_cache, positions.contiguous(), slots, out, T, qg2.stride(0), L, D**-0.5,
-        HQ=HQ, HKV=HKV, D=D, GROUP=group, GP=max(16, triton.next_power_of_2(group)), BN=32,
-        DOT_FP32=q.dtype == torch.float32 or INTERPRETER, num_warps=4,
+        HQ=HQ, HKV=HKV, D=D, DP=max(16, triton.next_power_of_2(D)), GROUP=group,
+        GP=max(16, triton.next_power_of_2(group)), BN=32, DOT_FP32=q.dtype == torch.float32 or INTERPRETER, num_warps=4,
     )
     return out

@@ -97,8 +97,9 @@ def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, slot
 @triton.jit
 def _delta_rule_kernel(qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, state_ptr, slots_ptr, lengths_ptr, o_ptr,
                        T, stride_qkv_b, stride_qkv_t, stride_ab_b, stride_ab_t, scale,
-                       HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                       HAS_LENGTHS: tl.constexpr, WRITE_OUT: tl.constexpr, WRITE_STATE: tl.constexpr):
+                       HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
+                       BV: tl.constexpr, HAS_LENGTHS: tl.constexpr, WRITE_OUT: tl.constexpr,
+                       WRITE_STATE: tl.constexpr):
     i_v = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64) // HV
     hv = tl.program_id(1) % HV
@@ -107,18 +108,21 @@ def _delta_rule_kernel(qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, state_ptr,
     n = T
     if HAS_LENGTHS:
         n = tl.load(lengths_ptr + b).to(tl.int32)
-    o_k = tl.arange(0, DK)
+    o_k = tl.arange(0, DKP)  # head dims padded to powers of two: masked lanes hold zeros throughout
     o_v = i_v * BV + tl.arange(0, BV)
+    k_live = o_k < DK
+    v_live = o_v < DV
+    tile = k_live[:, None] & v_live[None, :]
     p_state = state_ptr + ((slot * HV + hv) * DK + o_k[:, None]) * DV + o_v[None, :]
-    h = tl.load(p_state)  # [DK, BV] fp32
+    h = tl.load(p_state, mask=tile, other=0.0)  # [DKP, BV] fp32
     A = tl.exp(tl.load(A_log_ptr + hv).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
     dtype = qkv_ptr.dtype.element_ty
     for t in range(0, n):
         row = qkv_ptr + b * stride_qkv_b + t * stride_qkv_t  # [q (HK*DK) | k (HK*DK) | v (HV*DV)]
-        q = tl.load(row + hk * DK + o_k).to(tl.float32)
-        k = tl.load(row + HK * DK + hk * DK + o_k).to(tl.float32)
-        v = tl.load(row + 2 * HK * DK + hv * DV + o_v).to(tl.float32)
+        q = tl.load(row + hk * DK + o_k, mask=k_live, other=0.0).to(tl.float32)
+        k = tl.load(row + HK * DK + hk * DK + o_k, mask=k_live, other=0.0).to(tl.float32)
+        v = tl.load(row + 2 * HK * DK + hv * DV + o_v, mask=v_live, other=0.0).to(tl.float32)
         q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
         k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
         ab = b * stride_ab_b + t * stride_ab_t + hv
@@ -130,9 +134,9 @@ def _delta_rule_kernel(qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, state_ptr,
         h = h + k[:, None] * delta[None, :]
         if WRITE_OUT:
             out = tl.sum(h * q[:, None], 0)
-            tl.store(o_ptr + ((b * T + t) * HV + hv) * DV + o_v, out.to(o_ptr.dtype.element_ty))
+            tl.store(o_ptr + ((b * T + t) * HV + hv) * DV + o_v, out.to(o_ptr.dtype.element_ty), mask=v_live)
     if WRITE_STATE:
-        tl.store(p_state, h)
+        tl.store(p_state, h, mask=tile)
 
 
 def delta_rule(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
@@ -143,7 +147,7 @@ def delta_rule(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch
 
     Returns the output [B, T, HV, DV] in qkv's dtype (when write_out). `lengths` (replay) writes
     no output. Each program holds a [dk, block_v] tile of one head's state (bench/kernels.py times
-    the choices)."""
+    the choices); head dims that are not powers of two are padded to the next one, masked."""
     B, T, _ = qkv.shape
     HV, DK, DV = state.shape[1:]
     assert dk == DK and not (write_out and lengths is not None)
@@ -154,13 +158,13 @@ def delta_rule(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch
     assert state.is_contiguous() and state.dtype == torch.float32
     assert slots.is_contiguous() and (lengths is None or lengths.is_contiguous())
     out = torch.empty(B, T, HV, DV, dtype=qkv.dtype, device=qkv.device) if write_out else None
-    BV = min(block_v, DV)
-    assert DV % BV == 0 and BV & (BV - 1) == 0, "block_v: a power of two that divides the value head dim"
+    BV = min(block_v, triton.next_power_of_2(DV))
+    assert BV & (BV - 1) == 0, "block_v: a power of two"
     _delta_rule_kernel[(triton.cdiv(DV, BV), B * HV)](
         qkv, a, b, A_log, dt_bias, state, slots, lengths if lengths is not None else slots,
         out if write_out else qkv, T, qkv.stride(0), qkv.stride(1), a.stride(0), a.stride(1), DK**-0.5,
-        HK=k_heads, HV=HV, DK=DK, DV=DV, BV=BV, HAS_LENGTHS=lengths is not None, WRITE_OUT=write_out,
-        WRITE_STATE=write_state, num_warps=num_warps,
+        HK=k_heads, HV=HV, DK=DK, DV=DV, DKP=triton.next_power_of_2(DK), BV=BV, HAS_LENGTHS=lengths is not None,
+        WRITE_OUT=write_out, WRITE_STATE=write_state, num_warps=num_warps,
     )
     return out
 

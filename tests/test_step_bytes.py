@@ -1,0 +1,61 @@
+"""The decode floor's byte count (shardspec.models.step_bytes) on the tiny config, against sums
+written out by hand from its numbers: vocab 512, hidden 64, intermediate 128, layers 3 Gated DeltaNet
++ 1 attention; attention 8 heads of 16, 4 KV heads; GDN 4 key heads and 8 value heads of 16, conv 4."""
+
+from __future__ import annotations
+
+import math
+
+from shardspec.models.qwen3_5 import Qwen3_5Config
+from shardspec.models.random_checkpoint import parameter_shapes, tiny_config
+from shardspec.models.step_bytes import step_bytes
+
+CONFIG = Qwen3_5Config.from_dict(tiny_config())
+MLP = 3 * 128 * 64 + 2 * 64  # gate, up, down; the two layer norms
+ATTENTION = 2 * 8 * 16 * 64 + 2 * 4 * 16 * 64 + 64 * 8 * 16 + 2 * 16 + MLP  # q|gate, k, v, o, q/k norms
+GDN = 256 * 64 + 128 * 64 + 2 * 8 * 64 + 256 * 4 + 2 * 8 + 16 + 64 * 128 + MLP  # qkv, z, b, a, conv, dt/A, norm, out
+WEIGHTS = 2 * (3 * GDN + ATTENTION + 64 + 512 * 64)  # + the final norm and the LM head, bf16
+KV_POSITION = 2 * 4 * 16 * 2  # K and V, 4 heads of 16, bf16
+STATE = 2 * 3 * (8 * 16 * 16 * 4 + 256 * 3 * 2)  # read + written, 3 layers: fp32 state, bf16 conv state (K-1 = 3)
+
+
+def test_a_step_without_drafts_reads_the_weights_once_and_only_the_embedding_rows_it_looks_up():
+    got = step_bytes(CONFIG, tp=1, batch=2, context=10, k=0)
+    assert got.weights == WEIGHTS
+    assert got.embedding_rows == 2 * 64 * 2
+    assert got.mtp == got.draft_head == 0
+    assert got.kv_cache == 1 * 2 * (10 + 1) * KV_POSITION  # one attention layer: 10 read, 1 written per row
+    assert got.recurrent_state == 2 * STATE
+    assert got.total == WEIGHTS + 256 + 2 * 11 * KV_POSITION + 2 * STATE
+
+
+def test_a_step_with_k_drafts_reads_the_mtp_module_and_the_draft_head_k_times():
+    mtp_module = 2 * (2 * 64 * 64 + 3 * 64 + ATTENTION)  # fc, three norms, one attention layer
+    fp8_head = 512 * 64 + 512 * 4  # one byte an element, an fp32 scale a row
+    got = step_bytes(CONFIG, tp=1, batch=2, context=10, k=2, draft_head="fp8")
+    assert got.weights == WEIGHTS
+    assert got.embedding_rows == 2 * (3 + 3 + 1) * 64 * 2  # verify (k+1), MTP over the prefix (k+1), chain (k-1)
+    assert got.mtp == 2 * mtp_module
+    assert got.draft_head == 2 * fp8_head
+    # the target's layer: 10 read + 3 written; the MTP layer: 13 for the prefix pass, 14 for the chained one
+    assert got.kv_cache == 2 * (13 + 13 + 14) * KV_POSITION
+    assert got.recurrent_state == 2 * STATE
+    assert step_bytes(CONFIG, tp=1, batch=2, context=10, k=2, draft_head="bf16").draft_head == 2 * 2 * 512 * 64
+
+
+def test_under_tensor_parallelism_a_rank_counts_its_shards_and_replicated_kv_heads():
+    mlp = 3 * 64 * 64 + 2 * 64
+    attention = 2 * 4 * 16 * 64 + 2 * 2 * 16 * 64 + 64 * 4 * 16 + 2 * 16 + mlp
+    gdn = 128 * 64 + 64 * 64 + 2 * 4 * 64 + 128 * 4 + 2 * 4 + 16 + 64 * 64 + mlp
+    got = step_bytes(CONFIG, tp=2, batch=1, context=10, k=0)
+    assert got.weights == 2 * (3 * gdn + attention + 64 + 256 * 64)
+    assert got.kv_cache == 11 * 2 * 2 * 16 * 2
+    assert got.recurrent_state == 2 * 3 * (4 * 16 * 16 * 4 + 128 * 3 * 2)
+    assert step_bytes(CONFIG, tp=8, batch=1, context=10, k=0).kv_cache == 11 * 2 * 1 * 16 * 2  # one KV head a rank
+
+
+def test_the_weights_with_the_embedding_table_and_the_mtp_module_are_the_checkpoint():
+    """Cross-check with the checkpoint writer's parameter list, another account of the same shapes."""
+    total = 2 * sum(math.prod(shape) for shape in parameter_shapes(tiny_config(), mtp=True).values())
+    got = step_bytes(CONFIG, tp=1, batch=1, context=0, k=1)
+    assert got.weights + 2 * 512 * 64 + got.mtp == total
