@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -61,11 +62,11 @@ class Bench:
         self.bandwidth, self.max_seq_len = bandwidth, max_seq_len
         self.last_rank = last_rank  # a rank of the last stage: it verifies, so it counts the drafts
 
-    async def reload(self, slots: int, k: int | None, forced: float | None) -> None:
-        """New caches and MTP settings on the loaded weights (the workers keep them)."""
+    async def reload(self, slots: int, k: int | None, forced: float | None, deterministic: bool = False) -> None:
+        """New caches, MTP settings and mode on the loaded weights (the workers keep them)."""
         load = LoadRequest(model=self.model, dtype="auto", max_slots=slots, max_seq_len=self.max_seq_len,
                            mtp="on" if k else "off", draft_tokens=k or 1,
-                           forced_acceptance=-1.0 if forced is None else forced)
+                           forced_acceptance=-1.0 if forced is None else forced, deterministic=deterministic)
         await self.engine.group.load(load)
         self.engine.scheduler.max_slots = slots
 
@@ -203,16 +204,17 @@ async def run(args: argparse.Namespace, out: dict, save) -> None:
         print("|---|---|---|---|---|---|---|---|", flush=True)
         for batch in args.batch:
             configs = [(None, None)] + [(k, f) for f in args.forced for k in args.k]
-            for k, forced in configs:
-                await bench.reload(max(args.batch), k, forced)
+            modes = [False, True] if args.deterministic else [False]
+            for (k, forced), deterministic in itertools.product(configs, modes):
+                await bench.reload(max(args.batch), k, forced, deterministic)
                 row = await bench.decode(batch, args.new_tokens)
                 moved = bench.floor(args.tp, batch, k or 0, args.new_tokens)
                 floor = 1000 * moved.total / bench.bandwidth
-                row |= {"k": k or 0, "forced": forced, "floor_bytes": asdict(moved), "floor_ms": floor,
-                        "of_floor": floor / row["step_ms"]}
+                row |= {"k": k or 0, "forced": forced, "deterministic": deterministic, "floor_bytes": asdict(moved),
+                        "floor_ms": floor, "of_floor": floor / row["step_ms"]}
                 out["decode"].append(row)
                 save()
-                label = "off" if not k else f"k={k} @{forced}"
+                label = ("off" if not k else f"k={k} @{forced}") + (" deterministic" if deterministic else "")
                 print(f"| {batch} | {label} | {row['tokens_per_s']:.1f} | {row['step_ms']:.2f} | {floor:.2f} "
                       f"| {row['of_floor']:.0%} | {row.get('mean_acceptance_length', 1):.2f} "
                       f"| {row['idle_gap_ms']:.3f} |", flush=True)
@@ -256,6 +258,8 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=None, help="micro-batches in flight (default: --pp)")
     parser.add_argument("--link-cost", action="store_true", help="also time one stage-link message per batch and k")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="also each row in deterministic (batch-invariant) mode, next to the default")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--k", type=int, nargs="*", default=[1, 2, 3, 4])
     parser.add_argument("--forced", type=float, nargs="*", default=[0.6, 0.8])

@@ -23,6 +23,8 @@
 #   floor   one H200: tests/test_cuda.py + tests/test_kernels.py (the 9B-class checkpoint written meanwhile),
 #           then 9B-class TP = 1 batch 1/8, MTP off and k = 3 at 0.8, against the floor; the drafts' LM head
 #           (bench/lm_head.py, 1/2/16 rows) with its ties and wrong indices; each part runs even if one before failed
+#   deterministic  tests/test_cuda.py (with the batch-invariance tests), then 9B-class batch 1/8/32, MTP off
+#           and k = 3 at 0.8, each row in the default and in deterministic mode (its cost, same run)
 #   pp      pipeline stages on one GPU (one H200 is enough): tests/test_cuda.py, then 9B-class PP = 1 and
 #           PP = 2 with both stages on cuda:0, batch 1/8, MTP off and k = 3 at 0.8, and the stage link's
 #           cost per message; batch 8 again as one micro-batch; each part runs even if one before it failed (the exit status says)
@@ -36,8 +38,8 @@ wheels=$1 out=$2
 shift 2
 for stage in "$@"; do
     case $stage in
-    tests | 9b | 9b-tp2 | tp2-profile | 27b | floor | pp) ;;
-    *) echo "gpu.sh: unknown stage '$stage' (tests, 9b, 9b-tp2, tp2-profile, 27b, floor, pp)" >&2; exit 2 ;;
+    tests | 9b | 9b-tp2 | tp2-profile | 27b | floor | deterministic | pp) ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, 9b, 9b-tp2, tp2-profile, 27b, floor, deterministic, pp)" >&2; exit 2 ;;
     esac
 done
 mkdir -p "$out" .bench
@@ -104,6 +106,16 @@ for stage in "$@"; do
             --out "$out/decode-9b-floor.json" 2>&1 | tee "$out/decode-9b-floor.log" || failed=1
         timeout 80 python3 bench/lm_head.py --rows 1 2 16 --out "$out/lm-head.json" 2>&1 | tee "$out/lm-head.log" \
             || failed=1
+        ;;
+    deterministic)
+        [ -f .bench/9b/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/9b --size 9b &
+        writer=$!   # on the CPUs, while the tests take the GPU
+        timeout 240 python3 -m pytest -q tests/test_cuda.py --durations=10 --timeout 200 2>&1 \
+            | tee "$out/tests-deterministic.log" || failed=1
+        wait $writer || failed=1
+        timeout 250 python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 1 --batch 1 8 32 --k 3 --forced 0.8 \
+            --prefill --deterministic --out "$out/decode-9b-deterministic.json" 2>&1 \
+            | tee "$out/decode-9b-deterministic.log" || failed=1
         ;;
     pp)
         [ -f .bench/9b/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/9b --size 9b &

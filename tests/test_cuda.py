@@ -277,3 +277,35 @@ def test_every_graph_a_step_replays_is_captured_at_load():
         runner.step(StepRequest(decode=[s for s in live if s != sampled]), torch.empty(0, dtype=torch.long))
     assert {key: set(bucket.graphs) for key, bucket in runner.passes.buckets.items()} == captured
     runner.close()
+
+
+def test_deterministic_logits_on_the_gpu_are_the_same_bits_alone_in_a_batch_and_with_mtp_in_bf16(tiny_model):
+    from test_deterministic import decode_logits, prompts_of
+
+    model = load_model(tiny_model, TPGroup(), torch.bfloat16, torch.device("cuda"), with_mtp=True)
+    prompts = prompts_of([5, 5, 1, 17, 40, 70], seed=3)
+    together = decode_logits(model, prompts, draft_len=3, deterministic=True, device="cuda")
+    for prompt, batched in zip(prompts, together):
+        alone = decode_logits(model, [prompt], draft_len=0, deterministic=True, device="cuda")[0]
+        assert alone.keys() == batched.keys()
+        assert all(torch.equal(alone[pos], batched[pos]) for pos in alone)
+
+
+def test_deterministic_greedy_output_on_the_gpu_is_the_same_alone_and_among_others_with_mtp_on_and_off():
+    prompts = [[(7 * i + 3 * j) % 4000 + 1 for j in range(3 + i % 37)] for i in range(32)]
+
+    async def run(mtp: bool, together: bool) -> list[list[int]]:
+        async with shardspec.connect(model=str(BUNDLED_MODEL), local=1, device="cuda", dtype="bfloat16", mtp=mtp,
+                                     max_slots=32, deterministic=True) as engine:
+            async def one(prompt):
+                tokens = []
+                async for chunk in engine.generate(prompt, max_tokens=24, stop_at_eos=False):
+                    tokens += chunk.token_ids
+                return tokens
+            if together:
+                return await asyncio.gather(*(one(p) for p in prompts))
+            return [await one(p) for p in prompts]
+
+    alone = asyncio.run(run(False, together=False))
+    assert asyncio.run(run(False, together=True)) == alone
+    assert asyncio.run(run(True, together=True)) == alone

@@ -19,11 +19,13 @@ from shardspec.shard_worker.runner import ModelRunner
 TOKENS = 12
 
 
-def decode_logits(model, prompts: list[list[int]], draft_len: int,
-                  deterministic: bool) -> list[dict[int, torch.Tensor]]:
+def decode_logits(model, prompts: list[list[int]], draft_len: int, deterministic: bool,
+                  device: str = "cpu") -> list[dict[int, torch.Tensor]]:
     """Greedy-decode the prompts together, TOKENS each: per prompt, the logits of every decode-step
-    position whose input token was kept (the pending token and the accepted drafts)."""
-    runner = ModelRunner(model, torch.device("cpu"), len(prompts), 128, 2048, draft_len, cuda_graphs=False,
+    position whose input token was kept (the pending token and the accepted drafts). On a GPU the
+    passes replay CUDA graphs, as in a worker."""
+    device = torch.device(device)
+    runner = ModelRunner(model, device, len(prompts), 128, 2048, draft_len, cuda_graphs=device.type == "cuda",
                          deterministic=deterministic)
     try:
         specs = [PrefillSpec(seq=i, length=len(p), max_tokens=TOKENS) for i, p in enumerate(prompts)]
@@ -32,7 +34,7 @@ def decode_logits(model, prompts: list[list[int]], draft_len: int,
         while live := [i for i in range(len(prompts)) if not runner.sequences[i].finished]:
             starts = [runner.sequences[i].length for i in live]
             result = runner.step(StepRequest(decode=live, return_logits=True), torch.tensor([], dtype=torch.long))
-            logits = result.logits[0].view(len(live), draft_len + 1, -1)
+            logits = result.logits[0].view(len(live), draft_len + 1, -1).cpu()
             for b, (i, start, emitted) in enumerate(zip(live, starts, result.tokens)):
                 for j in range(len(emitted)):
                     rows[i][start + j] = logits[b, j]
