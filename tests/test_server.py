@@ -467,3 +467,58 @@ def test_a_503_body_has_the_failure_s_first_line_and_the_log_has_the_worker_s_lo
     assert error.status == 503 and error.body()["error"]["code"] == "workers_unavailable"
     assert error.message == "the model's workers are unavailable: local worker 0 exited with code 1 after 3 restarts"
     assert "OSError: /secret/model/config.json" in caplog.text
+
+
+# --- what the server refuses: every OpenAI parameter it does not implement -------------------------
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "kwargs", "param"),
+    [
+        ("completions", {"best_of": 2}, "best_of"),
+        ("completions", {"suffix": "x"}, "suffix"),
+        ("completions", {"logit_bias": {"1": 5}}, "logit_bias"),
+        ("completions", {"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
+        ("completions", {"extra_body": {"guided_json": {}}}, "guided_json"),
+        ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+         "response_format"),
+        ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("chat", {"tool_choice": "required"}, "tool_choice"),
+        ("chat", {"functions": [{"name": "f"}]}, "functions"),
+        ("chat", {"function_call": {"name": "f"}}, "function_call"),
+        ("chat", {"logit_bias": {"1": 5}}, "logit_bias"),
+        ("chat", {"modalities": ["text", "audio"]}, "modalities"),
+        ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        ("chat", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
+        ("chat", {"reasoning_effort": "low"}, "reasoning_effort"),
+        ("chat", {"store": True}, "store"),
+        ("chat", {"metadata": {"a": "b"}}, "metadata"),
+        ("chat", {"service_tier": "flex"}, "service_tier"),
+        ("chat", {"web_search_options": {}}, "web_search_options"),
+        ("chat", {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+         "stream_options.continuous_usage_stats"),
+        ("chat", {"extra_body": {"min_p": 0.1}}, "min_p"),
+    ],
+)
+def test_a_parameter_the_server_does_not_implement_gets_400_naming_it(server, endpoint, kwargs, param):
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as caught:
+        if endpoint == "completions":
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2, **kwargs)
+        else:
+            client.chat.completions.create(model=MODEL, max_tokens=2, **CHAT, **kwargs)
+    assert caught.value.status_code == 400
+    assert caught.value.body["param"] == param, caught.value.body
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"response_format": {"type": "text"}}, {"tool_choice": "none"}, {"user": "me"}, {"store": False},
+     {"parallel_tool_calls": False}, {"modalities": ["text"]}, {"service_tier": "auto"}],
+)
+def test_a_parameter_at_its_harmless_value_is_accepted(server, kwargs):
+    reply = server.client().chat.completions.create(model=MODEL, max_tokens=2, temperature=0, **CHAT, **kwargs)
+    assert reply.choices[0].finish_reason in ("length", "stop")

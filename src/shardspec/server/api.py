@@ -31,14 +31,16 @@ class ApiError(Exception):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
     include_usage: bool = False
 
 
 class GenerationBody(BaseModel):
-    """The fields both endpoints share; unknown fields are ignored, as by OpenAI's own server."""
+    """The fields both endpoints share. A field this server does not know is refused (400 naming it),
+    as OpenAI's own server refuses one; a known feature it lacks is refused when it is asked for
+    (`unsupported`): nothing in a body is silently ignored."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -50,9 +52,12 @@ class GenerationBody(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False  # not OpenAI's: generate max_tokens tokens (benchmarks)
+    user: str | None = None  # the caller's id for its end user: accepted, it changes nothing here
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # not OpenAI's; vLLM's
     logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, why) for a feature this server does not have, asked for with a non-default value, or
@@ -61,7 +66,10 @@ class GenerationBody(BaseModel):
             ("n", self.n not in (None, 1), "only n=1 is supported; send several requests instead (they are batched)"),
             ("presence_penalty", bool(self.presence_penalty), "presence_penalty is not supported"),
             ("frequency_penalty", bool(self.frequency_penalty), "frequency_penalty is not supported"),
+            ("repetition_penalty", self.repetition_penalty not in (None, 1.0), "repetition_penalty is not supported"),
             ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
+            ("response_format", self.response_format not in (None, {"type": "text"}),
+             'only response_format {"type": "text"} is supported (no JSON mode or JSON schema)'),
             ("stop", isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS,
              f"at most {MAX_STOP_STRINGS} stop sequences"),
             ("stop", any(len(stop) > MAX_STOP_CHARS for stop in self.stop_strings()),
@@ -116,12 +124,37 @@ class ChatBody(GenerationBody):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
+    top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # only means something with tools
+    functions: list[Any] | None = None  # the deprecated form of tools
+    function_call: str | dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         checks = [
             ("logprobs", bool(self.logprobs), "logprobs are not supported"),
+            ("top_logprobs", self.top_logprobs is not None, "top_logprobs are not supported"),
             ("tools", bool(self.tools), "tool calls are not supported"),
+            ("tool_choice", self.tool_choice not in (None, "none", "auto"), "tool calls are not supported"),
+            ("functions", bool(self.functions), "function calls are not supported"),
+            ("function_call", self.function_call not in (None, "none", "auto"), "function calls are not supported"),
+            ("modalities", self.modalities not in (None, ["text"]), 'only modalities ["text"] is supported'),
+            ("audio", self.audio is not None, "audio output is not supported"),
+            ("prediction", self.prediction is not None, "predicted outputs are not supported"),
+            ("reasoning_effort", self.reasoning_effort is not None, "reasoning_effort is not supported"),
+            ("web_search_options", self.web_search_options is not None, "web search is not supported"),
+            ("store", bool(self.store), "stored completions are not supported"),
+            ("metadata", bool(self.metadata), "metadata is for stored completions, which are not supported"),
+            ("service_tier", self.service_tier not in (None, "auto", "default"), "service tiers are not supported"),
         ]
         return next(((p, why) for p, bad, why in checks if bad), None) or super().unsupported()
 
@@ -155,6 +188,9 @@ def _validation_error(exc: ValidationError) -> ApiError:
         return ApiError(400, f"the request body must be a JSON object: {error['msg']}")
     path = [str(part) for part in error["loc"] if not _is_union_tag(part)]
     param = ".".join(path)
+    if error["type"] == "extra_forbidden":
+        return ApiError(400, f"{param} is not a parameter this server accepts (the accepted ones are listed in "
+                        "docs/architecture.md, 'Serving')", param)
     if path[0] == "prompt":
         return ApiError(400, "prompt must be a string, a list of token ids, or a list holding one of those",
                         "prompt")
