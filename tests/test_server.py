@@ -256,7 +256,10 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
         ("/completions", b'{"prompt": "x", "top_p": 0}', 400, "top_p"),
         ("/completions", b'{"prompt": "x", "top_k": -1}', 400, "top_k"),
         ("/completions", b'{"prompt": "x", "seed": -3}', 400, "seed"),
-        ("/completions", b'{"prompt": "x", "n": 2}', 400, "n"),
+        ("/completions", b'{"prompt": "x", "n": 0}', 400, "n"),
+        ("/completions", b'{"prompt": "x", "n": 129}', 400, "n"),
+        ("/completions", b'{"prompt": ["x", "y", "z"], "n": 43}', 400, "n"),
+        ("/completions", b'{"prompt": [[1], []]}', 400, "prompt"),
         ("/completions", b'{"prompt": ""}', 400, "prompt"),
         ("/completions", b'{"prompt": [1, 99999]}', 400, "prompt"),
         ("/completions", b'{"prompt": {"text": "x"}}', 400, "prompt"),
@@ -522,3 +525,74 @@ def test_a_parameter_the_server_does_not_implement_gets_400_naming_it(server, en
 def test_a_parameter_at_its_harmless_value_is_accepted(server, kwargs):
     reply = server.client().chat.completions.create(model=MODEL, max_tokens=2, temperature=0, **CHAT, **kwargs)
     assert reply.choices[0].finish_reason in ("length", "stop")
+
+
+# --- several prompts, several choices --------------------------------------------------------------
+
+
+def _streamed_choices(stream) -> tuple[dict[int, str], dict[int, str], dict | None]:
+    """(text by index, finish reason by index, usage) of a streamed response."""
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    use = None
+    for chunk in stream:
+        use = chunk.usage or use
+        for choice in chunk.choices:
+            delta = getattr(choice, "delta", None)
+            piece = getattr(choice, "text", None) or (delta.content if delta is not None else None) or ""
+            texts[choice.index] = texts.get(choice.index, "") + piece
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    return texts, finishes, use
+
+
+def test_a_list_of_prompts_gives_one_choice_per_prompt_each_as_it_is_alone(server):
+    client = server.client()
+    ids = Tokenizer.from_folder(BUNDLED_MODEL).encode("class Stack:")
+    prompts = ["def fibonacci(n):", "import os\n"]
+    kwargs = {"model": MODEL, "max_tokens": 12, "temperature": 0}
+    alone = [client.completions.create(prompt=p, **kwargs) for p in [*prompts, ids]]
+    together = client.completions.create(prompt=prompts, **kwargs)
+    assert [c.index for c in together.choices] == [0, 1]
+    assert [c.text for c in together.choices] == [r.choices[0].text for r in alone[:2]]
+    assert together.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in alone[:2])
+    assert together.usage.completion_tokens == sum(r.usage.completion_tokens for r in alone[:2])
+    as_ids = client.completions.create(prompt=[ids, ids], **kwargs)
+    assert [c.text for c in as_ids.choices] == [alone[2].choices[0].text] * 2
+
+
+def test_n_sampled_choices_differ_and_choice_0_is_the_request_alone(server):
+    client = server.client()
+    kwargs = {"model": MODEL, "prompt": "def parse(", "max_tokens": 16, "temperature": 1.0, "seed": 11}
+    alone = client.completions.create(**kwargs)
+    three = client.completions.create(n=3, **kwargs)
+    texts = [c.text for c in three.choices]
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert texts[0] == alone.choices[0].text
+    assert len(set(texts)) == 3, texts
+    assert three.usage.prompt_tokens == alone.usage.prompt_tokens  # the prompt counts once
+    assert three.usage.completion_tokens == 3 * 16
+    again = client.completions.create(n=3, **kwargs)
+    assert [c.text for c in again.choices] == texts  # seeded: the same choices again
+
+
+def test_prompts_times_n_streamed_give_the_texts_not_streamed_by_index_with_usage_summed(server):
+    client = server.client()
+    kwargs = {"model": MODEL, "prompt": ["def parse(", "x = ["], "n": 2, "max_tokens": 10, "temperature": 0.8,
+              "seed": 3}
+    whole = client.completions.create(**kwargs)
+    texts, finishes, use = _streamed_choices(client.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kwargs))
+    assert texts == {c.index: c.text for c in whole.choices} and len(texts) == 4
+    assert finishes == {c.index: c.finish_reason for c in whole.choices}
+    assert use.completion_tokens == whole.usage.completion_tokens
+    assert use.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_chat_with_n_streamed_and_not_gives_n_seeded_choices(server):
+    client = server.client()
+    kwargs = {"model": MODEL, **CHAT, "n": 2, "max_tokens": 8, "temperature": 1.0, "seed": 5}
+    whole = client.chat.completions.create(**kwargs)
+    assert [c.index for c in whole.choices] == [0, 1]
+    texts, _, _ = _streamed_choices(client.chat.completions.create(stream=True, **kwargs))
+    assert texts == {c.index: c.message.content for c in whole.choices}

@@ -63,7 +63,7 @@ class GenerationBody(BaseModel):
         """(param, why) for a feature this server does not have, asked for with a non-default value, or
         a value beyond its limits."""
         checks = [
-            ("n", self.n not in (None, 1), "only n=1 is supported; send several requests instead (they are batched)"),
+            ("n", self.n is not None and self.n < 1, "n must be at least 1"),
             ("presence_penalty", bool(self.presence_penalty), "presence_penalty is not supported"),
             ("frequency_penalty", bool(self.frequency_penalty), "frequency_penalty is not supported"),
             ("repetition_penalty", self.repetition_penalty not in (None, 1.0), "repetition_penalty is not supported"),
@@ -98,15 +98,12 @@ class CompletionBody(GenerationBody):
         ]
         return next(((p, why) for p, bad, why in checks if bad), None) or super().unsupported()
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt: text or token ids (a list holding exactly one of those is accepted too)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: one text or token-id list, or a list of those."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ApiError(400, "one prompt per request is supported; send several requests instead "
-                               "(they are batched)", "prompt")
-            prompt = prompt[0]
-        return prompt
+            return list(prompt)
+        return [prompt]
 
 
 class ChatMessage(BaseModel):
@@ -192,7 +189,7 @@ def _validation_error(exc: ValidationError) -> ApiError:
         return ApiError(400, f"{param} is not a parameter this server accepts (the accepted ones are listed in "
                         "docs/architecture.md, 'Serving')", param)
     if path[0] == "prompt":
-        return ApiError(400, "prompt must be a string, a list of token ids, or a list holding one of those",
+        return ApiError(400, "prompt must be a string, a list of token ids, or a list of either",
                         "prompt")
     return ApiError(400, f"{param}: {error['msg']}", param)
 
@@ -226,17 +223,17 @@ class Shape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None, "choices": choices}
 
-    def choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: Any = None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def delta(self, text: str, finish_reason: str | None, first: bool) -> dict[str, Any]:
-        return self.choice(text, finish_reason)
+    def delta(self, index: int, text: str, finish_reason: str | None, first: bool, logprobs: Any = None) -> dict:
+        return self.choice(index, text, finish_reason, logprobs)
 
-    def response(self, text: str, finish_reason: str | None, use: dict[str, int]) -> dict[str, Any]:
-        return self.envelope(self.object, [self.choice(text, finish_reason)]) | {"usage": use}
+    def response(self, choices: list[dict[str, Any]], use: dict[str, int]) -> dict[str, Any]:
+        return self.envelope(self.object, choices) | {"usage": use}
 
-    def chunk(self, text: str, finish_reason: str | None, first: bool) -> dict[str, Any]:
-        return self.envelope(self.chunk_object, [self.delta(text, finish_reason, first)])
+    def chunk(self, index: int, text: str, finish_reason: str | None, first: bool, logprobs: Any = None) -> dict:
+        return self.envelope(self.chunk_object, [self.delta(index, text, finish_reason, first, logprobs)])
 
     def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:
         return self.envelope(self.chunk_object, []) | {"usage": use}
@@ -247,12 +244,12 @@ class ChatShape(Shape):
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
-    def choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: Any = None) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 
-    def delta(self, text: str, finish_reason: str | None, first: bool) -> dict[str, Any]:
+    def delta(self, index: int, text: str, finish_reason: str | None, first: bool, logprobs: Any = None) -> dict:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text or first:
             delta["content"] = text
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

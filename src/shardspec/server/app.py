@@ -43,6 +43,8 @@ log = logging.getLogger("shardspec.server")
 ENGINE_ERRORS = (EngineError, WorkerLost, RemoteError)
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_CHOICES = 128  # prompts x n in one request: each is a sequence in the engine
+SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: seed + j * it differs for every choice j < 2**63
 T = TypeVar("T")
 
 
@@ -52,14 +54,24 @@ class ClientGone(Exception):
 
 @dataclass
 class Job:
-    """One validated generation request."""
+    """One validated generation: one choice of one prompt of a request."""
 
     endpoint: str
     prompt_ids: list[int]
     max_tokens: int
     sampling: dict[str, Any]
     stops: list[str]
+    index: int = 0  # the choice's index in the response
+    prompt_index: int = 0  # which of the request's prompts it continues
     arrived: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Event:
+    """A piece of one choice's stream: its text, and the finish reason on the last one."""
+
+    text: str
+    finish_reason: str | None
 
 
 class StopText:
@@ -99,7 +111,7 @@ def _partial_match(text: str, stop: str) -> int:
 
 
 class Generation:
-    """One request's engine stream as (text, finish_reason) events, with its usage and metrics."""
+    """One choice's engine stream as Events, with its token count and metrics."""
 
     def __init__(self, service: Service, job: Job):
         self.service = service
@@ -108,10 +120,7 @@ class Generation:
         self.finish_reason: str | None = None
         self.outcome = "cancelled"
 
-    def usage(self) -> dict[str, int]:
-        return usage(len(self.job.prompt_ids), self.completion_tokens)
-
-    async def events(self) -> AsyncIterator[tuple[str, str | None]]:
+    async def events(self) -> AsyncIterator[Event]:
         job, metrics = self.job, self.service.metrics
         stops = StopText(job.stops)
         stream = self.service.engine.generate(job.prompt_ids, max_tokens=job.max_tokens, **job.sampling)
@@ -122,7 +131,7 @@ class Generation:
                     text, stopped = stops.feed(chunk.text)
                     finish = "stop" if stopped else chunk.finish_reason
                     self.finish_reason = finish
-                    yield (text if stopped or finish is None else text + stops.flush()), finish
+                    yield Event(text if stopped or finish is None else text + stops.flush(), finish)
                     if finish is not None:
                         break  # a stop string: leaving the stream cancels the sequence
             self.outcome = "finished"
@@ -145,9 +154,73 @@ class Generation:
         self.completion_tokens += len(token_ids)
         metrics.generated_tokens.inc(len(token_ids))
 
-    async def text(self) -> str:
+    async def collect(self) -> Event:
+        """The whole choice as one Event."""
         async with aclosing(self.events()) as events:
-            return "".join([text async for text, _ in events])
+            pieces = [event async for event in events]
+        return Event("".join(e.text for e in pieces), self.finish_reason)
+
+
+class Choices:
+    """The generations of one request (its prompts times n), run at once."""
+
+    def __init__(self, generations: list[Generation]):
+        self.generations = generations
+        self.streams = [g.events() for g in generations]
+
+    def usage(self) -> dict[str, int]:
+        """Each prompt's tokens once (as OpenAI counts them for n > 1), every choice's tokens."""
+        prompts = {g.job.prompt_index: len(g.job.prompt_ids) for g in self.generations}
+        return usage(sum(prompts.values()), sum(g.completion_tokens for g in self.generations))
+
+    async def collect(self) -> list[Event]:
+        return await _all([g.collect() for g in self.generations])
+
+    async def first(self) -> list[Event]:
+        """Every choice's first event (the engine's errors before any token surface here)."""
+        return await _all([anext(stream) for stream in self.streams])
+
+    async def rest(self) -> AsyncIterator[tuple[int, Event]]:
+        """(choice index, event) after the first events, in the order they come."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream: AsyncIterator[Event]) -> None:
+            try:
+                async for event in stream:
+                    queue.put_nowait((index, event, None))
+            except Exception as exc:  # an ApiError: the consumer raises it
+                queue.put_nowait((index, None, exc))
+                return
+            queue.put_nowait((index, None, None))
+
+        pumps = [asyncio.ensure_future(pump(g.job.index, s)) for g, s in zip(self.generations, self.streams)]
+        try:
+            for _ in pumps:
+                while (item := await queue.get())[1] is not None:
+                    yield item[0], item[1]
+                if item[2] is not None:
+                    raise item[2]
+        finally:
+            await _cancel(pumps)
+
+    async def aclose(self) -> None:
+        for stream in self.streams:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def _all(work: list[Awaitable[T]]) -> list[T]:
+    """Await all of `work` at once; the first error (or a cancellation) cancels the rest."""
+    tasks = [asyncio.ensure_future(w) for w in work]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        await _cancel(tasks)
+
+
+async def _cancel(tasks: list[asyncio.Future]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _param_named_in(message: str) -> str | None:
@@ -254,6 +327,24 @@ class Service:
             raise ApiError(400, "this model has no tokenizer.json: send the prompt as token ids", param)
         return await asyncio.to_thread(_encode_without_the_gil, self.engine.tokenizer, text)
 
+    def jobs(self, endpoint: str, body: GenerationBody, prompts: list[list[int]], param: str,
+             max_tokens: int | None) -> list[Job]:
+        """n jobs per prompt, choice i * n + j being prompt i's j-th: its seed derived from the request's
+        (seed + j * an odd constant), so that sampled choices differ and choice 0 is the request alone."""
+        n = body.n or 1
+        if len(prompts) * n > MAX_CHOICES:
+            raise ApiError(400, f"{len(prompts)} prompts x n={n} makes {len(prompts) * n} choices; at most "
+                           f"{MAX_CHOICES} per request", "n" if n > 1 else param)
+        jobs = []
+        for i, ids in enumerate(prompts):
+            for j in range(n):
+                job = self.job(endpoint, body, ids, param, max_tokens)
+                if body.seed is not None:
+                    job.sampling["seed"] = (body.seed + j * SEED_STRIDE) % 2**63
+                job.index, job.prompt_index = i * n + j, i
+                jobs.append(job)
+        return jobs
+
     def job(self, endpoint: str, body: GenerationBody, prompt_ids: list[int], param: str,
             max_tokens: int | None) -> Job:
         context = self.engine.load_info.max_seq_len
@@ -276,10 +367,9 @@ class Service:
     async def completions(self, request: Request) -> Response:
         body = parse_body(await request.body(), CompletionBody)
         self.check(body)
-        prompt = body.single_prompt()
-        ids = await self.encode(prompt, "prompt") if isinstance(prompt, str) else prompt
-        job = self.job(request.url.path, body, ids, "prompt", body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS)
-        return await self.respond(request, job, Shape(self.name), body)
+        prompts = [await self.encode(p, "prompt") if isinstance(p, str) else p for p in body.prompts()]
+        jobs = self.jobs(request.url.path, body, prompts, "prompt", body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS)
+        return await self.respond(request, jobs, Shape(self.name), body)
 
     async def chat_completions(self, request: Request) -> Response:
         body = parse_body(await request.body(), ChatBody)
@@ -292,37 +382,44 @@ class Service:
             prompt = await asyncio.to_thread(self.chat.render, messages, add_generation_prompt=True)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), "messages") from None
-        job = self.job(request.url.path, body, await self.encode(prompt, "messages"), "messages",
-                       body.max_completion_tokens or body.max_tokens)
-        return await self.respond(request, job, ChatShape(self.name), body)
+        jobs = self.jobs(request.url.path, body, [await self.encode(prompt, "messages")], "messages",
+                         body.max_completion_tokens or body.max_tokens)
+        return await self.respond(request, jobs, ChatShape(self.name), body)
 
-    async def respond(self, request: Request, job: Job, shape: Shape, body: GenerationBody) -> Response:
-        generation = Generation(self, job)
+    async def respond(self, request: Request, jobs: list[Job], shape: Shape, body: GenerationBody) -> Response:
+        choices = Choices([Generation(self, job) for job in jobs])
         try:
             if not body.stream:
-                text = await _until_disconnected(request, generation.text())
-                return JSONResponse(shape.response(text, generation.finish_reason, generation.usage()))
-            events = generation.events()
-            first = await _until_disconnected(request, anext(events))  # errors before any token: a status
+                events = await _until_disconnected(request, choices.collect())
+                return JSONResponse(shape.response([shape.choice(g.job.index, e.text, e.finish_reason)
+                                                    for g, e in zip(choices.generations, events)], choices.usage()))
+            first = await _until_disconnected(request, choices.first())  # errors before any token: a status
         except ClientGone:
+            await choices.aclose()
             return Response(status_code=499)
+        except ApiError:
+            await choices.aclose()
+            raise
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return EventStream(self._stream(shape, first, events, generation, include_usage))
+        return EventStream(self._stream(shape, first, choices, include_usage))
 
-    async def _stream(self, shape: Shape, first: tuple[str, str | None], events: AsyncIterator,
-                      generation: Generation, include_usage: bool) -> AsyncIterator[bytes]:
-        async with aclosing(events):  # type: ignore[type-var]
-            try:
-                yield _sse(shape.chunk(*first, first=True))
-                async for text, finish in events:
-                    if text or finish is not None:
-                        yield _sse(shape.chunk(text, finish, first=False))
-            except ApiError as exc:  # headers are sent: the error travels as an event
-                self.metrics.requests.labels(endpoint=generation.job.endpoint, outcome="failed").inc()
-                yield _sse(exc.body())
-                return
+    async def _stream(self, shape: Shape, first: list[Event], choices: Choices,
+                      include_usage: bool) -> AsyncIterator[bytes]:
+        try:
+            for generation, event in zip(choices.generations, first):
+                yield _sse(shape.chunk(generation.job.index, event.text, event.finish_reason, first=True))
+            async with aclosing(choices.rest()) as rest:  # closed with this stream: its pumps stop first
+                async for index, event in rest:
+                    if event.text or event.finish_reason is not None:
+                        yield _sse(shape.chunk(index, event.text, event.finish_reason, first=False))
+        except ApiError as exc:  # headers are sent: the error travels as an event
+            self.metrics.requests.labels(endpoint=choices.generations[0].job.endpoint, outcome="failed").inc()
+            yield _sse(exc.body())
+            return
+        finally:
+            await choices.aclose()
         if include_usage:
-            yield _sse(shape.usage_chunk(generation.usage()))
+            yield _sse(shape.usage_chunk(choices.usage()))
         yield _sse("[DONE]")
 
     # --- the rest -----------------------------------------------------------------------------
