@@ -135,9 +135,16 @@ class Engine:
         top_p: float = 1.0,
         seed: int | None = None,
         stop_at_eos: bool = True,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> AsyncIterator[Chunk]:
-        """Stream the completion of `prompt` (text, or token ids) as Chunks."""
+        """Stream the completion of `prompt` (text, or token ids) as Chunks. `logprobs=N` adds each
+        token's log-probability under the target model (raw logits: before temperature, top-k and
+        top-p) and the N most likely tokens there (N = 0: none); `prompt_logprobs=N` the same for the
+        prompt's tokens after the first, in the first chunk."""
         request = self._new_request(prompt, max_tokens, temperature, top_k, top_p, seed, stop_at_eos)
+        request.logprobs = self._logprobs("logprobs", logprobs)
+        request.prompt_logprobs = self._logprobs("prompt_logprobs", prompt_logprobs)
         detok = Detokenizer(self.tokenizer) if self.tokenizer else None
         self.scheduler.add(request)
         self.wakeup.set()
@@ -175,6 +182,16 @@ class Engine:
         stop_ids = list(self.load_info.eos_token_ids) if stop_at_eos else []
         return Request(next(self.seq_ids), ids, max_tokens, sampling, stop_ids, self.draft_tokens,
                        self.forced_acceptance)
+
+    @staticmethod
+    def _logprobs(name: str, top: int | None) -> int:
+        """The wire's value for a logprobs option: -1 for None, else N inside the wire's range."""
+        if top is None:
+            return -1
+        value = _in_wire_range(name, top, int, PrefillSpec, name)
+        if value < 0:
+            raise ValueError(f"{name} must be at least 0, got {top}")
+        return value
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -269,7 +286,8 @@ class Engine:
         reply = _agreed(replies[-self.config.tp_size :])  # the last stage's ranks decide the step
         if self.observer is not None:
             self.observer.on_step(max(r.step_s for r, _ in replies), reply.accepted)
-        self._release(self.scheduler.release(deliver(reply, self.scheduler.running)))
+        tensors = replies[-self.config.tp_size][1]  # the reply _agreed returns: the deciding stage's first rank
+        self._release(self.scheduler.release(deliver(reply, self.scheduler.running, tensors)))
 
     def _release(self, release: ReleaseRequest | None) -> None:
         """Free the slots: the release goes on the wire behind the steps already sent."""

@@ -20,6 +20,7 @@ from shardspec.protocol.errors import ErrorCode, ProtocolError
 
 MAX_STR = 4096
 MAX_DRAFT_TOKENS = 8
+MAX_LOGPROBS = 20  # top log-probabilities per token a sequence may ask for (vLLM's default limit)
 MIN_TEMPERATURE = 1e-4  # below it, logits / temperature overflow float32: use 0 (greedy)
 MIN_TOP_P = 1e-6  # below it, top_p rounds to 0 in float32 (denormals flushed) and would keep no token
 MAX_LIST = 1 << 20
@@ -176,6 +177,9 @@ class PrefillSpec:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int = bounded(1, 1 << 22, 1 << 22)  # the worker stops the sequence after this many
     stop_ids: list[int] = field(default_factory=list)  # ... or after emitting one of these
+    # log-probabilities in the step replies: -1 none; N >= 0 each emitted token's and the top N
+    logprobs: int = bounded(-1, MAX_LOGPROBS, -1)
+    prompt_logprobs: int = bounded(-1, MAX_LOGPROBS, -1)  # the same for prompt tokens 1.. (prefill reply)
 
 
 @dataclass(frozen=True)
@@ -193,7 +197,13 @@ class StepRequest:
 class StepReply:
     """Per sequence that produced tokens (prefills first, then decodes, in request order): the new
     token ids, the drafts accepted this step (-1 for a prefill), the next drafts, and whether the
-    sequence finished ("stop", "length" or "")."""
+    sequence finished ("stop", "length" or "").
+
+    logprob_rows: empty unless a sequence asked for log-probabilities; else per sequence the rows it
+    owns, in order, of the reply's tensors `logprobs` (float32 [R]: the log-probability of the
+    token), `top_logprobs` (float32 [R, W]) and `top_ids` (int64 [R, W]: the W most likely tokens,
+    most likely first): its prompt's tokens 1.. on its prefill if it asked for prompt_logprobs,
+    then one row per emitted token if it asked for logprobs."""
 
     OP: ClassVar[str] = "step"
     seqs: list[int]
@@ -202,6 +212,7 @@ class StepReply:
     drafts: list[list[int]]
     finished: list[str]
     step_s: float
+    logprob_rows: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

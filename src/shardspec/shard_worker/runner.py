@@ -46,6 +46,7 @@ from shardspec.protocol.errors import ErrorCode, ProtocolError
 from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepReply, StepRequest
 from shardspec.shard_worker.graphs import StepPasses
 from shardspec.shard_worker.links import StageLinks
+from shardspec.shard_worker.logprobs import LogprobRows, prompt_rows, reply_tensors, token_rows
 
 log = logging.getLogger("shardspec.worker")
 # on a stage before the last: graph copies per batch bucket, one per step whose record is still to
@@ -81,6 +82,7 @@ class Sequence:
     stop_ids: frozenset[int]
     drafts: list[int] = field(default_factory=list)
     finished: str = ""  # "", "stop" or "length"
+    logprobs: int = -1  # top log-probabilities per emitted token in the replies; -1: none
 
     def emit(self, tokens: list[int]) -> list[int]:
         """Cut `tokens` at a stop id or the token budget, and mark the sequence finished there."""
@@ -128,10 +130,19 @@ class StepResult:
     drafts: list[list[int]] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)  # per pass, when asked for
+    logprob_rows: list[int] = field(default_factory=list)  # per sequence (see StepReply)
+    rows: list[LogprobRows] = field(default_factory=list)
+    pending_rows: dict[int, list[LogprobRows]] = field(default_factory=dict)  # by sequence, until `add`
 
     def reply(self, step_s: float = 0.0) -> StepReply:
+        rows = self.logprob_rows if any(self.logprob_rows) else []
         return StepReply(seqs=self.seqs, tokens=self.tokens, accepted=self.accepted, drafts=self.drafts,
-                         finished=self.finished, step_s=step_s)
+                         finished=self.finished, step_s=step_s, logprob_rows=rows)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The reply's tensors: the logits when asked for, the log-probabilities when any sequence asked."""
+        tensors = {"logits": torch.cat(self.logits).cpu()} if self.logits else {}
+        return tensors | (reply_tensors(self.rows) if self.rows else {})
 
     def add(self, seq: Sequence, tokens: list[int], accepted: int) -> None:
         self.seqs.append(seq.seq)
@@ -139,6 +150,9 @@ class StepResult:
         self.accepted.append(accepted)
         self.drafts.append(list(seq.drafts))
         self.finished.append(seq.finished)
+        rows = self.pending_rows.pop(seq.seq, [])
+        self.rows.extend(rows)
+        self.logprob_rows.append(sum(len(r.chosen) for r in rows))
 
 
 @dataclass
@@ -320,6 +334,7 @@ class ModelRunner:
             hidden = self._forward(ids, Batch(slots, positions, start + ids.shape[1], tail=True))
             if want_logits:
                 result.logits.append(self.model.lm_head.logits(hidden).reshape(-1, self.model.config.vocab_size))
+            self._prompt_logprobs(specs, prompts, start, hidden, result)
             if self.draft_len:  # MTP entry i pairs hidden i with token i+1: one position behind
                 pairs = hidden[:, :-1] if hidden_before is None else torch.cat([hidden_before, hidden[:, :-1]], 1)
                 if pairs.shape[1]:
@@ -332,6 +347,9 @@ class ModelRunner:
             seq = self._new_sequence(spec, slot, length, -1)
             seq.next_token = sample(logits, spec.sampling, seq.generator)
             seq.emit([seq.next_token])
+            if seq.logprobs >= 0:
+                token = torch.tensor([seq.next_token])
+                result.pending_rows.setdefault(seq.seq, []).append(token_rows(logits[None], token, seq.logprobs))
             seqs.append(seq)
         if self.draft_len:
             first = torch.tensor([[s.next_token] for s in seqs], device=self.device)
@@ -347,7 +365,18 @@ class ModelRunner:
         if not spec.sampling.greedy or self.forced is not None:
             generator = torch.Generator(self.device).manual_seed(spec.sampling.seed)
         budget = min(spec.max_tokens, self.max_seq_len - length)
-        return Sequence(spec.seq, slot, length, token, spec.sampling, generator, budget, frozenset(spec.stop_ids))
+        return Sequence(spec.seq, slot, length, token, spec.sampling, generator, budget, frozenset(spec.stop_ids),
+                        logprobs=spec.logprobs)
+
+    def _prompt_logprobs(self, specs: list[PrefillSpec], prompts: torch.Tensor, start: int, hidden: torch.Tensor,
+                         result: StepResult) -> None:
+        """The rows of the prompt tokens after this prefill chunk's positions, for the sequences that
+        asked (every rank takes the same branch: the specs are the same on all)."""
+        for b, spec in enumerate(specs):
+            if spec.prompt_logprobs >= 0:
+                targets = prompts[b, start + 1 : start + 1 + hidden.shape[1]]
+                rows = prompt_rows(self.model.lm_head.logits, hidden[b, : len(targets)], targets, spec.prompt_logprobs)
+                result.pending_rows.setdefault(spec.seq, []).extend(rows)
 
     # --- a stage before the last ----------------------------------------------------------------
 
@@ -432,14 +461,16 @@ class ModelRunner:
         k = self.draft_len
         context = self._context(seqs)
         x = self._receive(self._next_pass(), (len(seqs), k + 1))
-        if k and not want_logits and all(s.sampling.greedy for s in seqs):
+        wants_logprobs = any(s.logprobs >= 0 for s in seqs)
+        if k and not want_logits and not wants_logprobs and all(s.sampling.greedy for s in seqs):
             # greedy (or forced) acceptance needs no host decision: the whole step is one pass
             rows = self._rows(seqs, [self._forced(s) for s in seqs])
             out = self.passes.fused(rows, context, x).tolist()
             accepted, tokens, drafts = [r[0] for r in out], [r[1] for r in out], [r[2:] for r in out]
         else:
             hidden, argmax, draft = self.passes.verify(self._rows(seqs), context, x)
-            accepted, tokens = self._accept(seqs, hidden, argmax, result if want_logits else None)
+            accepted, tokens, logits = self._accept(seqs, hidden, argmax, result if want_logits else None,
+                                                    wants_logprobs)
             if k:
                 drafts = draft([[n, token] for n, token in zip(accepted, tokens)]).tolist()
         if k:
@@ -453,7 +484,9 @@ class ModelRunner:
         if k:
             for s, d in zip(seqs, drafts):
                 s.drafts = [] if s.finished else d
-        for s, n, new in zip(seqs, accepted, emitted):
+        for i, (s, n, new) in enumerate(zip(seqs, accepted, emitted)):
+            if s.logprobs >= 0:  # token j of [d1..dn, bonus] was drawn from the target's logits at position j
+                result.pending_rows[s.seq] = [token_rows(logits[i, : len(new)], torch.tensor(new), s.logprobs)]
             result.add(s, new, n if k else -1)
 
     def _forced(self, s: Sequence) -> int:
@@ -520,10 +553,12 @@ class ModelRunner:
         return ids, starts[:, None] + torch.arange(k + 1, device=packed.device), slots
 
     def _accept(self, seqs: list[Sequence], hidden: torch.Tensor, argmax: torch.Tensor,
-                logits_out: StepResult | None):
-        """Per sequence: (drafts accepted, the token after them)."""
+                logits_out: StepResult | None, wants_logits: bool = False):
+        """Per sequence: (drafts accepted, the token after them), and the target's logits [B, k+1, V]
+        where they were computed (None where they were not)."""
         sampled = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
-        if logits_out is not None or sampled:
+        logits = None
+        if logits_out is not None or sampled or wants_logits:
             logits = self.model.lm_head.logits(hidden)  # [B, k+1, V]
             if logits_out is not None:
                 logits_out.logits.append(logits.reshape(-1, logits.shape[-1]))
@@ -543,7 +578,7 @@ class ModelRunner:
                 token = resample(probs, s.drafts, n, s.generator)
             accepted.append(n)
             tokens.append(token)
-        return accepted, tokens
+        return accepted, tokens, logits
 
     def _mtp(self, next_ids: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
              context: int, tail: bool = False):
