@@ -260,6 +260,13 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
         ("/completions", b'{"prompt": "x", "n": 129}', 400, "n"),
         ("/completions", b'{"prompt": ["x", "y", "z"], "n": 43}', 400, "n"),
         ("/completions", b'{"prompt": [[1], []]}', 400, "prompt"),
+        ("/completions", b'{"prompt": "x", "logprobs": 21}', 400, "logprobs"),
+        ("/completions", b'{"prompt": "x", "logprobs": -1}', 400, "logprobs"),
+        ("/completions", b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
+        ("/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', 400,
+         "top_logprobs"),
+        ("/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true, '
+                              b'"top_logprobs": 21}', 400, "top_logprobs"),
         ("/completions", b'{"prompt": ""}', 400, "prompt"),
         ("/completions", b'{"prompt": [1, 99999]}', 400, "prompt"),
         ("/completions", b'{"prompt": {"text": "x"}}', 400, "prompt"),
@@ -596,3 +603,66 @@ def test_chat_with_n_streamed_and_not_gives_n_seeded_choices(server):
     assert [c.index for c in whole.choices] == [0, 1]
     texts, _, _ = _streamed_choices(client.chat.completions.create(stream=True, **kwargs))
     assert texts == {c.index: c.message.content for c in whole.choices}
+
+
+# --- log-probabilities -----------------------------------------------------------------------------
+
+
+def test_completion_logprobs_streamed_and_not_are_the_same_in_openai_s_shape(server):
+    client = server.client()
+    kwargs = {"model": MODEL, "prompt": "def fibonacci(n):", "max_tokens": 12, "temperature": 0, "logprobs": 5}
+    whole = client.completions.create(**kwargs)
+    logprobs = whole.choices[0].logprobs
+    assert len(logprobs.tokens) == whole.usage.completion_tokens == len(logprobs.token_logprobs)
+    assert "".join(logprobs.tokens) == whole.choices[0].text
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert value <= 0 and 5 <= len(top) <= 6 and top[token] == value
+        assert value == max(top.values())  # greedy: each token is the most likely one
+    pieces = list(client.completions.create(stream=True, **kwargs))
+    streamed = [c.choices[0].logprobs for c in pieces if c.choices and c.choices[0].logprobs]
+    for field in ("tokens", "token_logprobs", "text_offset"):
+        assert [x for p in streamed for x in getattr(p, field)] == getattr(logprobs, field)
+    plain = client.completions.create(**(kwargs | {"logprobs": None}))
+    assert plain.choices[0].logprobs is None and plain.choices[0].text == whole.choices[0].text
+
+
+def test_chat_logprobs_and_top_logprobs_streamed_and_not_are_the_same_in_openai_s_shape(server):
+    client = server.client()
+    kwargs = {"model": MODEL, **CHAT, "max_tokens": 10, "temperature": 0, "logprobs": True, "top_logprobs": 5}
+    whole = client.chat.completions.create(**kwargs)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 5 and entry.top_logprobs[0].logprob == entry.logprob  # greedy
+        assert entry.bytes == list(entry.token.encode())
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+    streamed = [e for c in client.chat.completions.create(stream=True, **kwargs)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    no_top = client.chat.completions.create(**(kwargs | {"top_logprobs": None}))
+    assert all(e.top_logprobs == [] for e in no_top.choices[0].logprobs.content)
+
+
+def test_echo_gives_the_prompt_s_logprobs_as_lm_eval_s_loglikelihood_asks_for_them(server):
+    """lm-eval's local-completions: token-id prompts in a batch, echo, logprobs=1, max_tokens 1 (or 0)."""
+    client = server.client()
+    tokenizer = Tokenizer.from_folder(BUNDLED_MODEL)
+    prompts = [tokenizer.encode("def add(a, b):\n    return a + b"), tokenizer.encode("import os\nimport sys")]
+    common = {"model": MODEL, "prompt": prompts, "echo": True, "logprobs": 1, "temperature": 0, "seed": 1234}
+    one = client.completions.create(max_tokens=1, **common)
+    zero = client.completions.create(max_tokens=0, **common)
+    assert zero.usage.completion_tokens == 0
+    for ids, with_token, alone in zip(prompts, sorted(one.choices, key=lambda c: c.index), zero.choices):
+        assert alone.text == tokenizer.decode(ids) and with_token.text.startswith(alone.text)
+        assert len(alone.logprobs.token_logprobs) == len(ids)
+        assert len(with_token.logprobs.token_logprobs) == len(ids) + 1
+        assert alone.logprobs.token_logprobs[0] is None and alone.logprobs.top_logprobs[0] is None
+        assert with_token.logprobs.token_logprobs[:-1] == alone.logprobs.token_logprobs
+        assert all(value <= 0 for value in alone.logprobs.token_logprobs[1:])
+    # the prompt's row i is the distribution after its first i tokens: its best token's log-probability
+    # is what a greedy request for the first i tokens gets for the token it samples
+    ids, i = prompts[0], 5
+    best = max(zero.choices[0].logprobs.top_logprobs[i].values())
+    after = client.completions.create(model=MODEL, prompt=ids[:i], max_tokens=1, temperature=0, logprobs=0)
+    assert abs(after.choices[0].logprobs.token_logprobs[0] - best) < 1e-4

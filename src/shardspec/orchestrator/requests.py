@@ -21,7 +21,7 @@ class TokenLogprob:
     """A token, its log-probability under the target model, and the most likely tokens there."""
 
     token: int
-    logprob: float
+    logprob: float | None  # None only where a server echoes a prompt's first token (nothing before it)
     top: list[tuple[int, float]]  # (token, log-probability), most likely first
 
 

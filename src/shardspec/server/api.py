@@ -8,6 +8,9 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from shardspec.orchestrator.requests import TokenLogprob
+from shardspec.protocol.messages import MAX_LOGPROBS
+
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_STOP_CHARS = 1024  # each; the text held back while a stop may still be matching is shorter
 MAX_CHAT_MESSAGES = 2048
@@ -84,15 +87,15 @@ class GenerationBody(BaseModel):
 
 class CompletionBody(GenerationBody):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: the prompt's log-probabilities alone
     echo: bool | None = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         checks = [
-            ("echo", bool(self.echo), "echo is not supported"),
-            ("logprobs", self.logprobs is not None, "logprobs are not supported"),
+            ("max_tokens", self.max_tokens == 0 and not self.echo, "max_tokens must be at least 1 (0 only with echo)"),
             ("best_of", self.best_of not in (None, 1), "only best_of=1 is supported"),
             ("suffix", bool(self.suffix), "suffix is not supported"),
         ]
@@ -121,7 +124,7 @@ class ChatBody(GenerationBody):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # only means something with tools
@@ -138,8 +141,8 @@ class ChatBody(GenerationBody):
 
     def unsupported(self) -> tuple[str, str] | None:
         checks = [
-            ("logprobs", bool(self.logprobs), "logprobs are not supported"),
-            ("top_logprobs", self.top_logprobs is not None, "top_logprobs are not supported"),
+            ("top_logprobs", self.top_logprobs is not None and not self.logprobs,
+             "top_logprobs needs logprobs: true"),
             ("tools", bool(self.tools), "tool calls are not supported"),
             ("tool_choice", self.tool_choice not in (None, "none", "auto"), "tool calls are not supported"),
             ("functions", bool(self.functions), "function calls are not supported"),
@@ -207,17 +210,27 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+LOGPROB_FLOOR = -9999.0  # for a log-probability of -inf (JSON has no infinity), as vLLM clamps it
+
+
+def _logprob(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
 class Shape:
-    """The response and chunk shapes of one endpoint (text completions here; chat below)."""
+    """The response and chunk shapes of one endpoint (text completions here; chat below), and its
+    log-probability objects, whose tokens `token_text` spells."""
 
     object = "text_completion"
     chunk_object = "text_completion"
     id_prefix = "cmpl-"
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, token_text: Any = None):
         self.model = model
         self.id = self.id_prefix + uuid.uuid4().hex
         self.created = int(time.time())
+        self.token_text = token_text
+        self.text_offset: dict[int, int] = {}  # per choice: where its next token's text starts
 
     def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -238,6 +251,22 @@ class Shape:
     def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:
         return self.envelope(self.chunk_object, []) | {"usage": use}
 
+    def logprobs(self, index: int, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        """The legacy completions object: tokens, token_logprobs, top_logprobs (token -> logprob, the
+        chosen token among them, as vLLM has it), text_offset; an echoed prompt's first token has None."""
+        if entries is None:
+            return None
+        tokens = [self.token_text(e.token) for e in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.text_offset.get(index, 0))
+            self.text_offset[index] = offsets[-1] + len(token)
+        tops = [None if e.logprob is None else
+                {self.token_text(t): _logprob(v) for t, v in e.top} | {token: _logprob(e.logprob)}
+                for e, token in zip(entries, tokens)]
+        chosen = [None if e.logprob is None else _logprob(e.logprob) for e in entries]
+        return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
+
 
 class ChatShape(Shape):
     object = "chat.completion"
@@ -253,3 +282,14 @@ class ChatShape(Shape):
         if text or first:
             delta["content"] = text
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def logprobs(self, index: int, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        """{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
+        if entries is None:
+            return None
+        return {"content": [self._scored(e.token, e.logprob) | {"top_logprobs": [self._scored(t, v) for t, v in e.top]}
+                            for e in entries], "refusal": None}
+
+    def _scored(self, token: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token)
+        return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode())}

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 
 from shardspec.orchestrator.engine import Engine, EngineError
 from shardspec.orchestrator.metrics import CONTENT_TYPE, ServingMetrics
+from shardspec.orchestrator.requests import Chunk, TokenLogprob
 from shardspec.orchestrator.tokenizer import Tokenizer
 from shardspec.orchestrator.workers import WorkerLost
 from shardspec.protocol.errors import RemoteError
@@ -63,15 +64,25 @@ class Job:
     stops: list[str]
     index: int = 0  # the choice's index in the response
     prompt_index: int = 0  # which of the request's prompts it continues
+    logprobs: int | None = None  # top log-probabilities per token; None: none
+    echo: str | None = None  # the prompt's text, to start the choice with (completions' echo)
     arrived: float = field(default_factory=time.perf_counter)
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its log-probabilities) alone; one token is generated
+        (the engine always samples one) and dropped."""
+        return self.echo is not None and self.max_tokens == 0
 
 
 @dataclass
 class Event:
-    """A piece of one choice's stream: its text, and the finish reason on the last one."""
+    """A piece of one choice's stream: its text, the finish reason on the last one, and the
+    log-probabilities of its tokens when asked for."""
 
     text: str
     finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
 
 
 class StopText:
@@ -119,19 +130,26 @@ class Generation:
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.outcome = "cancelled"
+        self.echoed = False  # the prompt's text has been sent (echo)
 
     async def events(self) -> AsyncIterator[Event]:
         job, metrics = self.job, self.service.metrics
         stops = StopText(job.stops)
-        stream = self.service.engine.generate(job.prompt_ids, max_tokens=job.max_tokens, **job.sampling)
+        prompt_logprobs = job.logprobs if job.echo is not None else None
+        stream = self.service.engine.generate(job.prompt_ids, max_tokens=max(job.max_tokens, 1), logprobs=job.logprobs,
+                                              prompt_logprobs=prompt_logprobs, **job.sampling)
         try:
             async with aclosing(stream):
                 async for chunk in stream:
+                    if job.echo_only:
+                        chunk.token_ids, chunk.text = [], ""
+                        chunk.logprobs = None if chunk.logprobs is None else []
                     self._count(chunk.token_ids)
                     text, stopped = stops.feed(chunk.text)
                     finish = "stop" if stopped else chunk.finish_reason
                     self.finish_reason = finish
-                    yield Event(text if stopped or finish is None else text + stops.flush(), finish)
+                    text = text if stopped or finish is None else text + stops.flush()
+                    yield self._event(chunk, text, finish)
                     if finish is not None:
                         break  # a stop string: leaving the stream cancels the sequence
             self.outcome = "finished"
@@ -146,6 +164,17 @@ class Generation:
             if self.outcome != "error":
                 metrics.requests.labels(endpoint=job.endpoint, outcome=self.outcome).inc()
 
+    def _event(self, chunk: Chunk, text: str, finish: str | None) -> Event:
+        """The event of a chunk; the first one starts with the echoed prompt and its log-probabilities."""
+        logprobs = chunk.logprobs
+        if self.job.echo is not None and not self.echoed:
+            self.echoed = True
+            text = self.job.echo + text
+            if logprobs is not None:
+                first = TokenLogprob(self.job.prompt_ids[0], None, [])
+                logprobs = [first, *(chunk.prompt_logprobs or []), *logprobs]
+        return Event(text, finish, logprobs)
+
     def _count(self, token_ids: list[int]) -> None:
         metrics = self.service.metrics
         if self.completion_tokens == 0 and token_ids:
@@ -158,7 +187,8 @@ class Generation:
         """The whole choice as one Event."""
         async with aclosing(self.events()) as events:
             pieces = [event async for event in events]
-        return Event("".join(e.text for e in pieces), self.finish_reason)
+        logprobs = None if self.job.logprobs is None else [entry for e in pieces for entry in e.logprobs or []]
+        return Event("".join(e.text for e in pieces), self.finish_reason, logprobs)
 
 
 class Choices:
@@ -224,7 +254,7 @@ async def _cancel(tasks: list[asyncio.Future]) -> None:
 
 
 def _param_named_in(message: str) -> str | None:
-    for param in ("max_tokens", "temperature", "top_p", "top_k", "seed", "prompt"):
+    for param in ("max_tokens", "temperature", "top_p", "top_k", "seed", "prompt_logprobs", "logprobs", "prompt"):
         if param in message:
             return param
     return None
@@ -321,6 +351,16 @@ class Service:
         if (failure := self.engine.failure) is not None:
             raise self.unavailable(failure)
 
+    def token_text(self, param: str):
+        """A token id's text (what logprobs and echo name tokens by); 400 naming `param` without a tokenizer."""
+        if self.engine.tokenizer is None:
+            raise ApiError(400, f"this model has no tokenizer.json, which {param} needs to spell tokens", param)
+        return self.token_text_or_none()
+
+    def token_text_or_none(self):
+        tokenizer = self.engine.tokenizer
+        return None if tokenizer is None else (lambda token: tokenizer.decode([token]))
+
     async def encode(self, text: str, param: str) -> list[int]:
         """The text's token ids, tokenized in a thread: a long prompt must not stall other requests."""
         if self.engine.tokenizer is None:
@@ -367,9 +407,18 @@ class Service:
     async def completions(self, request: Request) -> Response:
         body = parse_body(await request.body(), CompletionBody)
         self.check(body)
-        prompts = [await self.encode(p, "prompt") if isinstance(p, str) else p for p in body.prompts()]
-        jobs = self.jobs(request.url.path, body, prompts, "prompt", body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS)
-        return await self.respond(request, jobs, Shape(self.name), body)
+        texts = body.prompts()
+        prompts = [await self.encode(p, "prompt") if isinstance(p, str) else p for p in texts]
+        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        jobs = self.jobs(request.url.path, body, prompts, "prompt", max_tokens)
+        if body.logprobs is not None or body.echo:
+            self.token_text("logprobs" if body.logprobs is not None else "echo")  # a tokenizer spells tokens
+        for job in jobs:
+            job.logprobs = body.logprobs
+            if body.echo:
+                text = texts[job.prompt_index]
+                job.echo = text if isinstance(text, str) else self.engine.tokenizer.decode(text)
+        return await self.respond(request, jobs, Shape(self.name, self.token_text_or_none()), body)
 
     async def chat_completions(self, request: Request) -> Response:
         body = parse_body(await request.body(), ChatBody)
@@ -384,15 +433,18 @@ class Service:
             raise ApiError(400, str(exc), "messages") from None
         jobs = self.jobs(request.url.path, body, [await self.encode(prompt, "messages")], "messages",
                          body.max_completion_tokens or body.max_tokens)
-        return await self.respond(request, jobs, ChatShape(self.name), body)
+        for job in jobs:
+            job.logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return await self.respond(request, jobs, ChatShape(self.name, self.token_text_or_none()), body)
 
     async def respond(self, request: Request, jobs: list[Job], shape: Shape, body: GenerationBody) -> Response:
         choices = Choices([Generation(self, job) for job in jobs])
         try:
             if not body.stream:
                 events = await _until_disconnected(request, choices.collect())
-                return JSONResponse(shape.response([shape.choice(g.job.index, e.text, e.finish_reason)
-                                                    for g, e in zip(choices.generations, events)], choices.usage()))
+                return JSONResponse(shape.response([
+                    shape.choice(g.job.index, e.text, e.finish_reason, shape.logprobs(g.job.index, e.logprobs))
+                    for g, e in zip(choices.generations, events)], choices.usage()))
             first = await _until_disconnected(request, choices.first())  # errors before any token: a status
         except ClientGone:
             await choices.aclose()
@@ -407,11 +459,14 @@ class Service:
                       include_usage: bool) -> AsyncIterator[bytes]:
         try:
             for generation, event in zip(choices.generations, first):
-                yield _sse(shape.chunk(generation.job.index, event.text, event.finish_reason, first=True))
+                index = generation.job.index
+                logprobs = shape.logprobs(index, event.logprobs)
+                yield _sse(shape.chunk(index, event.text, event.finish_reason, True, logprobs))
             async with aclosing(choices.rest()) as rest:  # closed with this stream: its pumps stop first
                 async for index, event in rest:
-                    if event.text or event.finish_reason is not None:
-                        yield _sse(shape.chunk(index, event.text, event.finish_reason, first=False))
+                    if event.text or event.finish_reason is not None or event.logprobs:
+                        yield _sse(shape.chunk(index, event.text, event.finish_reason, False,
+                                               shape.logprobs(index, event.logprobs)))
         except ApiError as exc:  # headers are sent: the error travels as an event
             self.metrics.requests.labels(endpoint=choices.generations[0].job.endpoint, outcome="failed").inc()
             yield _sse(exc.body())
