@@ -107,6 +107,9 @@ class Engine:
 
     async def start(self) -> None:
         await self.group.start()
+        if (context := self.load_info.max_seq_len) < self.config.max_seq_len:
+            log.warning("max_seq_len %d is above the model's maximum of %d tokens (max_position_embeddings): "
+                        "sequences get %d", self.config.max_seq_len, context, context)
         self.loop_task = asyncio.create_task(self._run())
 
     async def close(self) -> None:
@@ -370,10 +373,10 @@ async def connect(model: str | None = None, *, config: EngineConfig | None = Non
                   **options: Any) -> AsyncIterator[Engine]:
     """Connect to (or spawn) workers, load the model on them, and yield a ready Engine.
 
-    Give the model folder and any EngineConfig field as keywords (`connect(model=DIR, local=2)`), or a
-    whole `config=EngineConfig(...)`; the fields are documented there."""
+    Give the model folder and any EngineConfig field as keywords (`connect(model=DIR, local=2)`; no
+    model: the bundled one), or a whole `config=EngineConfig(...)`; the fields are documented there."""
     if config is None:
-        config = EngineConfig(model=model, **options)
+        config = EngineConfig(**options) if model is None else EngineConfig(model=model, **options)
     elif model is not None or options:
         raise ValueError("give either config, or model and its options, not both")
     engine = Engine(config)
