@@ -80,6 +80,18 @@ def test_greedy_logprobs_with_mtp_equal_logprobs_without(runs):
         assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-4
 
 
+def test_logprobs_from_the_last_of_two_pipeline_stages_equal_those_of_one_stage(tiny_model, runs):
+    async def run():
+        async with shardspec.connect(model=str(tiny_model), local=2, pp=2, prefill_chunk=8, max_seq_len=128) as engine:
+            return await _generate(engine, max_tokens=12, temperature=0.0)
+
+    tokens, logprobs, prompt_logprobs = asyncio.run(run())
+    tokens_tp, logprobs_tp, prompt_tp = runs[True]["greedy"]
+    assert tokens == tokens_tp
+    for a, b in zip(logprobs + prompt_logprobs, logprobs_tp + prompt_tp, strict=True):
+        assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-4
+
+
 def test_a_logprobs_value_out_of_range_is_refused_naming_it(tiny_model):
     async def run():
         async with shardspec.connect(model=str(tiny_model), local=1, max_seq_len=64) as engine:
