@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import numbers
@@ -140,12 +141,18 @@ class Engine:
         stop_at_eos: bool = True,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
     ) -> AsyncIterator[Chunk]:
         """Stream the completion of `prompt` (text, or token ids) as Chunks. `logprobs=N` adds each
         token's log-probability under the target model (raw logits: before temperature, top-k and
         top-p) and the N most likely tokens there (N = 0: none); `prompt_logprobs=N` the same for the
-        prompt's tokens after the first, in the first chunk."""
+        prompt's tokens after the first, in the first chunk. The penalties are vLLM's (presence and
+        frequency in [-2, 2] over the output, repetition > 0 over prompt and output; applied to the
+        target's logits on the workers, so MTP stays exact)."""
         request = self._new_request(prompt, max_tokens, temperature, top_k, top_p, seed, stop_at_eos)
+        request.sampling = _penalties(request.sampling, presence_penalty, frequency_penalty, repetition_penalty)
         request.logprobs = self._logprobs("logprobs", logprobs)
         request.prompt_logprobs = self._logprobs("prompt_logprobs", prompt_logprobs)
         detok = Detokenizer(self.tokenizer) if self.tokenizer else None
@@ -338,6 +345,13 @@ def _sampling(temperature: float, top_k: int, top_p: float, seed: int | None) ->
     given = {"temperature": (temperature, float), "top_k": (top_k, int), "top_p": (top_p, float), "seed": (seed, int)}
     values = {name: _in_wire_range(name, value, kind, SamplingParams, name) for name, (value, kind) in given.items()}
     return SamplingParams(**values)  # its own checks (top_p, temperature near 0) name the field too
+
+
+def _penalties(sampling: SamplingParams, presence: float, frequency: float, repetition: float) -> SamplingParams:
+    """`sampling` with the penalties, each checked against the wire's range (ValueError naming it)."""
+    given = {"presence_penalty": presence, "frequency_penalty": frequency, "repetition_penalty": repetition}
+    values = {name: _in_wire_range(name, value, float, SamplingParams, name) for name, value in given.items()}
+    return dataclasses.replace(sampling, **values)
 
 
 def _in_wire_range(name: str, value: Any, kind: type, message: type, field: str, what: str | None = None) -> Any:

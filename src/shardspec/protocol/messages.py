@@ -45,8 +45,15 @@ class SamplingParams:
     top_k: int = bounded(0, 1 << 30, 0)
     top_p: float = bounded(0.0, 1.0, 1.0)
     seed: int = bounded(0, 2**63 - 1, 0)
+    # penalties on the target's logits, as vLLM applies them: repetition (tokens of the prompt and
+    # the output; 1 = off), then frequency (per occurrence) and presence (once) over the output's
+    presence_penalty: float = bounded(-2.0, 2.0, 0.0)
+    frequency_penalty: float = bounded(-2.0, 2.0, 0.0)
+    repetition_penalty: float = bounded(0.0, 100.0, 1.0)
 
     def __post_init__(self) -> None:
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be above 0, got {self.repetition_penalty}")
         if self.top_p < MIN_TOP_P:
             raise ValueError(f"top_p must be in [{MIN_TOP_P}, 1], got {self.top_p}")
         if 0.0 < self.temperature < MIN_TEMPERATURE:
@@ -55,6 +62,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
 
 
 # --- ops --------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepReply, 
 from shardspec.shard_worker.graphs import StepPasses
 from shardspec.shard_worker.links import StageLinks
 from shardspec.shard_worker.logprobs import LogprobRows, prompt_rows, reply_tensors, token_rows
+from shardspec.shard_worker.penalties import TokenCounts
 
 log = logging.getLogger("shardspec.worker")
 # on a stage before the last: graph copies per batch bucket, one per step whose record is still to
@@ -83,6 +84,15 @@ class Sequence:
     drafts: list[int] = field(default_factory=list)
     finished: str = ""  # "", "stop" or "length"
     logprobs: int = -1  # top log-probabilities per emitted token in the replies; -1: none
+    counts: TokenCounts | None = None  # with penalties: the tokens seen so far
+
+    def penalise(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
+        """logits [P, V] as this sequence samples from them (penalised, row j after drafts[:j])."""
+        return logits if self.counts is None else self.counts.penalise(logits, drafts, self.sampling)
+
+    def seen(self, tokens: list[int]) -> None:
+        if self.counts is not None:
+            self.counts.add(tokens)
 
     def emit(self, tokens: list[int]) -> list[int]:
         """Cut `tokens` at a stop id or the token budget, and mark the sequence finished there."""
@@ -343,10 +353,12 @@ class ModelRunner:
                 hidden_before = hidden[:, -1:]
         last_logits = self.model.lm_head.logits(hidden[:, -1])
         seqs = []
-        for spec, slot, logits in zip(specs, slot_ids, last_logits):
+        for b, (spec, slot, logits) in enumerate(zip(specs, slot_ids, last_logits)):
             seq = self._new_sequence(spec, slot, length, -1)
-            seq.next_token = sample(logits, spec.sampling, seq.generator)
-            seq.emit([seq.next_token])
+            if spec.sampling.penalised:
+                seq.counts = TokenCounts(prompts[b], self.model.config.vocab_size)
+            seq.next_token = sample(seq.penalise(logits[None], [])[0], spec.sampling, seq.generator)
+            seq.seen(seq.emit([seq.next_token]))
             if seq.logprobs >= 0:
                 token = torch.tensor([seq.next_token])
                 result.pending_rows.setdefault(seq.seq, []).append(token_rows(logits[None], token, seq.logprobs))
@@ -462,7 +474,8 @@ class ModelRunner:
         context = self._context(seqs)
         x = self._receive(self._next_pass(), (len(seqs), k + 1))
         wants_logprobs = any(s.logprobs >= 0 for s in seqs)
-        if k and not want_logits and not wants_logprobs and all(s.sampling.greedy for s in seqs):
+        plain = all(s.sampling.greedy and not s.sampling.penalised for s in seqs)
+        if k and not want_logits and not wants_logprobs and plain:
             # greedy (or forced) acceptance needs no host decision: the whole step is one pass
             rows = self._rows(seqs, [self._forced(s) for s in seqs])
             out = self.passes.fused(rows, context, x).tolist()
@@ -470,7 +483,7 @@ class ModelRunner:
         else:
             hidden, argmax, draft = self.passes.verify(self._rows(seqs), context, x)
             accepted, tokens, logits = self._accept(seqs, hidden, argmax, result if want_logits else None,
-                                                    wants_logprobs)
+                                                    wants_logprobs or not plain)
             if k:
                 drafts = draft([[n, token] for n, token in zip(accepted, tokens)]).tolist()
         if k:
@@ -478,6 +491,7 @@ class ModelRunner:
         emitted = []
         for s, n, token in zip(seqs, accepted, tokens):
             emitted.append(s.emit([*s.drafts[:n], token]))
+            s.seen(emitted[-1])
             s.length += n + 1
             s.next_token = token
             s.drafts = []
@@ -565,7 +579,10 @@ class ModelRunner:
         argmax = argmax.tolist()
         accepted, tokens = [], []
         for i, s in enumerate(seqs):
-            probs = None if s.sampling.greedy else target_probs(logits[i], s.sampling)
+            target = logits[i] if s.counts is None else s.penalise(logits[i], s.drafts)
+            if s.counts is not None and s.sampling.greedy:
+                argmax[i] = target.argmax(-1).tolist()
+            probs = None if s.sampling.greedy else target_probs(target, s.sampling)
             if self.forced is not None:
                 n = self._forced(s)
             elif probs is None:
