@@ -260,6 +260,10 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
         ("/completions", b'{"prompt": "x", "n": 129}', 400, "n"),
         ("/completions", b'{"prompt": ["x", "y", "z"], "n": 43}', 400, "n"),
         ("/completions", b'{"prompt": [[1], []]}', 400, "prompt"),
+        ("/completions", b'{"prompt": "x", "presence_penalty": 2.5}', 400, "presence_penalty"),
+        ("/completions", b'{"prompt": "x", "frequency_penalty": -2.1}', 400, "frequency_penalty"),
+        ("/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "repetition_penalty": 0}', 400,
+         "repetition_penalty"),
         ("/completions", b'{"prompt": "x", "logprobs": 21}', 400, "logprobs"),
         ("/completions", b'{"prompt": "x", "logprobs": -1}', 400, "logprobs"),
         ("/completions", b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
@@ -666,3 +670,19 @@ def test_echo_gives_the_prompt_s_logprobs_as_lm_eval_s_loglikelihood_asks_for_th
     best = max(zero.choices[0].logprobs.top_logprobs[i].values())
     after = client.completions.create(model=MODEL, prompt=ids[:i], max_tokens=1, temperature=0, logprobs=0)
     assert abs(after.choices[0].logprobs.token_logprobs[0] - best) < 1e-4
+
+
+def test_penalties_are_followed_a_frequency_penalty_makes_fewer_repeats(server):
+    client = server.client()
+    kwargs = {"model": MODEL, "prompt": "def main():\n    ", "max_tokens": 48, "temperature": 0, "logprobs": 0,
+              "extra_body": {"ignore_eos": True}}
+    plain = client.completions.create(**kwargs).choices[0].logprobs.tokens
+    penalised = client.completions.create(frequency_penalty=2.0, **kwargs).choices[0].logprobs.tokens
+    chat = client.chat.completions.create(model=MODEL, **CHAT, max_tokens=4, presence_penalty=1.0,
+                                          extra_body={"repetition_penalty": 1.2})
+    assert chat.choices[0].finish_reason in ("stop", "length")
+
+    def most_repeated(tokens: list[str]) -> int:
+        return max(tokens.count(t) for t in tokens)
+
+    assert most_repeated(penalised) < most_repeated(plain), (plain, penalised)

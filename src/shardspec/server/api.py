@@ -56,9 +56,9 @@ class GenerationBody(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False  # not OpenAI's: generate max_tokens tokens (benchmarks)
     user: str | None = None  # the caller's id for its end user: accepted, it changes nothing here
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None  # not OpenAI's; vLLM's
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)  # not OpenAI's; vLLM's
     logit_bias: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -67,9 +67,6 @@ class GenerationBody(BaseModel):
         a value beyond its limits."""
         checks = [
             ("n", self.n is not None and self.n < 1, "n must be at least 1"),
-            ("presence_penalty", bool(self.presence_penalty), "presence_penalty is not supported"),
-            ("frequency_penalty", bool(self.frequency_penalty), "frequency_penalty is not supported"),
-            ("repetition_penalty", self.repetition_penalty not in (None, 1.0), "repetition_penalty is not supported"),
             ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
             ("response_format", self.response_format not in (None, {"type": "text"}),
              'only response_format {"type": "text"} is supported (no JSON mode or JSON schema)'),

@@ -254,7 +254,8 @@ async def _cancel(tasks: list[asyncio.Future]) -> None:
 
 
 def _param_named_in(message: str) -> str | None:
-    for param in ("max_tokens", "temperature", "top_p", "top_k", "seed", "prompt_logprobs", "logprobs", "prompt"):
+    for param in ("max_tokens", "temperature", "top_p", "top_k", "seed", "prompt_logprobs", "logprobs",
+                  "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt"):
         if param in message:
             return param
     return None
@@ -399,7 +400,10 @@ class Service:
                            f"context of {context} tokens", "max_tokens")
         sampling = {"temperature": 1.0 if body.temperature is None else body.temperature,
                     "top_p": 1.0 if body.top_p is None else body.top_p, "top_k": body.top_k or 0,
-                    "seed": body.seed, "stop_at_eos": not body.ignore_eos}
+                    "seed": body.seed, "stop_at_eos": not body.ignore_eos,
+                    "presence_penalty": body.presence_penalty or 0.0,
+                    "frequency_penalty": body.frequency_penalty or 0.0,
+                    "repetition_penalty": 1.0 if body.repetition_penalty is None else body.repetition_penalty}
         return Job(endpoint, prompt_ids, max_tokens, sampling, body.stop_strings())
 
     # --- generation ---------------------------------------------------------------------------
