@@ -579,7 +579,7 @@ class ModelRunner:
         argmax = argmax.tolist()
         accepted, tokens = [], []
         for i, s in enumerate(seqs):
-            target = logits[i] if s.counts is None else s.penalise(logits[i], s.drafts)
+            target = None if logits is None else s.penalise(logits[i], s.drafts)  # None: greedy, no penalties
             if s.counts is not None and s.sampling.greedy:
                 argmax[i] = target.argmax(-1).tolist()
             probs = None if s.sampling.greedy else target_probs(target, s.sampling)
