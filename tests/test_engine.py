@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from pathlib import Path
 
@@ -192,3 +193,14 @@ def test_a_request_the_workers_refuse_fails_alone_and_every_other_stream_gives_i
     alone, together, error = asyncio.run(run())
     assert isinstance(error, EngineError) and "top_k" in str(error)
     assert together == alone
+
+
+def test_a_max_seq_len_above_the_model_s_maximum_is_warned_about(tiny_model, caplog):
+    async def run() -> int:
+        async with shardspec.connect(model=str(tiny_model), local=1, max_seq_len=8192) as engine:
+            return engine.load_info.max_seq_len
+
+    with caplog.at_level(logging.WARNING, logger="shardspec.orchestrator"):
+        context = asyncio.run(run())
+    assert context == 4096  # the tiny model's max_position_embeddings
+    assert "max_seq_len 8192 is above the model's maximum of 4096" in caplog.text

@@ -45,3 +45,10 @@ def test_workers_and_tp_agree_or_are_refused():
         EngineConfig(model="m", workers=["tcp://a:1"], tp=2)
     with pytest.raises(ValueError, match="not both"):
         EngineConfig(model="m", workers=["tcp://a:1"], local=1)
+
+
+def test_the_model_defaults_to_the_bundled_one():
+    from shardspec.cli import BUNDLED_MODEL
+
+    assert EngineConfig(local=1).model == str(BUNDLED_MODEL)
+    assert (BUNDLED_MODEL / "config.json").is_file()

@@ -256,7 +256,21 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
         ("/completions", b'{"prompt": "x", "top_p": 0}', 400, "top_p"),
         ("/completions", b'{"prompt": "x", "top_k": -1}', 400, "top_k"),
         ("/completions", b'{"prompt": "x", "seed": -3}', 400, "seed"),
-        ("/completions", b'{"prompt": "x", "n": 2}', 400, "n"),
+        ("/completions", b'{"prompt": "x", "n": 0}', 400, "n"),
+        ("/completions", b'{"prompt": "x", "n": 129}', 400, "n"),
+        ("/completions", b'{"prompt": ["x", "y", "z"], "n": 43}', 400, "n"),
+        ("/completions", b'{"prompt": [[1], []]}', 400, "prompt"),
+        ("/completions", b'{"prompt": "x", "presence_penalty": 2.5}', 400, "presence_penalty"),
+        ("/completions", b'{"prompt": "x", "frequency_penalty": -2.1}', 400, "frequency_penalty"),
+        ("/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "repetition_penalty": 0}', 400,
+         "repetition_penalty"),
+        ("/completions", b'{"prompt": "x", "logprobs": 21}', 400, "logprobs"),
+        ("/completions", b'{"prompt": "x", "logprobs": -1}', 400, "logprobs"),
+        ("/completions", b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
+        ("/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', 400,
+         "top_logprobs"),
+        ("/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true, '
+                              b'"top_logprobs": 21}', 400, "top_logprobs"),
         ("/completions", b'{"prompt": ""}', 400, "prompt"),
         ("/completions", b'{"prompt": [1, 99999]}', 400, "prompt"),
         ("/completions", b'{"prompt": {"text": "x"}}', 400, "prompt"),
@@ -467,3 +481,208 @@ def test_a_503_body_has_the_failure_s_first_line_and_the_log_has_the_worker_s_lo
     assert error.status == 503 and error.body()["error"]["code"] == "workers_unavailable"
     assert error.message == "the model's workers are unavailable: local worker 0 exited with code 1 after 3 restarts"
     assert "OSError: /secret/model/config.json" in caplog.text
+
+
+# --- what the server refuses: every OpenAI parameter it does not implement -------------------------
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "kwargs", "param"),
+    [
+        ("completions", {"best_of": 2}, "best_of"),
+        ("completions", {"suffix": "x"}, "suffix"),
+        ("completions", {"logit_bias": {"1": 5}}, "logit_bias"),
+        ("completions", {"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
+        ("completions", {"extra_body": {"guided_json": {}}}, "guided_json"),
+        ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+         "response_format"),
+        ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("chat", {"tool_choice": "required"}, "tool_choice"),
+        ("chat", {"functions": [{"name": "f"}]}, "functions"),
+        ("chat", {"function_call": {"name": "f"}}, "function_call"),
+        ("chat", {"logit_bias": {"1": 5}}, "logit_bias"),
+        ("chat", {"modalities": ["text", "audio"]}, "modalities"),
+        ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        ("chat", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
+        ("chat", {"reasoning_effort": "low"}, "reasoning_effort"),
+        ("chat", {"store": True}, "store"),
+        ("chat", {"metadata": {"a": "b"}}, "metadata"),
+        ("chat", {"service_tier": "flex"}, "service_tier"),
+        ("chat", {"web_search_options": {}}, "web_search_options"),
+        ("chat", {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+         "stream_options.continuous_usage_stats"),
+        ("chat", {"extra_body": {"min_p": 0.1}}, "min_p"),
+    ],
+)
+def test_a_parameter_the_server_does_not_implement_gets_400_naming_it(server, endpoint, kwargs, param):
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as caught:
+        if endpoint == "completions":
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2, **kwargs)
+        else:
+            client.chat.completions.create(model=MODEL, max_tokens=2, **CHAT, **kwargs)
+    assert caught.value.status_code == 400
+    assert caught.value.body["param"] == param, caught.value.body
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"response_format": {"type": "text"}}, {"tool_choice": "none"}, {"user": "me"}, {"store": False},
+     {"parallel_tool_calls": False}, {"modalities": ["text"]}, {"service_tier": "auto"}],
+)
+def test_a_parameter_at_its_harmless_value_is_accepted(server, kwargs):
+    reply = server.client().chat.completions.create(model=MODEL, max_tokens=2, temperature=0, **CHAT, **kwargs)
+    assert reply.choices[0].finish_reason in ("length", "stop")
+
+
+# --- several prompts, several choices --------------------------------------------------------------
+
+
+def _streamed_choices(stream) -> tuple[dict[int, str], dict[int, str], dict | None]:
+    """(text by index, finish reason by index, usage) of a streamed response."""
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    use = None
+    for chunk in stream:
+        use = chunk.usage or use
+        for choice in chunk.choices:
+            delta = getattr(choice, "delta", None)
+            piece = getattr(choice, "text", None) or (delta.content if delta is not None else None) or ""
+            texts[choice.index] = texts.get(choice.index, "") + piece
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    return texts, finishes, use
+
+
+def test_a_list_of_prompts_gives_one_choice_per_prompt_each_as_it_is_alone(server):
+    client = server.client()
+    ids = Tokenizer.from_folder(BUNDLED_MODEL).encode("class Stack:")
+    prompts = ["def fibonacci(n):", "import os\n"]
+    kwargs = {"model": MODEL, "max_tokens": 12, "temperature": 0}
+    alone = [client.completions.create(prompt=p, **kwargs) for p in [*prompts, ids]]
+    together = client.completions.create(prompt=prompts, **kwargs)
+    assert [c.index for c in together.choices] == [0, 1]
+    assert [c.text for c in together.choices] == [r.choices[0].text for r in alone[:2]]
+    assert together.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in alone[:2])
+    assert together.usage.completion_tokens == sum(r.usage.completion_tokens for r in alone[:2])
+    as_ids = client.completions.create(prompt=[ids, ids], **kwargs)
+    assert [c.text for c in as_ids.choices] == [alone[2].choices[0].text] * 2
+
+
+def test_n_sampled_choices_differ_and_choice_0_is_the_request_alone(server):
+    client = server.client()
+    kwargs = {"model": MODEL, "prompt": "def parse(", "max_tokens": 16, "temperature": 1.0, "seed": 11}
+    alone = client.completions.create(**kwargs)
+    three = client.completions.create(n=3, **kwargs)
+    texts = [c.text for c in three.choices]
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert texts[0] == alone.choices[0].text
+    assert len(set(texts)) == 3, texts
+    assert three.usage.prompt_tokens == alone.usage.prompt_tokens  # the prompt counts once
+    assert three.usage.completion_tokens == 3 * 16
+    again = client.completions.create(n=3, **kwargs)
+    assert [c.text for c in again.choices] == texts  # seeded: the same choices again
+
+
+def test_prompts_times_n_streamed_give_the_texts_not_streamed_by_index_with_usage_summed(server):
+    client = server.client()
+    kwargs = {"model": MODEL, "prompt": ["def parse(", "x = ["], "n": 2, "max_tokens": 10, "temperature": 0.8,
+              "seed": 3}
+    whole = client.completions.create(**kwargs)
+    texts, finishes, use = _streamed_choices(client.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kwargs))
+    assert texts == {c.index: c.text for c in whole.choices} and len(texts) == 4
+    assert finishes == {c.index: c.finish_reason for c in whole.choices}
+    assert use.completion_tokens == whole.usage.completion_tokens
+    assert use.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_chat_with_n_streamed_and_not_gives_n_seeded_choices(server):
+    client = server.client()
+    kwargs = {"model": MODEL, **CHAT, "n": 2, "max_tokens": 8, "temperature": 1.0, "seed": 5}
+    whole = client.chat.completions.create(**kwargs)
+    assert [c.index for c in whole.choices] == [0, 1]
+    texts, _, _ = _streamed_choices(client.chat.completions.create(stream=True, **kwargs))
+    assert texts == {c.index: c.message.content for c in whole.choices}
+
+
+# --- log-probabilities -----------------------------------------------------------------------------
+
+
+def test_completion_logprobs_streamed_and_not_are_the_same_in_openai_s_shape(server):
+    client = server.client()
+    kwargs = {"model": MODEL, "prompt": "def fibonacci(n):", "max_tokens": 12, "temperature": 0, "logprobs": 5}
+    whole = client.completions.create(**kwargs)
+    logprobs = whole.choices[0].logprobs
+    assert len(logprobs.tokens) == whole.usage.completion_tokens == len(logprobs.token_logprobs)
+    assert "".join(logprobs.tokens) == whole.choices[0].text
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert value <= 0 and 5 <= len(top) <= 6 and top[token] == value
+        assert value == max(top.values())  # greedy: each token is the most likely one
+    pieces = list(client.completions.create(stream=True, **kwargs))
+    streamed = [c.choices[0].logprobs for c in pieces if c.choices and c.choices[0].logprobs]
+    for field in ("tokens", "token_logprobs", "text_offset"):
+        assert [x for p in streamed for x in getattr(p, field)] == getattr(logprobs, field)
+    plain = client.completions.create(**(kwargs | {"logprobs": None}))
+    assert plain.choices[0].logprobs is None and plain.choices[0].text == whole.choices[0].text
+
+
+def test_chat_logprobs_and_top_logprobs_streamed_and_not_are_the_same_in_openai_s_shape(server):
+    client = server.client()
+    kwargs = {"model": MODEL, **CHAT, "max_tokens": 10, "temperature": 0, "logprobs": True, "top_logprobs": 5}
+    whole = client.chat.completions.create(**kwargs)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 5 and entry.top_logprobs[0].logprob == entry.logprob  # greedy
+        assert entry.bytes == list(entry.token.encode())
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+    streamed = [e for c in client.chat.completions.create(stream=True, **kwargs)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    no_top = client.chat.completions.create(**(kwargs | {"top_logprobs": None}))
+    assert all(e.top_logprobs == [] for e in no_top.choices[0].logprobs.content)
+
+
+def test_echo_gives_the_prompt_s_logprobs_as_lm_eval_s_loglikelihood_asks_for_them(server):
+    """lm-eval's local-completions: token-id prompts in a batch, echo, logprobs=1, max_tokens 1 (or 0)."""
+    client = server.client()
+    tokenizer = Tokenizer.from_folder(BUNDLED_MODEL)
+    prompts = [tokenizer.encode("def add(a, b):\n    return a + b"), tokenizer.encode("import os\nimport sys")]
+    common = {"model": MODEL, "prompt": prompts, "echo": True, "logprobs": 1, "temperature": 0, "seed": 1234}
+    one = client.completions.create(max_tokens=1, **common)
+    zero = client.completions.create(max_tokens=0, **common)
+    assert zero.usage.completion_tokens == 0
+    for ids, with_token, alone in zip(prompts, sorted(one.choices, key=lambda c: c.index), zero.choices):
+        assert alone.text == tokenizer.decode(ids) and with_token.text.startswith(alone.text)
+        assert len(alone.logprobs.token_logprobs) == len(ids)
+        assert len(with_token.logprobs.token_logprobs) == len(ids) + 1
+        assert alone.logprobs.token_logprobs[0] is None and alone.logprobs.top_logprobs[0] is None
+        assert with_token.logprobs.token_logprobs[:-1] == alone.logprobs.token_logprobs
+        assert all(value <= 0 for value in alone.logprobs.token_logprobs[1:])
+    # the prompt's row i is the distribution after its first i tokens: its best token's log-probability
+    # is what a greedy request for the first i tokens gets for the token it samples
+    ids, i = prompts[0], 5
+    best = max(zero.choices[0].logprobs.top_logprobs[i].values())
+    after = client.completions.create(model=MODEL, prompt=ids[:i], max_tokens=1, temperature=0, logprobs=0)
+    assert abs(after.choices[0].logprobs.token_logprobs[0] - best) < 1e-4
+
+
+def test_penalties_are_followed_a_frequency_penalty_makes_fewer_repeats(server):
+    client = server.client()
+    kwargs = {"model": MODEL, "prompt": "def main():\n    ", "max_tokens": 48, "temperature": 0, "logprobs": 0,
+              "extra_body": {"ignore_eos": True}}
+    plain = client.completions.create(**kwargs).choices[0].logprobs.tokens
+    penalised = client.completions.create(frequency_penalty=2.0, **kwargs).choices[0].logprobs.tokens
+    chat = client.chat.completions.create(model=MODEL, **CHAT, max_tokens=4, presence_penalty=1.0,
+                                          extra_body={"repetition_penalty": 1.2})
+    assert chat.choices[0].finish_reason in ("stop", "length")
+
+    def most_repeated(tokens: list[str]) -> int:
+        return max(tokens.count(t) for t in tokens)
+
+    assert most_repeated(penalised) < most_repeated(plain), (plain, penalised)

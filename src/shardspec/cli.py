@@ -8,10 +8,10 @@ import asyncio
 import json
 import logging
 import sys
-from pathlib import Path
 from typing import Any
 
 from shardspec.orchestrator.config import (
+    BUNDLED_MODEL,
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_DIST_TIMEOUT_S,
     DEFAULT_DRAFT_TOKENS,
@@ -31,8 +31,6 @@ from shardspec.protocol.transport import (
     check_heartbeat_timeout,
     check_range,
 )
-
-BUNDLED_MODEL = Path(__file__).parent / "bundled"
 
 EXAMPLES = """\
 examples:
@@ -102,13 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", nargs="?", help="prompt text (needs the model's tokenizer.json)")
     gen.add_argument("--prompt-ids", metavar="IDS", help="comma-separated token ids instead of text")
     _add_model_options(gen)
-    gen.add_argument("--max-tokens", type=int, default=128, metavar="N")
+    gen.add_argument("--max-tokens", type=int, default=128, metavar="N",
+                     help="tokens to generate at most (default 128)")
     gen.add_argument("--temperature", type=float, default=0.8, metavar="T",
                      help="sampling temperature (default 0.8); 0 = greedy, deterministic")
     gen.add_argument("--top-k", type=int, default=40, metavar="K", help="keep the K most likely tokens (default 40; "
                      "0 = all)")
     gen.add_argument("--top-p", type=float, default=0.95, metavar="P", help="nucleus sampling mass (default 0.95)")
-    gen.add_argument("--seed", type=int, default=None, metavar="S")
+    gen.add_argument("--seed", type=int, default=None, metavar="S",
+                     help="sampling seed, for a reproducible completion (default: a random one)")
     _add_decoding_options(gen)
     gen.add_argument("--no-pipeline", action="store_true", help="wait for each step's reply before sending the next")
     gen.add_argument("--forced-acceptance", type=float, default=None, metavar="P",

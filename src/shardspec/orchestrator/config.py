@@ -28,6 +28,9 @@ MAX_CONNECT_TIMEOUT_S = 86400.0
 MTP_MODES = {None: "auto", True: "on", False: "off"}
 
 
+BUNDLED_MODEL = Path(__file__).parents[1] / "bundled"  # the tiny model in the package: the default model
+
+
 def message_range(message: type, name: str) -> tuple[Any, Any]:
     """The [lo, hi] that the wire accepts for a field of a message."""
     return message.__dataclass_fields__[name].metadata["range"]
@@ -37,9 +40,9 @@ def message_range(message: type, name: str) -> tuple[Any, Any]:
 class EngineConfig:
     """The model, its workers, and how the engine decodes."""
 
-    model: str
+    model: str = str(BUNDLED_MODEL)
     """Hugging Face-style model folder (a path-like is taken as its string). For workers given by address, the
-    path on the workers."""
+    path on the workers. By default the bundled tiny model."""
 
     workers: list[str] | None = None
     """Addresses of running workers (tcp://HOST:PORT or ipc://PATH), in rank order; None: spawn local ones."""

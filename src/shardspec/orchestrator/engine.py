@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import numbers
@@ -107,6 +108,9 @@ class Engine:
 
     async def start(self) -> None:
         await self.group.start()
+        if (context := self.load_info.max_seq_len) < self.config.max_seq_len:
+            log.warning("max_seq_len %d is above the model's maximum of %d tokens (max_position_embeddings): "
+                        "sequences get %d", self.config.max_seq_len, context, context)
         self.loop_task = asyncio.create_task(self._run())
 
     async def close(self) -> None:
@@ -135,9 +139,22 @@ class Engine:
         top_p: float = 1.0,
         seed: int | None = None,
         stop_at_eos: bool = True,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
     ) -> AsyncIterator[Chunk]:
-        """Stream the completion of `prompt` (text, or token ids) as Chunks."""
+        """Stream the completion of `prompt` (text, or token ids) as Chunks. `logprobs=N` adds each
+        token's log-probability under the target model (raw logits: before temperature, top-k and
+        top-p) and the N most likely tokens there (N = 0: none); `prompt_logprobs=N` the same for the
+        prompt's tokens after the first, in the first chunk. The penalties are vLLM's (presence and
+        frequency in [-2, 2] over the output, repetition > 0 over prompt and output; applied to the
+        target's logits on the workers, so MTP stays exact)."""
         request = self._new_request(prompt, max_tokens, temperature, top_k, top_p, seed, stop_at_eos)
+        request.sampling = _penalties(request.sampling, presence_penalty, frequency_penalty, repetition_penalty)
+        request.logprobs = self._logprobs("logprobs", logprobs)
+        request.prompt_logprobs = self._logprobs("prompt_logprobs", prompt_logprobs)
         detok = Detokenizer(self.tokenizer) if self.tokenizer else None
         self.scheduler.add(request)
         self.wakeup.set()
@@ -175,6 +192,16 @@ class Engine:
         stop_ids = list(self.load_info.eos_token_ids) if stop_at_eos else []
         return Request(next(self.seq_ids), ids, max_tokens, sampling, stop_ids, self.draft_tokens,
                        self.forced_acceptance)
+
+    @staticmethod
+    def _logprobs(name: str, top: int | None) -> int:
+        """The wire's value for a logprobs option: -1 for None, else N inside the wire's range."""
+        if top is None:
+            return -1
+        value = _in_wire_range(name, top, int, PrefillSpec, name)
+        if value < 0:
+            raise ValueError(f"{name} must be at least 0, got {top}")
+        return value
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -269,7 +296,8 @@ class Engine:
         reply = _agreed(replies[-self.config.tp_size :])  # the last stage's ranks decide the step
         if self.observer is not None:
             self.observer.on_step(max(r.step_s for r, _ in replies), reply.accepted)
-        self._release(self.scheduler.release(deliver(reply, self.scheduler.running)))
+        tensors = replies[-self.config.tp_size][1]  # the reply _agreed returns: the deciding stage's first rank
+        self._release(self.scheduler.release(deliver(reply, self.scheduler.running, tensors)))
 
     def _release(self, release: ReleaseRequest | None) -> None:
         """Free the slots: the release goes on the wire behind the steps already sent."""
@@ -319,6 +347,13 @@ def _sampling(temperature: float, top_k: int, top_p: float, seed: int | None) ->
     return SamplingParams(**values)  # its own checks (top_p, temperature near 0) name the field too
 
 
+def _penalties(sampling: SamplingParams, presence: float, frequency: float, repetition: float) -> SamplingParams:
+    """`sampling` with the penalties, each checked against the wire's range (ValueError naming it)."""
+    given = {"presence_penalty": presence, "frequency_penalty": frequency, "repetition_penalty": repetition}
+    values = {name: _in_wire_range(name, value, float, SamplingParams, name) for name, value in given.items()}
+    return dataclasses.replace(sampling, **values)
+
+
 def _in_wire_range(name: str, value: Any, kind: type, message: type, field: str, what: str | None = None) -> Any:
     """`value` as a `kind`; ValueError naming `name` unless it is a number of that kind (an integer
     also does for a float) inside the range that the wire accepts for `message.field`."""
@@ -352,10 +387,10 @@ async def connect(model: str | None = None, *, config: EngineConfig | None = Non
                   **options: Any) -> AsyncIterator[Engine]:
     """Connect to (or spawn) workers, load the model on them, and yield a ready Engine.
 
-    Give the model folder and any EngineConfig field as keywords (`connect(model=DIR, local=2)`), or a
-    whole `config=EngineConfig(...)`; the fields are documented there."""
+    Give the model folder and any EngineConfig field as keywords (`connect(model=DIR, local=2)`; no
+    model: the bundled one), or a whole `config=EngineConfig(...)`; the fields are documented there."""
     if config is None:
-        config = EngineConfig(model=model, **options)
+        config = EngineConfig(**options) if model is None else EngineConfig(model=model, **options)
     elif model is not None or options:
         raise ValueError("give either config, or model and its options, not both")
     engine = Engine(config)

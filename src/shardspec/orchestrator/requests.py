@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
+
 from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepReply
 
 
@@ -15,13 +17,26 @@ class EngineError(RuntimeError):
 
 
 @dataclass
+class TokenLogprob:
+    """A token, its log-probability under the target model, and the most likely tokens there."""
+
+    token: int
+    logprob: float | None  # None only where a server echoes a prompt's first token (nothing before it)
+    top: list[tuple[int, float]]  # (token, log-probability), most likely first
+
+
+@dataclass
 class Chunk:
-    """New tokens of one request; the last chunk has finish_reason and stats."""
+    """New tokens of one request; the last chunk has finish_reason and stats. With logprobs asked
+    for, one TokenLogprob per token; with prompt_logprobs, the first chunk has the prompt's tokens
+    after the first."""
 
     token_ids: list[int]
     text: str = ""
     finish_reason: str | None = None
     stats: dict[str, Any] | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class StepObserver(Protocol):
@@ -42,6 +57,8 @@ class Request:
     stop_ids: list[int]
     draft_tokens: int  # MTP drafts per step when it was made; 0: MTP off
     forced_acceptance: float | None = None
+    logprobs: int = -1  # top log-probabilities per token; -1: none (PrefillSpec's meaning)
+    prompt_logprobs: int = -1
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # Chunks, or the Exception that ends it
     generated: int = 0
     cancelled: bool = False
@@ -57,7 +74,13 @@ class Request:
         self.accepted_per_position = [0] * self.draft_tokens
 
     def prefill_spec(self) -> PrefillSpec:
-        return PrefillSpec(self.seq, len(self.prompt), self.sampling, self.max_tokens, self.stop_ids)
+        return PrefillSpec(self.seq, len(self.prompt), self.sampling, self.max_tokens, self.stop_ids,
+                           self.logprobs, self.prompt_logprobs)
+
+    def logprob_rows(self, tokens: int, prefill: bool) -> tuple[int, int]:
+        """(prompt rows, token rows) this request owns in a step's reply that brought `tokens` tokens."""
+        prompt = len(self.prompt) - 1 if prefill and self.prompt_logprobs >= 0 else 0
+        return prompt, tokens if self.logprobs >= 0 else 0
 
     def record(self, tokens: list[int], accepted: int, now: float) -> None:
         """Count a step's tokens and, for a verify step (accepted >= 0), its accepted drafts."""
@@ -91,16 +114,26 @@ class Request:
         return stats
 
 
-def deliver(reply: StepReply, running: dict[int, Request]) -> list[Request]:
-    """Put each sequence's new tokens on its request's queue; returns the requests that finished."""
+def deliver(reply: StepReply, running: dict[int, Request],
+            tensors: dict[str, torch.Tensor] | None = None) -> list[Request]:
+    """Put each sequence's new tokens (and log-probabilities) on its request's queue; returns the
+    requests that finished."""
     now = time.perf_counter()
     finished = []
-    for seq, tokens, accepted, finish in zip(reply.seqs, reply.tokens, reply.accepted, reply.finished, strict=True):
+    table = LogprobTable(reply, tensors or {})
+    steps = zip(reply.seqs, reply.tokens, reply.accepted, reply.finished, strict=True)
+    for index, (seq, tokens, accepted, finish) in enumerate(steps):
         request = running.get(seq)
         if request is None:  # cancelled while this step was in flight
             continue
+        prompt_rows, token_rows = request.logprob_rows(len(tokens), prefill=request.generated == 0)
+        table.check(index, prompt_rows + token_rows, max(request.logprobs, request.prompt_logprobs))
         request.record(tokens, accepted, now)
         chunk = Chunk(tokens)
+        if prompt_rows:
+            chunk.prompt_logprobs = table.entries(index, 0, request.prompt[1:], request.prompt_logprobs)
+        if token_rows:
+            chunk.logprobs = table.entries(index, prompt_rows, tokens, request.logprobs)
         if finish:
             chunk.finish_reason, chunk.stats = finish, request.stats(now)
             request.finished = True
@@ -118,3 +151,39 @@ def spec_decode_metrics(drafts: int, k: int, accepted: int, per_position: list[i
         "acceptance_per_position": [n / drafts if drafts else 0.0 for n in per_position],
         "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
     }
+
+
+class LogprobTable:
+    """A step reply's log-probability tensors, checked against its `logprob_rows`: the dtypes and
+    shapes it names, rows that add up (a worker's reply is checked like any received message)."""
+
+    def __init__(self, reply: StepReply, tensors: dict[str, torch.Tensor]):
+        counts = list(reply.logprob_rows) or [0] * len(reply.seqs)
+        if len(counts) != len(reply.seqs) or min(counts, default=0) < 0:
+            raise EngineError("a worker's reply lists log-probability rows that do not match its sequences")
+        self.starts = [sum(counts[:i]) for i in range(len(counts))]
+        self.counts = counts
+        self.width = 0
+        if not reply.logprob_rows:
+            return
+        chosen, values, ids = (tensors.get(name) for name in ("logprobs", "top_logprobs", "top_ids"))
+        total = sum(counts)
+        if not (isinstance(chosen, torch.Tensor) and isinstance(values, torch.Tensor) and isinstance(ids, torch.Tensor)
+                and chosen.dtype == values.dtype == torch.float32 and ids.dtype == torch.int64
+                and tuple(chosen.shape) == (total,) and values.dim() == 2 and values.shape[0] == total
+                and ids.shape == values.shape):
+            raise EngineError("a worker's log-probability tensors do not have the dtypes and shapes its reply names")
+        self.chosen, self.values, self.ids = chosen.tolist(), values.tolist(), ids.tolist()
+        self.width = values.shape[1]
+
+    def check(self, index: int, expected: int, top: int) -> None:
+        """Sequence `index` of the reply must own `expected` rows with at least `top` columns."""
+        if self.counts[index] != expected or (expected and top > self.width):
+            raise EngineError(f"a worker's reply has {self.counts[index]} log-probability rows of {self.width} for "
+                              f"a sequence that asked for {expected} of {top}")
+
+    def entries(self, index: int, skip: int, tokens: list[int], top: int) -> list[TokenLogprob]:
+        """TokenLogprobs of `tokens`, from sequence `index`'s rows after its first `skip`."""
+        start = self.starts[index] + skip
+        return [TokenLogprob(token, self.chosen[r], list(zip(self.ids[r][:top], self.values[r][:top])))
+                for token, r in zip(tokens, range(start, start + len(tokens)), strict=True)]

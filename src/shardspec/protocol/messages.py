@@ -20,6 +20,7 @@ from shardspec.protocol.errors import ErrorCode, ProtocolError
 
 MAX_STR = 4096
 MAX_DRAFT_TOKENS = 8
+MAX_LOGPROBS = 20  # top log-probabilities per token a sequence may ask for (vLLM's default limit)
 MIN_TEMPERATURE = 1e-4  # below it, logits / temperature overflow float32: use 0 (greedy)
 MIN_TOP_P = 1e-6  # below it, top_p rounds to 0 in float32 (denormals flushed) and would keep no token
 MAX_LIST = 1 << 20
@@ -44,8 +45,15 @@ class SamplingParams:
     top_k: int = bounded(0, 1 << 30, 0)
     top_p: float = bounded(0.0, 1.0, 1.0)
     seed: int = bounded(0, 2**63 - 1, 0)
+    # penalties on the target's logits, as vLLM applies them: repetition (tokens of the prompt and
+    # the output; 1 = off), then frequency (per occurrence) and presence (once) over the output's
+    presence_penalty: float = bounded(-2.0, 2.0, 0.0)
+    frequency_penalty: float = bounded(-2.0, 2.0, 0.0)
+    repetition_penalty: float = bounded(0.0, 100.0, 1.0)
 
     def __post_init__(self) -> None:
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be above 0, got {self.repetition_penalty}")
         if self.top_p < MIN_TOP_P:
             raise ValueError(f"top_p must be in [{MIN_TOP_P}, 1], got {self.top_p}")
         if 0.0 < self.temperature < MIN_TEMPERATURE:
@@ -54,6 +62,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
 
 
 # --- ops --------------------------------------------------------------------------------------
@@ -177,6 +189,9 @@ class PrefillSpec:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int = bounded(1, 1 << 22, 1 << 22)  # the worker stops the sequence after this many
     stop_ids: list[int] = field(default_factory=list)  # ... or after emitting one of these
+    # log-probabilities in the step replies: -1 none; N >= 0 each emitted token's and the top N
+    logprobs: int = bounded(-1, MAX_LOGPROBS, -1)
+    prompt_logprobs: int = bounded(-1, MAX_LOGPROBS, -1)  # the same for prompt tokens 1.. (prefill reply)
 
 
 @dataclass(frozen=True)
@@ -194,7 +209,13 @@ class StepRequest:
 class StepReply:
     """Per sequence that produced tokens (prefills first, then decodes, in request order): the new
     token ids, the drafts accepted this step (-1 for a prefill), the next drafts, and whether the
-    sequence finished ("stop", "length" or "")."""
+    sequence finished ("stop", "length" or "").
+
+    logprob_rows: empty unless a sequence asked for log-probabilities; else per sequence the rows it
+    owns, in order, of the reply's tensors `logprobs` (float32 [R]: the log-probability of the
+    token), `top_logprobs` (float32 [R, W]) and `top_ids` (int64 [R, W]: the W most likely tokens,
+    most likely first): its prompt's tokens 1.. on its prefill if it asked for prompt_logprobs,
+    then one row per emitted token if it asked for logprobs."""
 
     OP: ClassVar[str] = "step"
     seqs: list[int]
@@ -203,6 +224,7 @@ class StepReply:
     drafts: list[list[int]]
     finished: list[str]
     step_s: float
+    logprob_rows: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

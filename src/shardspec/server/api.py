@@ -8,6 +8,9 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from shardspec.orchestrator.requests import TokenLogprob
+from shardspec.protocol.messages import MAX_LOGPROBS
+
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_STOP_CHARS = 1024  # each; the text held back while a stop may still be matching is shorter
 MAX_CHAT_MESSAGES = 2048
@@ -31,14 +34,16 @@ class ApiError(Exception):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
     include_usage: bool = False
 
 
 class GenerationBody(BaseModel):
-    """The fields both endpoints share; unknown fields are ignored, as by OpenAI's own server."""
+    """The fields both endpoints share. A field this server does not know is refused (400 naming it),
+    as OpenAI's own server refuses one; a known feature it lacks is refused when it is asked for
+    (`unsupported`): nothing in a body is silently ignored."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -50,18 +55,21 @@ class GenerationBody(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False  # not OpenAI's: generate max_tokens tokens (benchmarks)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    user: str | None = None  # the caller's id for its end user: accepted, it changes nothing here
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)  # not OpenAI's; vLLM's
     logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, why) for a feature this server does not have, asked for with a non-default value, or
         a value beyond its limits."""
         checks = [
-            ("n", self.n not in (None, 1), "only n=1 is supported; send several requests instead (they are batched)"),
-            ("presence_penalty", bool(self.presence_penalty), "presence_penalty is not supported"),
-            ("frequency_penalty", bool(self.frequency_penalty), "frequency_penalty is not supported"),
+            ("n", self.n is not None and self.n < 1, "n must be at least 1"),
             ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
+            ("response_format", self.response_format not in (None, {"type": "text"}),
+             'only response_format {"type": "text"} is supported (no JSON mode or JSON schema)'),
             ("stop", isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS,
              f"at most {MAX_STOP_STRINGS} stop sequences"),
             ("stop", any(len(stop) > MAX_STOP_CHARS for stop in self.stop_strings()),
@@ -76,29 +84,26 @@ class GenerationBody(BaseModel):
 
 class CompletionBody(GenerationBody):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: the prompt's log-probabilities alone
     echo: bool | None = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         checks = [
-            ("echo", bool(self.echo), "echo is not supported"),
-            ("logprobs", self.logprobs is not None, "logprobs are not supported"),
+            ("max_tokens", self.max_tokens == 0 and not self.echo, "max_tokens must be at least 1 (0 only with echo)"),
             ("best_of", self.best_of not in (None, 1), "only best_of=1 is supported"),
             ("suffix", bool(self.suffix), "suffix is not supported"),
         ]
         return next(((p, why) for p, bad, why in checks if bad), None) or super().unsupported()
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt: text or token ids (a list holding exactly one of those is accepted too)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: one text or token-id list, or a list of those."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ApiError(400, "one prompt per request is supported; send several requests instead "
-                               "(they are batched)", "prompt")
-            prompt = prompt[0]
-        return prompt
+            return list(prompt)
+        return [prompt]
 
 
 class ChatMessage(BaseModel):
@@ -116,12 +121,37 @@ class ChatBody(GenerationBody):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # only means something with tools
+    functions: list[Any] | None = None  # the deprecated form of tools
+    function_call: str | dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         checks = [
-            ("logprobs", bool(self.logprobs), "logprobs are not supported"),
+            ("top_logprobs", self.top_logprobs is not None and not self.logprobs,
+             "top_logprobs needs logprobs: true"),
             ("tools", bool(self.tools), "tool calls are not supported"),
+            ("tool_choice", self.tool_choice not in (None, "none", "auto"), "tool calls are not supported"),
+            ("functions", bool(self.functions), "function calls are not supported"),
+            ("function_call", self.function_call not in (None, "none", "auto"), "function calls are not supported"),
+            ("modalities", self.modalities not in (None, ["text"]), 'only modalities ["text"] is supported'),
+            ("audio", self.audio is not None, "audio output is not supported"),
+            ("prediction", self.prediction is not None, "predicted outputs are not supported"),
+            ("reasoning_effort", self.reasoning_effort is not None, "reasoning_effort is not supported"),
+            ("web_search_options", self.web_search_options is not None, "web search is not supported"),
+            ("store", bool(self.store), "stored completions are not supported"),
+            ("metadata", bool(self.metadata), "metadata is for stored completions, which are not supported"),
+            ("service_tier", self.service_tier not in (None, "auto", "default"), "service tiers are not supported"),
         ]
         return next(((p, why) for p, bad, why in checks if bad), None) or super().unsupported()
 
@@ -155,8 +185,11 @@ def _validation_error(exc: ValidationError) -> ApiError:
         return ApiError(400, f"the request body must be a JSON object: {error['msg']}")
     path = [str(part) for part in error["loc"] if not _is_union_tag(part)]
     param = ".".join(path)
+    if error["type"] == "extra_forbidden":
+        return ApiError(400, f"{param} is not a parameter this server accepts (the accepted ones are listed in "
+                        "docs/architecture.md, 'Serving')", param)
     if path[0] == "prompt":
-        return ApiError(400, "prompt must be a string, a list of token ids, or a list holding one of those",
+        return ApiError(400, "prompt must be a string, a list of token ids, or a list of either",
                         "prompt")
     return ApiError(400, f"{param}: {error['msg']}", param)
 
@@ -174,36 +207,62 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+LOGPROB_FLOOR = -9999.0  # for a log-probability of -inf (JSON has no infinity), as vLLM clamps it
+
+
+def _logprob(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
 class Shape:
-    """The response and chunk shapes of one endpoint (text completions here; chat below)."""
+    """The response and chunk shapes of one endpoint (text completions here; chat below), and its
+    log-probability objects, whose tokens `token_text` spells."""
 
     object = "text_completion"
     chunk_object = "text_completion"
     id_prefix = "cmpl-"
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, token_text: Any = None):
         self.model = model
         self.id = self.id_prefix + uuid.uuid4().hex
         self.created = int(time.time())
+        self.token_text = token_text
+        self.text_offset: dict[int, int] = {}  # per choice: where its next token's text starts
 
     def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None, "choices": choices}
 
-    def choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: Any = None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def delta(self, text: str, finish_reason: str | None, first: bool) -> dict[str, Any]:
-        return self.choice(text, finish_reason)
+    def delta(self, index: int, text: str, finish_reason: str | None, first: bool, logprobs: Any = None) -> dict:
+        return self.choice(index, text, finish_reason, logprobs)
 
-    def response(self, text: str, finish_reason: str | None, use: dict[str, int]) -> dict[str, Any]:
-        return self.envelope(self.object, [self.choice(text, finish_reason)]) | {"usage": use}
+    def response(self, choices: list[dict[str, Any]], use: dict[str, int]) -> dict[str, Any]:
+        return self.envelope(self.object, choices) | {"usage": use}
 
-    def chunk(self, text: str, finish_reason: str | None, first: bool) -> dict[str, Any]:
-        return self.envelope(self.chunk_object, [self.delta(text, finish_reason, first)])
+    def chunk(self, index: int, text: str, finish_reason: str | None, first: bool, logprobs: Any = None) -> dict:
+        return self.envelope(self.chunk_object, [self.delta(index, text, finish_reason, first, logprobs)])
 
     def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:
         return self.envelope(self.chunk_object, []) | {"usage": use}
+
+    def logprobs(self, index: int, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        """The legacy completions object: tokens, token_logprobs, top_logprobs (token -> logprob, the
+        chosen token among them, as vLLM has it), text_offset; an echoed prompt's first token has None."""
+        if entries is None:
+            return None
+        tokens = [self.token_text(e.token) for e in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.text_offset.get(index, 0))
+            self.text_offset[index] = offsets[-1] + len(token)
+        tops = [None if e.logprob is None else
+                {self.token_text(t): _logprob(v) for t, v in e.top} | {token: _logprob(e.logprob)}
+                for e, token in zip(entries, tokens)]
+        chosen = [None if e.logprob is None else _logprob(e.logprob) for e in entries]
+        return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
 
 
 class ChatShape(Shape):
@@ -211,12 +270,23 @@ class ChatShape(Shape):
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
-    def choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: Any = None) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 
-    def delta(self, text: str, finish_reason: str | None, first: bool) -> dict[str, Any]:
+    def delta(self, index: int, text: str, finish_reason: str | None, first: bool, logprobs: Any = None) -> dict:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text or first:
             delta["content"] = text
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def logprobs(self, index: int, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        """{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
+        if entries is None:
+            return None
+        return {"content": [self._scored(e.token, e.logprob) | {"top_logprobs": [self._scored(t, v) for t, v in e.top]}
+                            for e in entries], "refusal": None}
+
+    def _scored(self, token: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token)
+        return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode())}

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 
 from shardspec.orchestrator.engine import Engine, EngineError
 from shardspec.orchestrator.metrics import CONTENT_TYPE, ServingMetrics
+from shardspec.orchestrator.requests import Chunk, TokenLogprob
 from shardspec.orchestrator.tokenizer import Tokenizer
 from shardspec.orchestrator.workers import WorkerLost
 from shardspec.protocol.errors import RemoteError
@@ -43,6 +44,8 @@ log = logging.getLogger("shardspec.server")
 ENGINE_ERRORS = (EngineError, WorkerLost, RemoteError)
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_CHOICES = 128  # prompts x n in one request: each is a sequence in the engine
+SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: seed + j * it differs for every choice j < 2**63
 T = TypeVar("T")
 
 
@@ -52,14 +55,34 @@ class ClientGone(Exception):
 
 @dataclass
 class Job:
-    """One validated generation request."""
+    """One validated generation: one choice of one prompt of a request."""
 
     endpoint: str
     prompt_ids: list[int]
     max_tokens: int
     sampling: dict[str, Any]
     stops: list[str]
+    index: int = 0  # the choice's index in the response
+    prompt_index: int = 0  # which of the request's prompts it continues
+    logprobs: int | None = None  # top log-probabilities per token; None: none
+    echo: str | None = None  # the prompt's text, to start the choice with (completions' echo)
     arrived: float = field(default_factory=time.perf_counter)
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its log-probabilities) alone; one token is generated
+        (the engine always samples one) and dropped."""
+        return self.echo is not None and self.max_tokens == 0
+
+
+@dataclass
+class Event:
+    """A piece of one choice's stream: its text, the finish reason on the last one, and the
+    log-probabilities of its tokens when asked for."""
+
+    text: str
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
 
 
 class StopText:
@@ -99,7 +122,7 @@ def _partial_match(text: str, stop: str) -> int:
 
 
 class Generation:
-    """One request's engine stream as (text, finish_reason) events, with its usage and metrics."""
+    """One choice's engine stream as Events, with its token count and metrics."""
 
     def __init__(self, service: Service, job: Job):
         self.service = service
@@ -107,22 +130,26 @@ class Generation:
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.outcome = "cancelled"
+        self.echoed = False  # the prompt's text has been sent (echo)
 
-    def usage(self) -> dict[str, int]:
-        return usage(len(self.job.prompt_ids), self.completion_tokens)
-
-    async def events(self) -> AsyncIterator[tuple[str, str | None]]:
+    async def events(self) -> AsyncIterator[Event]:
         job, metrics = self.job, self.service.metrics
         stops = StopText(job.stops)
-        stream = self.service.engine.generate(job.prompt_ids, max_tokens=job.max_tokens, **job.sampling)
+        prompt_logprobs = job.logprobs if job.echo is not None else None
+        stream = self.service.engine.generate(job.prompt_ids, max_tokens=max(job.max_tokens, 1), logprobs=job.logprobs,
+                                              prompt_logprobs=prompt_logprobs, **job.sampling)
         try:
             async with aclosing(stream):
                 async for chunk in stream:
+                    if job.echo_only:
+                        chunk.token_ids, chunk.text = [], ""
+                        chunk.logprobs = None if chunk.logprobs is None else []
                     self._count(chunk.token_ids)
                     text, stopped = stops.feed(chunk.text)
                     finish = "stop" if stopped else chunk.finish_reason
                     self.finish_reason = finish
-                    yield (text if stopped or finish is None else text + stops.flush()), finish
+                    text = text if stopped or finish is None else text + stops.flush()
+                    yield self._event(chunk, text, finish)
                     if finish is not None:
                         break  # a stop string: leaving the stream cancels the sequence
             self.outcome = "finished"
@@ -137,6 +164,17 @@ class Generation:
             if self.outcome != "error":
                 metrics.requests.labels(endpoint=job.endpoint, outcome=self.outcome).inc()
 
+    def _event(self, chunk: Chunk, text: str, finish: str | None) -> Event:
+        """The event of a chunk; the first one starts with the echoed prompt and its log-probabilities."""
+        logprobs = chunk.logprobs
+        if self.job.echo is not None and not self.echoed:
+            self.echoed = True
+            text = self.job.echo + text
+            if logprobs is not None:
+                first = TokenLogprob(self.job.prompt_ids[0], None, [])
+                logprobs = [first, *(chunk.prompt_logprobs or []), *logprobs]
+        return Event(text, finish, logprobs)
+
     def _count(self, token_ids: list[int]) -> None:
         metrics = self.service.metrics
         if self.completion_tokens == 0 and token_ids:
@@ -145,13 +183,79 @@ class Generation:
         self.completion_tokens += len(token_ids)
         metrics.generated_tokens.inc(len(token_ids))
 
-    async def text(self) -> str:
+    async def collect(self) -> Event:
+        """The whole choice as one Event."""
         async with aclosing(self.events()) as events:
-            return "".join([text async for text, _ in events])
+            pieces = [event async for event in events]
+        logprobs = None if self.job.logprobs is None else [entry for e in pieces for entry in e.logprobs or []]
+        return Event("".join(e.text for e in pieces), self.finish_reason, logprobs)
+
+
+class Choices:
+    """The generations of one request (its prompts times n), run at once."""
+
+    def __init__(self, generations: list[Generation]):
+        self.generations = generations
+        self.streams = [g.events() for g in generations]
+
+    def usage(self) -> dict[str, int]:
+        """Each prompt's tokens once (as OpenAI counts them for n > 1), every choice's tokens."""
+        prompts = {g.job.prompt_index: len(g.job.prompt_ids) for g in self.generations}
+        return usage(sum(prompts.values()), sum(g.completion_tokens for g in self.generations))
+
+    async def collect(self) -> list[Event]:
+        return await _all([g.collect() for g in self.generations])
+
+    async def first(self) -> list[Event]:
+        """Every choice's first event (the engine's errors before any token surface here)."""
+        return await _all([anext(stream) for stream in self.streams])
+
+    async def rest(self) -> AsyncIterator[tuple[int, Event]]:
+        """(choice index, event) after the first events, in the order they come."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream: AsyncIterator[Event]) -> None:
+            try:
+                async for event in stream:
+                    queue.put_nowait((index, event, None))
+            except Exception as exc:  # an ApiError: the consumer raises it
+                queue.put_nowait((index, None, exc))
+                return
+            queue.put_nowait((index, None, None))
+
+        pumps = [asyncio.ensure_future(pump(g.job.index, s)) for g, s in zip(self.generations, self.streams)]
+        try:
+            for _ in pumps:
+                while (item := await queue.get())[1] is not None:
+                    yield item[0], item[1]
+                if item[2] is not None:
+                    raise item[2]
+        finally:
+            await _cancel(pumps)
+
+    async def aclose(self) -> None:
+        for stream in self.streams:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def _all(work: list[Awaitable[T]]) -> list[T]:
+    """Await all of `work` at once; the first error (or a cancellation) cancels the rest."""
+    tasks = [asyncio.ensure_future(w) for w in work]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        await _cancel(tasks)
+
+
+async def _cancel(tasks: list[asyncio.Future]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _param_named_in(message: str) -> str | None:
-    for param in ("max_tokens", "temperature", "top_p", "top_k", "seed", "prompt"):
+    for param in ("max_tokens", "temperature", "top_p", "top_k", "seed", "prompt_logprobs", "logprobs",
+                  "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt"):
         if param in message:
             return param
     return None
@@ -248,11 +352,39 @@ class Service:
         if (failure := self.engine.failure) is not None:
             raise self.unavailable(failure)
 
+    def token_text(self, param: str):
+        """A token id's text (what logprobs and echo name tokens by); 400 naming `param` without a tokenizer."""
+        if self.engine.tokenizer is None:
+            raise ApiError(400, f"this model has no tokenizer.json, which {param} needs to spell tokens", param)
+        return self.token_text_or_none()
+
+    def token_text_or_none(self):
+        tokenizer = self.engine.tokenizer
+        return None if tokenizer is None else (lambda token: tokenizer.decode([token]))
+
     async def encode(self, text: str, param: str) -> list[int]:
         """The text's token ids, tokenized in a thread: a long prompt must not stall other requests."""
         if self.engine.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer.json: send the prompt as token ids", param)
         return await asyncio.to_thread(_encode_without_the_gil, self.engine.tokenizer, text)
+
+    def jobs(self, endpoint: str, body: GenerationBody, prompts: list[list[int]], param: str,
+             max_tokens: int | None) -> list[Job]:
+        """n jobs per prompt, choice i * n + j being prompt i's j-th: its seed derived from the request's
+        (seed + j * an odd constant), so that sampled choices differ and choice 0 is the request alone."""
+        n = body.n or 1
+        if len(prompts) * n > MAX_CHOICES:
+            raise ApiError(400, f"{len(prompts)} prompts x n={n} makes {len(prompts) * n} choices; at most "
+                           f"{MAX_CHOICES} per request", "n" if n > 1 else param)
+        jobs = []
+        for i, ids in enumerate(prompts):
+            for j in range(n):
+                job = self.job(endpoint, body, ids, param, max_tokens)
+                if body.seed is not None:
+                    job.sampling["seed"] = (body.seed + j * SEED_STRIDE) % 2**63
+                job.index, job.prompt_index = i * n + j, i
+                jobs.append(job)
+        return jobs
 
     def job(self, endpoint: str, body: GenerationBody, prompt_ids: list[int], param: str,
             max_tokens: int | None) -> Job:
@@ -268,7 +400,10 @@ class Service:
                            f"context of {context} tokens", "max_tokens")
         sampling = {"temperature": 1.0 if body.temperature is None else body.temperature,
                     "top_p": 1.0 if body.top_p is None else body.top_p, "top_k": body.top_k or 0,
-                    "seed": body.seed, "stop_at_eos": not body.ignore_eos}
+                    "seed": body.seed, "stop_at_eos": not body.ignore_eos,
+                    "presence_penalty": body.presence_penalty or 0.0,
+                    "frequency_penalty": body.frequency_penalty or 0.0,
+                    "repetition_penalty": 1.0 if body.repetition_penalty is None else body.repetition_penalty}
         return Job(endpoint, prompt_ids, max_tokens, sampling, body.stop_strings())
 
     # --- generation ---------------------------------------------------------------------------
@@ -276,10 +411,18 @@ class Service:
     async def completions(self, request: Request) -> Response:
         body = parse_body(await request.body(), CompletionBody)
         self.check(body)
-        prompt = body.single_prompt()
-        ids = await self.encode(prompt, "prompt") if isinstance(prompt, str) else prompt
-        job = self.job(request.url.path, body, ids, "prompt", body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS)
-        return await self.respond(request, job, Shape(self.name), body)
+        texts = body.prompts()
+        prompts = [await self.encode(p, "prompt") if isinstance(p, str) else p for p in texts]
+        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        jobs = self.jobs(request.url.path, body, prompts, "prompt", max_tokens)
+        if body.logprobs is not None or body.echo:
+            self.token_text("logprobs" if body.logprobs is not None else "echo")  # a tokenizer spells tokens
+        for job in jobs:
+            job.logprobs = body.logprobs
+            if body.echo:
+                text = texts[job.prompt_index]
+                job.echo = text if isinstance(text, str) else self.engine.tokenizer.decode(text)
+        return await self.respond(request, jobs, Shape(self.name, self.token_text_or_none()), body)
 
     async def chat_completions(self, request: Request) -> Response:
         body = parse_body(await request.body(), ChatBody)
@@ -292,37 +435,50 @@ class Service:
             prompt = await asyncio.to_thread(self.chat.render, messages, add_generation_prompt=True)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), "messages") from None
-        job = self.job(request.url.path, body, await self.encode(prompt, "messages"), "messages",
-                       body.max_completion_tokens or body.max_tokens)
-        return await self.respond(request, job, ChatShape(self.name), body)
+        jobs = self.jobs(request.url.path, body, [await self.encode(prompt, "messages")], "messages",
+                         body.max_completion_tokens or body.max_tokens)
+        for job in jobs:
+            job.logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return await self.respond(request, jobs, ChatShape(self.name, self.token_text_or_none()), body)
 
-    async def respond(self, request: Request, job: Job, shape: Shape, body: GenerationBody) -> Response:
-        generation = Generation(self, job)
+    async def respond(self, request: Request, jobs: list[Job], shape: Shape, body: GenerationBody) -> Response:
+        choices = Choices([Generation(self, job) for job in jobs])
         try:
             if not body.stream:
-                text = await _until_disconnected(request, generation.text())
-                return JSONResponse(shape.response(text, generation.finish_reason, generation.usage()))
-            events = generation.events()
-            first = await _until_disconnected(request, anext(events))  # errors before any token: a status
+                events = await _until_disconnected(request, choices.collect())
+                return JSONResponse(shape.response([
+                    shape.choice(g.job.index, e.text, e.finish_reason, shape.logprobs(g.job.index, e.logprobs))
+                    for g, e in zip(choices.generations, events)], choices.usage()))
+            first = await _until_disconnected(request, choices.first())  # errors before any token: a status
         except ClientGone:
+            await choices.aclose()
             return Response(status_code=499)
+        except ApiError:
+            await choices.aclose()
+            raise
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return EventStream(self._stream(shape, first, events, generation, include_usage))
+        return EventStream(self._stream(shape, first, choices, include_usage))
 
-    async def _stream(self, shape: Shape, first: tuple[str, str | None], events: AsyncIterator,
-                      generation: Generation, include_usage: bool) -> AsyncIterator[bytes]:
-        async with aclosing(events):  # type: ignore[type-var]
-            try:
-                yield _sse(shape.chunk(*first, first=True))
-                async for text, finish in events:
-                    if text or finish is not None:
-                        yield _sse(shape.chunk(text, finish, first=False))
-            except ApiError as exc:  # headers are sent: the error travels as an event
-                self.metrics.requests.labels(endpoint=generation.job.endpoint, outcome="failed").inc()
-                yield _sse(exc.body())
-                return
+    async def _stream(self, shape: Shape, first: list[Event], choices: Choices,
+                      include_usage: bool) -> AsyncIterator[bytes]:
+        try:
+            for generation, event in zip(choices.generations, first):
+                index = generation.job.index
+                logprobs = shape.logprobs(index, event.logprobs)
+                yield _sse(shape.chunk(index, event.text, event.finish_reason, True, logprobs))
+            async with aclosing(choices.rest()) as rest:  # closed with this stream: its pumps stop first
+                async for index, event in rest:
+                    if event.text or event.finish_reason is not None or event.logprobs:
+                        yield _sse(shape.chunk(index, event.text, event.finish_reason, False,
+                                               shape.logprobs(index, event.logprobs)))
+        except ApiError as exc:  # headers are sent: the error travels as an event
+            self.metrics.requests.labels(endpoint=choices.generations[0].job.endpoint, outcome="failed").inc()
+            yield _sse(exc.body())
+            return
+        finally:
+            await choices.aclose()
         if include_usage:
-            yield _sse(shape.usage_chunk(generation.usage()))
+            yield _sse(shape.usage_chunk(choices.usage()))
         yield _sse("[DONE]")
 
     # --- the rest -----------------------------------------------------------------------------

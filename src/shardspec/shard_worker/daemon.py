@@ -540,7 +540,7 @@ class ShardWorker:
         step_s = time.perf_counter() - started
         self.step_total_s += step_s
         reply = result.reply(step_s=step_s)
-        return reply, ({"logits": torch.cat(result.logits).cpu()} if result.logits else {})
+        return reply, result.tensors()
 
     def _release(self, body: ReleaseRequest, _tensors: dict) -> tuple[ReleaseReply, None]:
         runner = self._loaded()

@@ -46,6 +46,8 @@ from shardspec.protocol.errors import ErrorCode, ProtocolError
 from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepReply, StepRequest
 from shardspec.shard_worker.graphs import StepPasses
 from shardspec.shard_worker.links import StageLinks
+from shardspec.shard_worker.logprobs import LogprobRows, prompt_rows, reply_tensors, token_rows
+from shardspec.shard_worker.penalties import TokenCounts
 
 log = logging.getLogger("shardspec.worker")
 # on a stage before the last: graph copies per batch bucket, one per step whose record is still to
@@ -88,6 +90,16 @@ class Sequence:
     stop_ids: frozenset[int]
     drafts: list[int] = field(default_factory=list)
     finished: str = ""  # "", "stop" or "length"
+    logprobs: int = -1  # top log-probabilities per emitted token in the replies; -1: none
+    counts: TokenCounts | None = None  # with penalties: the tokens seen so far
+
+    def penalise(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
+        """logits [P, V] as this sequence samples from them (penalised, row j after drafts[:j])."""
+        return logits if self.counts is None else self.counts.penalise(logits, drafts, self.sampling)
+
+    def seen(self, tokens: list[int]) -> None:
+        if self.counts is not None:
+            self.counts.add(tokens)
 
     def emit(self, tokens: list[int]) -> list[int]:
         """Cut `tokens` at a stop id or the token budget, and mark the sequence finished there."""
@@ -135,10 +147,19 @@ class StepResult:
     drafts: list[list[int]] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)  # per pass, when asked for
+    logprob_rows: list[int] = field(default_factory=list)  # per sequence (see StepReply)
+    rows: list[LogprobRows] = field(default_factory=list)
+    pending_rows: dict[int, list[LogprobRows]] = field(default_factory=dict)  # by sequence, until `add`
 
     def reply(self, step_s: float = 0.0) -> StepReply:
+        rows = self.logprob_rows if any(self.logprob_rows) else []
         return StepReply(seqs=self.seqs, tokens=self.tokens, accepted=self.accepted, drafts=self.drafts,
-                         finished=self.finished, step_s=step_s)
+                         finished=self.finished, step_s=step_s, logprob_rows=rows)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The reply's tensors: the logits when asked for, the log-probabilities when any sequence asked."""
+        tensors = {"logits": torch.cat(self.logits).cpu()} if self.logits else {}
+        return tensors | (reply_tensors(self.rows) if self.rows else {})
 
     def add(self, seq: Sequence, tokens: list[int], accepted: int) -> None:
         self.seqs.append(seq.seq)
@@ -146,6 +167,9 @@ class StepResult:
         self.accepted.append(accepted)
         self.drafts.append(list(seq.drafts))
         self.finished.append(seq.finished)
+        rows = self.pending_rows.pop(seq.seq, [])
+        self.rows.extend(rows)
+        self.logprob_rows.append(sum(len(r.chosen) for r in rows))
 
 
 @dataclass
@@ -334,6 +358,7 @@ class ModelRunner:
             hidden = self._forward(ids, Batch(slots, positions, start + ids.shape[1], tail=True))
             if want_logits:
                 result.logits.append(self.model.lm_head.logits(hidden).reshape(-1, self.model.config.vocab_size))
+            self._prompt_logprobs(specs, prompts, start, hidden, result)
             if self.draft_len:  # MTP entry i pairs hidden i with token i+1: one position behind
                 pairs = hidden[:, :-1] if hidden_before is None else torch.cat([hidden_before, hidden[:, :-1]], 1)
                 if pairs.shape[1]:
@@ -342,10 +367,15 @@ class ModelRunner:
                 hidden_before = hidden[:, -1:]
         last_logits = self.model.lm_head.logits(hidden[:, -1])
         seqs = []
-        for spec, slot, logits in zip(specs, slot_ids, last_logits):
+        for b, (spec, slot, logits) in enumerate(zip(specs, slot_ids, last_logits)):
             seq = self._new_sequence(spec, slot, length, -1)
-            seq.next_token = sample(logits, spec.sampling, seq.generator)
-            seq.emit([seq.next_token])
+            if spec.sampling.penalised:
+                seq.counts = TokenCounts(prompts[b], self.model.config.vocab_size)
+            seq.next_token = sample(seq.penalise(logits[None], [])[0], spec.sampling, seq.generator)
+            seq.seen(seq.emit([seq.next_token]))
+            if seq.logprobs >= 0:
+                token = torch.tensor([seq.next_token])
+                result.pending_rows.setdefault(seq.seq, []).append(token_rows(logits[None], token, seq.logprobs))
             seqs.append(seq)
         if self.draft_len:
             first = torch.tensor([[s.next_token] for s in seqs], device=self.device)
@@ -361,7 +391,18 @@ class ModelRunner:
         if not spec.sampling.greedy or self.forced is not None:
             generator = torch.Generator(self.device).manual_seed(spec.sampling.seed)
         budget = min(spec.max_tokens, self.max_seq_len - length)
-        return Sequence(spec.seq, slot, length, token, spec.sampling, generator, budget, frozenset(spec.stop_ids))
+        return Sequence(spec.seq, slot, length, token, spec.sampling, generator, budget, frozenset(spec.stop_ids),
+                        logprobs=spec.logprobs)
+
+    def _prompt_logprobs(self, specs: list[PrefillSpec], prompts: torch.Tensor, start: int, hidden: torch.Tensor,
+                         result: StepResult) -> None:
+        """The rows of the prompt tokens after this prefill chunk's positions, for the sequences that
+        asked (every rank takes the same branch: the specs are the same on all)."""
+        for b, spec in enumerate(specs):
+            if spec.prompt_logprobs >= 0:
+                targets = prompts[b, start + 1 : start + 1 + hidden.shape[1]]
+                rows = prompt_rows(self.model.lm_head.logits, hidden[b, : len(targets)], targets, spec.prompt_logprobs)
+                result.pending_rows.setdefault(spec.seq, []).extend(rows)
 
     # --- a stage before the last ----------------------------------------------------------------
 
@@ -446,14 +487,17 @@ class ModelRunner:
         k = self.draft_len
         context = self._context(seqs)
         x = self._receive(self._next_pass(), (len(seqs), k + 1))
-        if k and not want_logits and all(s.sampling.greedy for s in seqs):
+        wants_logprobs = any(s.logprobs >= 0 for s in seqs)
+        plain = all(s.sampling.greedy and not s.sampling.penalised for s in seqs)
+        if k and not want_logits and not wants_logprobs and plain:
             # greedy (or forced) acceptance needs no host decision: the whole step is one pass
             rows = self._rows(seqs, [self._forced(s) for s in seqs])
             out = self.passes.fused(rows, context, x).tolist()
             accepted, tokens, drafts = [r[0] for r in out], [r[1] for r in out], [r[2:] for r in out]
         else:
             hidden, argmax, draft = self.passes.verify(self._rows(seqs), context, x)
-            accepted, tokens = self._accept(seqs, hidden, argmax, result if want_logits else None)
+            accepted, tokens, logits = self._accept(seqs, hidden, argmax, result if want_logits else None,
+                                                    wants_logprobs or not plain)
             if k:
                 drafts = draft([[n, token] for n, token in zip(accepted, tokens)]).tolist()
         if k:
@@ -461,13 +505,16 @@ class ModelRunner:
         emitted = []
         for s, n, token in zip(seqs, accepted, tokens):
             emitted.append(s.emit([*s.drafts[:n], token]))
+            s.seen(emitted[-1])
             s.length += n + 1
             s.next_token = token
             s.drafts = []
         if k:
             for s, d in zip(seqs, drafts):
                 s.drafts = [] if s.finished else d
-        for s, n, new in zip(seqs, accepted, emitted):
+        for i, (s, n, new) in enumerate(zip(seqs, accepted, emitted)):
+            if s.logprobs >= 0:  # token j of [d1..dn, bonus] was drawn from the target's logits at position j
+                result.pending_rows[s.seq] = [token_rows(logits[i, : len(new)], torch.tensor(new), s.logprobs)]
             result.add(s, new, n if k else -1)
 
     def _forced(self, s: Sequence) -> int:
@@ -534,17 +581,22 @@ class ModelRunner:
         return ids, starts[:, None] + torch.arange(k + 1, device=packed.device), slots
 
     def _accept(self, seqs: list[Sequence], hidden: torch.Tensor, argmax: torch.Tensor,
-                logits_out: StepResult | None):
-        """Per sequence: (drafts accepted, the token after them)."""
+                logits_out: StepResult | None, wants_logits: bool = False):
+        """Per sequence: (drafts accepted, the token after them), and the target's logits [B, k+1, V]
+        where they were computed (None where they were not)."""
         sampled = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
-        if logits_out is not None or sampled:
+        logits = None
+        if logits_out is not None or sampled or wants_logits:
             logits = self.model.lm_head.logits(hidden)  # [B, k+1, V]
             if logits_out is not None:
                 logits_out.logits.append(logits.reshape(-1, logits.shape[-1]))
         argmax = argmax.tolist()
         accepted, tokens = [], []
         for i, s in enumerate(seqs):
-            probs = None if s.sampling.greedy else target_probs(logits[i], s.sampling)
+            target = None if logits is None else s.penalise(logits[i], s.drafts)  # None: greedy, no penalties
+            if s.counts is not None and s.sampling.greedy:
+                argmax[i] = target.argmax(-1).tolist()
+            probs = None if s.sampling.greedy else target_probs(target, s.sampling)
             if self.forced is not None:
                 n = self._forced(s)
             elif probs is None:
@@ -557,7 +609,7 @@ class ModelRunner:
                 token = resample(probs, s.drafts, n, s.generator)
             accepted.append(n)
             tokens.append(token)
-        return accepted, tokens
+        return accepted, tokens, logits
 
     def _mtp(self, next_ids: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
              context: int, tail: bool = False):
