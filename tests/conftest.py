@@ -56,10 +56,12 @@ def _die_with_the_tests() -> None:
 class WorkerProcess:
     """A `shardspec worker` daemon on an ipc:// socket, stopped (and checked stopped) at teardown."""
 
-    def __init__(self, path: Path, *extra: str):
+    def __init__(self, path: Path, *extra: str, threads: int | None = 1):
         self.address = f"ipc://{path}"
         self.log = path.with_suffix(".log")
-        cmd = [sys.executable, "-m", "shardspec", "worker", "--listen", self.address, "--threads", "1", *extra]
+        cmd = [sys.executable, "-m", "shardspec", "worker", "--listen", self.address, *extra]
+        if threads is not None:
+            cmd += ["--threads", str(threads)]
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          preexec_fn=_die_with_the_tests)
@@ -83,8 +85,8 @@ def spawn_worker(tmp_path):
     """Factory: spawn_worker() -> WorkerProcess; all are stopped at teardown."""
     started: list[WorkerProcess] = []
 
-    def spawn(*extra: str) -> WorkerProcess:
-        worker = WorkerProcess(tmp_path / f"w{len(started)}.sock", *extra)
+    def spawn(*extra: str, threads: int | None = 1) -> WorkerProcess:
+        worker = WorkerProcess(tmp_path / f"w{len(started)}.sock", *extra, threads=threads)
         started.append(worker)
         wait_for_socket(worker.address, process=worker.proc)  # an orchestrator gives up on a refused address
         return worker

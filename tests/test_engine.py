@@ -112,6 +112,21 @@ def test_closing_the_engine_leaves_no_process_or_socket_behind(tiny_model):
                for p in procs)
 
 
+def test_hand_started_cpu_workers_divide_their_host_s_cores_among_the_group_s_ranks_and_say_so(tiny_model,
+                                                                                              spawn_worker):
+    workers = [spawn_worker(threads=None), spawn_worker(threads=None)]  # no --threads: each would take every core
+
+    async def run() -> None:
+        async with shardspec.connect(model=str(tiny_model), workers=[w.address for w in workers]) as engine:
+            async for _ in engine.generate([1, 2, 3], max_tokens=2):
+                pass
+
+    asyncio.run(run())
+    cores = len(os.sched_getaffinity(0))
+    for worker in workers:
+        assert f"{max(1, cores // 2)} CPU threads: {cores} cores shared by the 2 ranks" in worker.log_text()
+
+
 def test_an_orchestrator_uses_running_workers_and_the_next_one_reuses_them(tiny_model, spawn_worker):
     workers = [spawn_worker(), spawn_worker()]
     addresses = [w.address for w in workers]

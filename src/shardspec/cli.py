@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.add_argument("--listen", required=True, metavar="ADDR", help="tcp://HOST:PORT or ipc://PATH")
     worker.add_argument("--device", default="cpu", metavar="DEV", help="cpu, cuda or cuda:N (default: cpu)")
-    worker.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads for torch")
+    worker.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="CPU threads for torch (default: the cores this process may use, divided by the ranks "
+                        "of its group on this host, set when a group forms)")
     worker.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     worker.add_argument("--keys", metavar="DIR_OR_FILE", help="this worker's CURVE key pair (folder or .key_secret "
                         "file, from `shardspec keys generate`): tcp:// traffic is then authenticated and encrypted")
@@ -318,7 +320,7 @@ def run_worker(args: argparse.Namespace) -> int:
                                                       "this worker", args.listen)
     try:
         ShardWorker(args.listen, args.device, keys, allow, args.heartbeat_timeout, args.lease,
-                    max_message_bytes).serve_forever()
+                    max_message_bytes, args.threads).serve_forever()
     except Exception as exc:  # e.g. the address is in use
         print(f"shardspec worker: error: {exc}", file=sys.stderr)
         return 1

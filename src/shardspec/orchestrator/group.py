@@ -130,6 +130,7 @@ class WorkerGroup:
             raise errors[0]
         for worker, hello in zip(self.workers, hellos, strict=True):
             log.info("worker %s: pid %d on %s, device %s", worker.address, hello.pid, hello.hostname, hello.device)
+        self.hostnames = [hello.hostname for hello in hellos]
 
     async def _init(self) -> None:
         """Every rank joins the new group, in its stage at its TP place."""
@@ -140,7 +141,8 @@ class WorkerGroup:
         link_keys = [public.decode() for _, public in self.links] if curve else []
         inits = [InitRequest(rank=rank, world_size=len(self.workers), dist_addr=dist_addr,
                              timeout_s=self.config.dist_timeout, stages=len(self.stages), links=links,
-                             relay=staged and self.relay, link_keys=link_keys)
+                             relay=staged and self.relay, link_keys=link_keys,
+                             host_ranks=self.hostnames.count(self.hostnames[rank]))
                  for rank in range(len(self.workers))]
         replies = await self.gather([w.submit(init) for w, init in zip(self.workers, inits, strict=True)])
         for worker, init, (reply, _) in zip(self.workers, inits, replies, strict=True):

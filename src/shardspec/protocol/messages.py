@@ -103,6 +103,7 @@ class InitRequest:
     links: list[str] = field(default_factory=list)  # with stages > 1: every rank's stage-link address
     relay: bool = False  # stage links through the orchestrator instead of worker to worker
     link_keys: list[str] = field(default_factory=list)  # CURVE: every rank's public key (Z85), for its links
+    host_ranks: int = bounded(1, 4096, 1)  # ranks of the group on this worker's host (hello's hostname)
 
     def __post_init__(self) -> None:
         if self.rank >= self.world_size:

@@ -89,13 +89,14 @@ class ShardWorker:
     def __init__(self, listen: str, device: str, keys: KeyPair | None = None, allow: list[bytes] | None = None,
                  heartbeat_timeout: float = transport.DEFAULT_HEARTBEAT_TIMEOUT_S,
                  lease: float = transport.DEFAULT_LEASE_S,
-                 max_message_bytes: int = transport.DEFAULT_MAX_MESSAGE_BYTES):
+                 max_message_bytes: int = transport.DEFAULT_MAX_MESSAGE_BYTES, threads: int | None = None):
         if keys is not None and not allow:
             raise ValueError("a worker with CURVE keys needs at least one allowed client key (--allow)")
         self.listen = listen
         self.heartbeat_timeout = transport.check_heartbeat_timeout(heartbeat_timeout)
         self.lease = transport.check_range("lease", lease, *transport.LEASE_RANGE)
         self.max_message_bytes = max_message_bytes
+        self.threads = threads  # CPU threads for torch; None: this host's cores shared among the group's ranks on it
         self.keys = keys
         self.allow = allow or []
         self.device = parse_device(device)
@@ -338,6 +339,7 @@ class ShardWorker:
         if self.state != "idle":
             raise ProtocolError(ErrorCode.BAD_STATE, f"worker is {self.state}; send shutdown before init")
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self._share_cores(body.host_ranks)
         try:
             check_allreduce_setting()
         except ValueError as exc:
@@ -361,6 +363,18 @@ class ShardWorker:
         self.state = "initialized"
         return InitReply(rank=body.rank, world_size=body.world_size, backend=backend, stage=body.stage,
                          tp_rank=self.tp.rank, tp_size=self.tp.size), None
+
+    def _share_cores(self, host_ranks: int) -> None:
+        """A CPU worker started without --threads takes its share of the cores it may run on, so the
+        group's ranks on one host do not oversubscribe it (each torch would take them all)."""
+        if self.device.type != "cpu" or self.threads is not None:
+            return
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = max(1, cores // host_ranks)
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        log.info("%d CPU threads: %d cores shared by the %d ranks of this group on this host (--threads to set)",
+                 threads, cores, host_ranks)
 
     def _join_process_group(self, backend: str, body: InitRequest) -> None:
         """torch.distributed's default group, through the rendezvous store at body.dist_addr (rank 0
