@@ -33,12 +33,12 @@ def test_bundled_model_is_a_small_bf16_qwen3_5_folder_with_mtp():
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_greedy_output_with_mtp_equals_output_without_on_the_bundled_model(tp):
-    # float32: in bfloat16 a CPU matmul over a verify pass's k + 1 rows can round differently from
-    # the same rows one at a time, so equality is guaranteed only where that rounding cannot flip
-    # an argmax (docs/architecture.md, "dtype")
+    # deterministic: the model's own bfloat16, where equality is guaranteed (by default a verify pass's
+    # k + 1 rows can round differently from the same rows one at a time and flip a close argmax;
+    # docs/architecture.md, "Deterministic decoding")
     async def run(mtp):
         async with shardspec.connect(model=str(BUNDLED_MODEL), local=tp, mtp=mtp, max_slots=8,
-                                     dtype="float32") as engine:
+                                     dtype="bfloat16", deterministic=True) as engine:
             async def one(prompt):
                 tokens, final = [], None
                 async for chunk in engine.generate(prompt, max_tokens=64, stop_at_eos=False):
