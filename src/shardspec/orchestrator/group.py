@@ -191,7 +191,9 @@ class WorkerGroup:
         await self.disconnect()
         if self.local is not None:
             self.local.stop()
-        self.ctx.term()
+        # destroy, not term: term waits for every socket of the context to be closed, and hung the close of an
+        # engine in the test suite (2 of 4 runs) on one still open; destroy closes what is left (linger 0) first
+        self.ctx.destroy(linger=0)
 
     # --- relaying stage links -----------------------------------------------------------------------
 
