@@ -302,6 +302,7 @@ def test_a_spawned_worker_that_keeps_dying_is_reported_and_given_up(tiny_model, 
     assert "local worker 1 exited" in failure and "after 0 restarts" in failure
 
 
+@pytest.mark.slow  # the engine-level tests above cover the lost and restarted worker
 def test_a_server_answers_503_while_a_worker_is_down_and_serves_again_once_it_is_back(tiny_model, workers, tmp_path):
     w0, w1 = workers(2)
     server = start_server(tmp_path, "--model", str(tiny_model), "--workers", f"{w0.address},{w1.address}",

@@ -17,6 +17,7 @@ import struct
 import typing
 
 import msgpack
+import pytest
 from conftest import SyncClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -206,6 +207,7 @@ class Fuzzer:
             assert reply.op == "load", reply
 
 
+@pytest.mark.slow  # 3,000 messages: over a minute on 2 cores
 def test_fuzzed_messages_of_every_op_never_kill_the_worker_nor_leak_a_slot(tiny_model, spawn_worker):
     worker = spawn_worker()
     fuzzer = Fuzzer(worker.address, str(tiny_model))

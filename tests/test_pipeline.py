@@ -58,6 +58,7 @@ def test_greedy_output_with_pipeline_stages_equals_transformers_with_and_without
     assert accepted < 2 * 24  # random MTP weights: drafts were rejected, and the stages rolled back
 
 
+@pytest.mark.slow  # the sampled PP = 2 test in test_spec_decode.py also accepts most drafts
 def test_the_bundled_model_with_mtp_at_pp_2_equals_one_worker(bundled_prompts=("def fibonacci(n):", "class Stack:")):
     from shardspec.cli import BUNDLED_MODEL
 

@@ -195,6 +195,7 @@ def test_metrics_parse_with_the_prometheus_parser_and_count_the_work(server):
 # --- batching, cancellation ------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 64 requests one at a time, then together
 def test_64_concurrent_requests_return_what_each_returns_alone_and_overflow_queues(server):
     """Greedy and seeded sampled requests mixed; 64 > --max-slots, so half of them wait for a slot."""
     requests = [{"prompt": PROMPTS[i % 16] + " " * (i // 16), "max_tokens": 12 + i % 5,
