@@ -29,10 +29,11 @@ async def generate_all(engine, prompts, **kwargs) -> list[list[int]]:
 
 
 def greedy_outputs(model, prompts, tp, mtp, max_tokens=64, draft_tokens=3):
-    # float32 on CPU: where equal outputs are guaranteed whatever shares a step (docs/architecture.md, "dtype")
+    # deterministic: equal outputs are guaranteed whatever shares a step and with MTP on or off
+    # (docs/architecture.md, "Deterministic decoding")
     async def run():
         async with shardspec.connect(model=str(model), local=tp, mtp=mtp, draft_tokens=draft_tokens,
-                                     max_slots=8, dtype="float32") as engine:
+                                     max_slots=8, dtype="float32", deterministic=True) as engine:
             return await generate_all(engine, prompts, max_tokens=max_tokens)
 
     return asyncio.run(run())
