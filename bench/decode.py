@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
 import json
 import os
@@ -48,7 +49,6 @@ from shardspec.models.random_checkpoint import (
 )
 from shardspec.models.step_bytes import StepBytes, step_bytes
 from shardspec.orchestrator.config import FORCED_ACCEPTANCE_ENV
-from shardspec.protocol.messages import LoadRequest
 from shardspec.shard_worker.runner import DRAFT_HEAD
 
 SIZES = {"tiny": tiny_config, "9b": nine_b_config, "27b": twenty_seven_b_config}
@@ -56,17 +56,16 @@ PROMPT_LEN = 128
 
 
 class Bench:
-    def __init__(self, engine, model: str, config: Qwen3_5Config, bandwidth: float, max_seq_len: int,
-                 last_rank: int = 0):
-        self.engine, self.model, self.config = engine, model, config
-        self.bandwidth, self.max_seq_len = bandwidth, max_seq_len
+    def __init__(self, engine, config: Qwen3_5Config, bandwidth: float, last_rank: int = 0):
+        self.engine, self.config, self.bandwidth = engine, config, bandwidth
         self.last_rank = last_rank  # a rank of the last stage: it verifies, so it counts the drafts
 
     async def reload(self, slots: int, k: int | None, forced: float | None, deterministic: bool = False) -> None:
-        """New caches, MTP settings and mode on the loaded weights (the workers keep them)."""
-        load = LoadRequest(model=self.model, dtype="auto", max_slots=slots, max_seq_len=self.max_seq_len,
-                           mtp="on" if k else "off", draft_tokens=k or 1,
-                           forced_acceptance=-1.0 if forced is None else forced, deterministic=deterministic)
+        """New caches, MTP settings and mode on the loaded weights (the workers keep them); the rest of
+        the engine's load request as it is."""
+        load = dataclasses.replace(self.engine.group.load_request, max_slots=slots, mtp="on" if k else "off",
+                                   draft_tokens=k or 1, forced_acceptance=-1.0 if forced is None else forced,
+                                   deterministic=deterministic)
         await self.engine.group.load(load)
         self.engine.scheduler.max_slots = slots
 
@@ -195,8 +194,7 @@ async def run(args: argparse.Namespace, out: dict, save) -> None:
     async with shardspec.connect(model=str(args.ckpt), local=args.tp * args.pp, pp=args.pp, tp=args.tp, **stages,
                                  device=args.device, mtp=None, max_slots=max(args.batch), max_seq_len=max_seq_len,
                                  connect_timeout=600, heartbeat_timeout=60) as engine:  # a fresh VM stalls as it grows
-        bench = Bench(engine, str(Path(args.ckpt).resolve()), config, out["bandwidth_GBps"] * 1e9, max_seq_len,
-                      last_rank=(args.pp - 1) * args.tp)
+        bench = Bench(engine, config, out["bandwidth_GBps"] * 1e9, last_rank=(args.pp - 1) * args.tp)
         out["weight_bytes_per_rank"] = engine.load_info.weight_bytes  # loaded: the floor counts what a step reads
         out["weight_bytes_per_stage"] = [s.weight_bytes for s in (await engine.stats())[:: args.tp]]
         out["decode"] = []

@@ -208,4 +208,6 @@ class GatedDeltaNet(CachedLayer):
         PyTorch reference (its convolution tap by tap in batch-invariant mode)."""
         if cached and kernels.enabled(x):
             return kernels.gdn.causal_conv, kernels.gdn.delta_rule
-        return functools.partial(causal_conv, exact=invariant), functools.partial(delta_rule, exact=invariant)
+        if invariant:
+            return functools.partial(causal_conv, exact=True), functools.partial(delta_rule, exact=True)
+        return causal_conv, delta_rule
