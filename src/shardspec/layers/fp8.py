@@ -29,11 +29,21 @@ def dequantize(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rows: 
     return (w8.float() * per_element).to(dtype)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_rows: int = 0) -> torch.Tensor:
-    """x @ (weight · scale).T in x's dtype; block_rows > 0: batch-invariant (layers.invariant)."""
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_rows: int = 0,
+               cublas_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ (weight · scale).T in x's dtype; block_rows > 0: batch-invariant (layers.invariant);
+    cublas_scale: see prepare_kernels."""
     if kernels.enabled(x):
-        return kernels.fp8.linear(x, weight, scale, invariant=block_rows > 0)
+        return kernels.fp8.linear(x, weight, scale, block_rows > 0, cublas_scale)
     return linear(x, dequantize(weight, scale, x.dtype), block_rows)
+
+
+def prepare_kernels(model: nn.Module) -> None:
+    """Once loaded on CUDA: each Fp8Linear's scales also in the layout of torch's scaled_mm, for
+    the prefill GEMMs, where cuBLAS has block-scaled FP8 (kernels.fp8.cublas_layout)."""
+    for module in model.modules():
+        if isinstance(module, Fp8Linear) and kernels.enabled(module.weight):
+            module.cublas_scale = kernels.fp8.cublas_layout(module.weight, module.weight_scale_inv)
 
 
 class Fp8Linear(nn.Module):
@@ -52,9 +62,10 @@ class Fp8Linear(nn.Module):
                                              requires_grad=False)
         self.rest = nn.Parameter(torch.empty(rest_rows, cols, dtype=dtype), requires_grad=False) if rest_rows else None
         self.outputs = outputs
+        self.cublas_scale: torch.Tensor | None = None  # (prepare_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        y = fp8_linear(x, self.weight, self.weight_scale_inv, self.block_rows)
+        y = fp8_linear(x, self.weight, self.weight_scale_inv, self.block_rows, self.cublas_scale)
         if self.outputs is None:
             return y
         rest = linear(x, self.rest, self.block_rows) if self.rest is not None else None

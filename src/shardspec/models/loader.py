@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from shardspec import kernels
-from shardspec.layers.fp8 import FP8
+from shardspec.layers.fp8 import FP8, prepare_kernels
 from shardspec.layers.parallel import TPGroup
 from shardspec.models import fp8, registry
 from shardspec.models.base import CausalLM, Stage, split_layers
@@ -168,6 +168,8 @@ def load_model(
                 param.copy_(tensor)
             if progress:
                 progress(done, len(params))
+    if raw:
+        prepare_kernels(model)
     return model
 
 
