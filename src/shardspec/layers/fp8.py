@@ -23,9 +23,9 @@ def dequantize(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rows: 
                cols: torch.Tensor | None = None) -> torch.Tensor:
     """W8 · scale in fp32, cast to dtype. w8 holds the rows `rows` and columns `cols` (indices into
     the full tensor, whose blocks `scale` [⌈N/BLOCK⌉, ⌈K/BLOCK⌉] scales); default: all of them."""
-    rows = torch.arange(w8.shape[0]) if rows is None else rows
-    cols = torch.arange(w8.shape[1]) if cols is None else cols
-    per_element = scale.float()[rows.to(scale.device) // BLOCK][:, cols.to(scale.device) // BLOCK]
+    rows = torch.arange(w8.shape[0], device=scale.device) if rows is None else rows.to(scale.device)
+    cols = torch.arange(w8.shape[1], device=scale.device) if cols is None else cols.to(scale.device)
+    per_element = scale.float()[rows // BLOCK][:, cols // BLOCK]
     return (w8.float() * per_element).to(dtype)
 
 

@@ -126,7 +126,8 @@ def convert(model: nn.Module, plan: dict[str, tuple[list[Read], bool]], quantize
         if not any(key in quantized for key, _, _ in reads):
             continue
         del plan[f"{name}.weight"]
-        layer, layer_reads = (_merged if stacked else _single)(reads, quantized, module.weight.dtype, tp_size)
+        with torch.device("meta"):  # allocated on the device later, with the rest (loader)
+            layer, layer_reads = (_merged if stacked else _single)(reads, quantized, module.weight.dtype, tp_size)
         model.set_submodule(name, layer)
         plan |= {f"{name}.{leaf}": entry for leaf, entry in layer_reads.items()}
     return plan
