@@ -28,6 +28,10 @@
 #   pp      pipeline stages on one GPU (one H200 is enough): tests/test_cuda.py, then 9B-class PP = 1 and
 #           PP = 2 with both stages on cuda:0, batch 1/8, MTP off and k = 3 at 0.8, and the stage link's
 #           cost per message; batch 8 again as one micro-batch; each part runs even if one before it failed (the exit status says)
+#   fp8     one H200: the FP8 tests (tests/test_cuda.py -k fp8, tests/test_fp8.py, the FP8 floor's test; the 9B-class
+#           bf16 checkpoint and its FP8 twin written meanwhile), then the teacher-forced top-1 agreement of the FP8 twin
+#           with bf16 (16 prompts × 128 tokens), then 9B-class bf16 and FP8 in one bench/decode.py run: batch 1/8,
+#           MTP off and k = 3 at 0.8, prefill 2k, each against its floor; each part runs even if one before failed
 # Then, where matplotlib is: python bench/plot_decode.py OUT/decode-9b-tp1.json ... --out docs/decode.png
 set -euo pipefail
 if [ $# -lt 3 ]; then
@@ -38,8 +42,9 @@ wheels=$1 out=$2
 shift 2
 for stage in "$@"; do
     case $stage in
-    tests | 9b | 9b-tp2 | tp2-profile | 27b | floor | deterministic | pp) ;;
-    *) echo "gpu.sh: unknown stage '$stage' (tests, 9b, 9b-tp2, tp2-profile, 27b, floor, deterministic, pp)" >&2; exit 2 ;;
+    tests | 9b | 9b-tp2 | tp2-profile | 27b | floor | deterministic | pp | fp8) ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, 9b, 9b-tp2, tp2-profile, 27b, floor, deterministic, pp, fp8)" >&2
+       exit 2 ;;
     esac
 done
 mkdir -p "$out" .bench
@@ -128,6 +133,21 @@ for stage in "$@"; do
             --prefill --link-cost --out "$out/decode-9b-pp2.json" 2>&1 | tee "$out/decode-9b-pp2.log" || failed=1
         python3 bench/decode.py --size 9b --ckpt .bench/9b --pp 2 --micro-batches 1 --device cuda:0 --batch 8 --k 3 \
             --forced 0.8 --prefill --out "$out/decode-9b-pp2-mb1.json" 2>&1 | tee "$out/decode-9b-pp2-mb1.log" || failed=1
+        ;;
+    fp8)
+        {   # on the CPUs, while the tests take the GPU: the bf16 checkpoint, then its FP8 twin (same seed)
+            [ -f .bench/9b/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/9b --size 9b
+            [ -f .bench/9b-fp8/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/9b-fp8 --size 9b --fp8
+        } &
+        writer=$!
+        timeout 200 python3 -m pytest -q tests/test_cuda.py tests/test_fp8.py tests/test_step_bytes.py -k "fp8" \
+            --durations=10 --timeout 150 2>&1 | tee "$out/tests-fp8.log" || failed=1
+        wait $writer || failed=1
+        timeout 120 python3 bench/fp8_agreement.py --bf16 .bench/9b --fp8 .bench/9b-fp8 --prompts 16 --tokens 128 \
+            --out "$out/fp8-agreement-9b.json" 2>&1 | tee "$out/fp8-agreement-9b.log" || failed=1
+        timeout 260 python3 bench/decode.py --size 9b --ckpt .bench/9b --fp8 --fp8-ckpt .bench/9b-fp8 --tp 1 \
+            --batch 1 8 --k 3 --forced 0.8 --prefill 2048 --out "$out/decode-9b-fp8.json" 2>&1 \
+            | tee "$out/decode-9b-fp8.log" || failed=1
         ;;
     esac
 done

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from shardspec.models.qwen3_5 import Qwen3_5Config
 
 STATE_BYTES = 4  # the recurrent state is fp32 whatever the weights' dtype
-FP8_SCALE_BYTES = 4  # the fp8 draft head's fp32 scale per row (shardspec.kernels.head)
+FP8_SCALE_BYTES = 4  # an fp32 scale: per row of the fp8 draft head (kernels.head), per block of FP8 weights
+FP8_BLOCK = 128  # the FP8 checkpoints' weight_block_size
 
 
 @dataclass(frozen=True)
@@ -45,45 +46,61 @@ def _kv_heads(config: Qwen3_5Config, tp: int) -> int:
     return max(1, config.num_key_value_heads // tp)
 
 
-def _attention_layer(config: Qwen3_5Config, tp: int) -> int:
-    """Elements of one full-attention decoder layer on a rank (mixer + MLP + norms)."""
+Layer = tuple[list[tuple[int, int]], int]  # a layer on a rank: its projections' [N, K], its other elements
+
+
+def _attention_layer(config: Qwen3_5Config, tp: int) -> Layer:
+    """One full-attention decoder layer on a rank (mixer + MLP + norms)."""
     h, d = config.hidden_size, config.head_dim
-    q = config.num_attention_heads // tp * d
-    mixer = 2 * q * h + 2 * _kv_heads(config, tp) * d * h + h * q + 2 * d  # q|gate, k, v, o; q and k norms
-    return mixer + _mlp_and_norms(config, tp)
+    q, kv = config.num_attention_heads // tp * d, _kv_heads(config, tp) * d
+    projections, other = _mlp_and_norms(config, tp)
+    return [(2 * q, h), (kv, h), (kv, h), (h, q), *projections], 2 * d + other  # q|gate, k, v, o; q and k norms
 
 
-def _linear_attention_layer(config: Qwen3_5Config, tp: int) -> int:
-    """Elements of one Gated DeltaNet decoder layer on a rank."""
+def _linear_attention_layer(config: Qwen3_5Config, tp: int) -> Layer:
+    """One Gated DeltaNet decoder layer on a rank."""
     h = config.hidden_size
     nv = config.linear_num_value_heads // tp
     key_dim = config.linear_num_key_heads // tp * config.linear_key_head_dim
     value_dim = nv * config.linear_value_head_dim
     conv_dim = 2 * key_dim + value_dim
-    mixer = (conv_dim * h + value_dim * h + 2 * nv * h  # in_proj qkv, z, b, a
-             + conv_dim * config.linear_conv_kernel_dim + 2 * nv  # conv1d; dt_bias, A_log
-             + config.linear_value_head_dim + h * value_dim)  # gated norm; out_proj
-    return mixer + _mlp_and_norms(config, tp)
+    projections, other = _mlp_and_norms(config, tp)
+    other += (2 * nv * h  # in_proj b, a: 16-bit in FP8 releases
+              + conv_dim * config.linear_conv_kernel_dim + 2 * nv  # conv1d; dt_bias, A_log
+              + config.linear_value_head_dim)  # gated norm
+    return [(conv_dim, h), (value_dim, h), (h, value_dim), *projections], other  # in_proj qkv, z; out_proj
 
 
-def _mlp_and_norms(config: Qwen3_5Config, tp: int) -> int:
-    h = config.hidden_size
-    return 3 * config.intermediate_size // tp * h + 2 * h  # gate, up, down; the two layer norms
+def _mlp_and_norms(config: Qwen3_5Config, tp: int) -> Layer:
+    h, i = config.hidden_size, config.intermediate_size // tp
+    return [(i, h), (i, h), (h, i)], 2 * h  # gate, up, down; the two layer norms
+
+
+def _layer_bytes(layer: Layer, dtype_bytes: int, fp8: bool) -> int:
+    """A layer's bytes: with fp8 its projections as FP8 checkpoints hold them, one byte an element and
+    an fp32 scale a 128 × 128 block (exact where a rank's slices are whole blocks)."""
+    projections, other = layer
+    if not fp8:
+        return (sum(n * k for n, k in projections) + other) * dtype_bytes
+    blocks = sum(-(-n // FP8_BLOCK) * -(-k // FP8_BLOCK) for n, k in projections)
+    return sum(n * k for n, k in projections) + FP8_SCALE_BYTES * blocks + other * dtype_bytes
 
 
 def step_bytes(config: Qwen3_5Config, tp: int, batch: int, context: int, k: int = 0, dtype_bytes: int = 2,
-               draft_head: str = "cublas") -> StepBytes:
+               draft_head: str = "cublas", fp8: bool = False) -> StepBytes:
     """One step of `batch` sequences with `context` positions cached before it and `k` drafts (0: no
     MTP): the step reads those positions and writes its k + 1 new ones.
 
     dtype_bytes: of the weights and the caches; draft_head: the drafts' LM head (runner.DRAFT_HEAD):
-    "fp8" reads a float8 copy (one byte an element, an fp32 scale a row), "bf16" and "cublas" the head."""
+    "fp8" reads a float8 copy (one byte an element, an fp32 scale a row), "bf16" and "cublas" the head.
+    fp8: a block-wise FP8 checkpoint, its projections FP8 (the embeddings, LM head, norms, GDN's
+    in_proj_a/b, conv and gates and the MTP module's fc in dtype_bytes, as the releases keep them)."""
     layers = config.layer_types
-    per_layer = {"full_attention": _attention_layer(config, tp),
-                 "linear_attention": _linear_attention_layer(config, tp)}
+    per_layer = {"full_attention": _layer_bytes(_attention_layer(config, tp), dtype_bytes, fp8),
+                 "linear_attention": _layer_bytes(_linear_attention_layer(config, tp), dtype_bytes, fp8)}
     h, vocab = config.hidden_size, config.vocab_size // tp
     head = vocab * h
-    weights = (sum(per_layer[t] for t in layers) + h + head) * dtype_bytes  # + the final norm, the LM head
+    weights = sum(per_layer[t] for t in layers) + (h + head) * dtype_bytes  # + the final norm, the LM head
 
     kv_position = 2 * _kv_heads(config, tp) * config.head_dim * dtype_bytes  # K and V of one position, one layer
     kv = layers.count("full_attention") * batch * (context + k + 1) * kv_position
@@ -95,7 +112,7 @@ def step_bytes(config: Qwen3_5Config, tp: int, batch: int, context: int, k: int 
     if not k:
         return StepBytes(weights, batch * h * dtype_bytes, 0, 0, kv, recurrent)
 
-    mtp_module = (2 * h * h + 3 * h + _attention_layer(config, tp)) * dtype_bytes  # fc, 3 norms, one layer
+    mtp_module = (2 * h * h + 3 * h) * dtype_bytes + per_layer["full_attention"]  # fc, 3 norms, one layer
     # the MTP layer's own cache: the prefix pass attends over context + k + 1, each chained pass one further
     mtp_kv = sum(batch * (context + k + 1 + i) * kv_position for i in range(k))
     draft = head + vocab * FP8_SCALE_BYTES if draft_head == "fp8" else head * dtype_bytes
