@@ -205,7 +205,7 @@ async def run_checkpoint(args: argparse.Namespace, ckpt: Path, weights: str, out
     stages = {"micro_batches": args.micro_batches} if args.micro_batches else {}
     async with shardspec.connect(model=str(ckpt), local=args.tp * args.pp, pp=args.pp, tp=args.tp, **stages,
                                  device=args.device, mtp=None, max_slots=max(args.batch), max_seq_len=max_seq_len,
-                                 connect_timeout=600, heartbeat_timeout=60) as engine:  # a fresh VM stalls as it grows
+                                 connect_timeout=600) as engine:  # a fresh VM loads a large checkpoint slowly
         bench = Bench(engine, config, out["bandwidth_GBps"] * 1e9, last_rank=(args.pp - 1) * args.tp,
                       fp8=weights == "fp8")
         suffix = "" if weights == "bf16" else f"_{weights}"

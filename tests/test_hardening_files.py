@@ -40,7 +40,7 @@ from shardspec.orchestrator.group import (
     StepWatchdog,
 )
 from shardspec.orchestrator.tokenizer import Tokenizer
-from shardspec.protocol import ErrorCode, Message, decode, encode
+from shardspec.protocol import ErrorCode, Message, decode, encode, transport
 from shardspec.shard_worker.daemon import TEST_HANG_ENV
 
 LOAD = {"dtype": "auto", "max_slots": 2, "max_seq_len": 64, "prefill_chunk": 8}
@@ -169,6 +169,30 @@ def test_a_worker_hung_in_a_step_fails_the_stream_naming_it_and_the_engine_serve
     assert worker.address in error and "did not answer its step within 2s" in error
     assert elapsed < HANG_S  # the watchdog, not the end of the hang, ended the stream
     assert received and after[: len(received)] == received  # the same greedy output, served again
+
+
+# longer than the worker's queue takes keepalive hellos: had they piled up while the worker was busy,
+# libzmq would have stopped reading its connection (heartbeats too) and the connection would drop
+LONG_STEP_S = transport.WORKER_QUEUED_REQUESTS * transport.KEEPALIVE_S + 4
+
+
+@pytest.mark.slow  # one step of LONG_STEP_S
+def test_a_step_longer_than_the_worker_s_queue_of_keepalives_keeps_its_connection(tiny_model, spawn_worker,
+                                                                                    monkeypatch):
+    monkeypatch.setenv(TEST_HANG_ENV, f"3:{LONG_STEP_S}")
+    worker = spawn_worker()
+    monkeypatch.delenv(TEST_HANG_ENV)
+
+    async def run(address):
+        async with shardspec.connect(model=str(tiny_model), workers=[address], step_timeout=LONG_STEP_S + 60) as engine:
+            started = time.monotonic()
+            tokens = [t async for chunk in engine.generate([5, 17, 300, 42], max_tokens=8, stop_at_eos=False)
+                      for t in chunk.token_ids]
+            return tokens, time.monotonic() - started
+
+    tokens, elapsed = asyncio.run(run(worker.address))
+    assert elapsed >= LONG_STEP_S  # the long step really happened, inside this generation
+    assert tokens == asyncio.run(run(spawn_worker().address))[0]  # and the output is the usual one
 
 
 def test_the_derived_step_bound_has_a_warm_up_floor_then_scales_with_the_measured_rate():

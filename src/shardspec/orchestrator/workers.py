@@ -152,12 +152,15 @@ class WorkerClient:
                                      "--server-keys (CURVE on one side only, or the wrong server key)"))
 
     async def _keep_lease(self) -> None:
-        """Once the worker has answered, say hello whenever nothing else went out for KEEPALIVE_S: a
-        worker drops an orchestrator that sends nothing for its lease."""
+        """Once the worker has answered, say hello whenever nothing else went out for KEEPALIVE_S and
+        no request is waiting for its reply: a worker drops an orchestrator that sends nothing for its
+        lease, and counts its answer to a request as contact. Hellos sent while the worker is busy
+        would pile up in its bounded queue; once that is full, libzmq stops reading the connection,
+        heartbeats included, and the connection drops."""
         loop = asyncio.get_running_loop()
         while True:
             wait = self.last_sent + transport.KEEPALIVE_S - loop.time()
-            if wait > 0 or not self.answered or self.failure is not None:
+            if wait > 0 or self.pending or not self.answered or self.failure is not None:
                 await asyncio.sleep(wait if wait > 0 else transport.KEEPALIVE_S / 5)
                 continue
             future = self.submit(HelloRequest(client=f"shardspec-orchestrator pid {os.getpid()} (lease)"))
