@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -94,6 +96,52 @@ def spawn_worker(tmp_path):
     yield spawn
     for worker in started:
         worker.stop()
+
+
+class WorkerPool:
+    """Worker daemons started once per test process and lent to the tests that only need an engine:
+    an engine's goodbye leaves its workers idle for the next (as for any orchestrator), so a test
+    pays for a load, not for starting processes. A worker found dead is started again."""
+
+    def __init__(self) -> None:
+        self.folder: Path | None = None
+        self.workers: list[WorkerProcess] = []
+        self.started = 0
+
+    def take(self, count: int) -> list[str]:
+        """The addresses of `count` idle workers (the first `count` of the pool)."""
+        for i, worker in enumerate(self.workers[:count]):
+            if worker.proc.poll() is not None:
+                self.workers[i] = self._start()
+        while len(self.workers) < count:
+            self.workers.append(self._start())
+        for worker in self.workers[:count]:
+            wait_for_socket(worker.address, process=worker.proc)
+        return [worker.address for worker in self.workers[:count]]
+
+    def _start(self) -> WorkerProcess:
+        if self.folder is None:
+            self.folder = Path(tempfile.mkdtemp(prefix="pytest-pool-"))
+        self.started += 1
+        return WorkerProcess(self.folder / f"w{self.started}.sock")
+
+    def stop(self) -> None:
+        for worker in self.workers:
+            worker.stop()
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+POOL = WorkerPool()
+
+
+def pooled(count: int) -> list[str]:
+    """`count` worker addresses for `connect(workers=...)`, shared by this test process's tests."""
+    return POOL.take(count)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    POOL.stop()
 
 
 def wait_for_socket(path: str, timeout: float = 60.0, process: subprocess.Popen | None = None) -> None:

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from conftest import pooled
 
 import shardspec
 from shardspec.cli import BUNDLED_MODEL
@@ -94,7 +95,7 @@ def test_64_concurrent_greedy_requests_in_bf16_at_tp_2_give_each_ones_solo_token
         return tokens
 
     async def run() -> tuple[list, list, list, list]:
-        options = dict(model=str(BUNDLED_MODEL), local=2, dtype="bfloat16", max_slots=64, deterministic=True)
+        options = dict(model=str(BUNDLED_MODEL), workers=pooled(2), dtype="bfloat16", max_slots=64, deterministic=True)
         async with shardspec.connect(mtp=False, **options) as engine:
             alone = [await generate(engine, p) for p in prompts]
             together = await asyncio.gather(*(generate(engine, p) for p in prompts))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import pooled
 
 import shardspec
 from shardspec.layers.sampling import filtered_logits
@@ -42,7 +43,7 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
 
 def test_sampling_is_reproducible_with_a_seed_and_respects_top_k(tiny_model):
     async def run():
-        async with shardspec.connect(model=str(tiny_model), local=2) as engine:
+        async with shardspec.connect(model=str(tiny_model), workers=pooled(2)) as engine:
             a = await collect(engine, max_tokens=24, temperature=1.0, seed=3)
             b = await collect(engine, max_tokens=24, temperature=1.0, seed=3)
             c = await collect(engine, max_tokens=24, temperature=1.0, seed=4)
@@ -70,7 +71,7 @@ BAD_REQUESTS = [
 
 def test_bad_requests_raise_clear_errors_and_the_engine_keeps_serving(tiny_model):
     async def run():
-        async with shardspec.connect(model=str(tiny_model), local=1, max_seq_len=256) as engine:
+        async with shardspec.connect(model=str(tiny_model), workers=pooled(1), max_seq_len=256) as engine:
             for kwargs, message in BAD_REQUESTS:
                 with pytest.raises(ValueError) as info:
                     await collect(engine, **{"max_tokens": 4, **kwargs})
@@ -82,7 +83,7 @@ def test_bad_requests_raise_clear_errors_and_the_engine_keeps_serving(tiny_model
 
 def test_cancelled_generations_free_their_slots(tiny_model):
     async def run():
-        async with shardspec.connect(model=str(tiny_model), local=2, max_slots=4) as engine:
+        async with shardspec.connect(model=str(tiny_model), workers=pooled(2), max_slots=4) as engine:
             for n in range(6):  # more than max_slots: leaked slots would block later requests
                 stream = engine.generate(PROMPT, max_tokens=50)
                 for _ in range(n % 3 + 1):
@@ -191,7 +192,7 @@ def test_a_request_the_workers_refuse_fails_alone_and_every_other_stream_gives_i
     prompts = [[5, 17, 300], [9, 8, 7, 6], [40, 41]]
 
     async def run():
-        async with shardspec.connect(model=str(tiny_model), local=2, pp=2, max_slots=4) as engine:
+        async with shardspec.connect(model=str(tiny_model), workers=pooled(2), pp=2, max_slots=4) as engine:
             alone = [await collect(engine, p, max_tokens=12) for p in prompts]
             running = asyncio.ensure_future(collect(engine, prompts[0], max_tokens=12))
             await asyncio.sleep(0)
@@ -212,7 +213,7 @@ def test_a_request_the_workers_refuse_fails_alone_and_every_other_stream_gives_i
 
 def test_a_max_seq_len_above_the_model_s_maximum_is_warned_about(tiny_model, caplog):
     async def run() -> int:
-        async with shardspec.connect(model=str(tiny_model), local=1, max_seq_len=8192) as engine:
+        async with shardspec.connect(model=str(tiny_model), workers=pooled(1), max_seq_len=8192) as engine:
             return engine.load_info.max_seq_len
 
     with caplog.at_level(logging.WARNING, logger="shardspec.orchestrator"):

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 import torch
+from conftest import pooled
 from reference import hf_logits, hf_model
 
 import shardspec
@@ -29,7 +30,8 @@ async def _generate(engine, **kwargs) -> tuple[list[int], list, list]:
 def _runs(model, mtp: bool) -> dict[str, tuple]:
     async def run():
         # TP 2: vocabulary-parallel logits; prefill chunks of 8 tokens: the prompt's rows span passes
-        async with shardspec.connect(model=str(model), local=2, mtp=mtp, prefill_chunk=8, max_seq_len=128) as engine:
+        async with shardspec.connect(model=str(model), workers=pooled(2), mtp=mtp, prefill_chunk=8,
+                                     max_seq_len=128) as engine:
             greedy = await _generate(engine, max_tokens=12, temperature=0.0)
             sampled = await _generate(engine, max_tokens=12, temperature=1.0, seed=7)
             return {"greedy": greedy, "sampled": sampled}
@@ -82,7 +84,8 @@ def test_greedy_logprobs_with_mtp_equal_logprobs_without(runs):
 
 def test_logprobs_from_the_last_of_two_pipeline_stages_equal_those_of_one_stage(tiny_model, runs):
     async def run():
-        async with shardspec.connect(model=str(tiny_model), local=2, pp=2, prefill_chunk=8, max_seq_len=128) as engine:
+        async with shardspec.connect(model=str(tiny_model), workers=pooled(2), pp=2, prefill_chunk=8,
+                                     max_seq_len=128) as engine:
             return await _generate(engine, max_tokens=12, temperature=0.0)
 
     tokens, logprobs, prompt_logprobs = asyncio.run(run())
@@ -94,7 +97,7 @@ def test_logprobs_from_the_last_of_two_pipeline_stages_equal_those_of_one_stage(
 
 def test_a_logprobs_value_out_of_range_is_refused_naming_it(tiny_model):
     async def run():
-        async with shardspec.connect(model=str(tiny_model), local=1, max_seq_len=64) as engine:
+        async with shardspec.connect(model=str(tiny_model), workers=pooled(1), max_seq_len=64) as engine:
             for name, value in (("logprobs", 21), ("prompt_logprobs", -2), ("logprobs", 1.5)):
                 with pytest.raises(ValueError, match=name):
                     async for _ in engine.generate(PROMPT, max_tokens=2, **{name: value}):

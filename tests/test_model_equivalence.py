@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from conftest import pooled
 from reference import hf_greedy, hf_logits, hf_model
 
 import shardspec
@@ -17,7 +18,7 @@ DECODE_STEPS = 32
 
 async def sharded_logits(model_dir, tp: int, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     """Greedy-decode DECODE_STEPS tokens with logits returned; -> (tokens, logits [len(prompt)+steps, V])."""
-    async with shardspec.connect(model=str(model_dir), local=tp, prefill_chunk=48, mtp=False) as engine:
+    async with shardspec.connect(model=str(model_dir), workers=pooled(tp), prefill_chunk=48, mtp=False) as engine:
         prefill = StepRequest(prefill=[PrefillSpec(seq=1, length=len(prompt))], return_logits=True)
         replies = await engine.group.call_all(prefill, tensors={"prompt_ids": torch.tensor(prompt)})
         tokens, logits = [replies[0][0].tokens[0][0]], [replies[0][1]["logits"]]
@@ -53,7 +54,7 @@ def test_greedy_generation_through_the_orchestrator_equals_transformers_generate
     expected = [hf_greedy(reference, prompt, 64) for prompt in prompts]
 
     async def run() -> list[list[int]]:
-        async with shardspec.connect(model=str(tiny_model), local=2) as engine:
+        async with shardspec.connect(model=str(tiny_model), workers=pooled(2)) as engine:
             async def one(prompt):
                 out = []
                 async for chunk in engine.generate(prompt, max_tokens=64):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from conftest import pooled
 from reference import hf_logits, hf_model
 
 import shardspec
@@ -32,7 +33,7 @@ def _reference_greedy(model, presence_penalty: float, frequency_penalty: float, 
 
 def _greedy(model, mtp: bool) -> list[int]:
     async def run():
-        async with shardspec.connect(model=str(model), local=1, mtp=mtp, max_seq_len=64) as engine:
+        async with shardspec.connect(model=str(model), workers=pooled(1), mtp=mtp, max_seq_len=64) as engine:
             return [t async for c in engine.generate(PROMPT, max_tokens=MAX_TOKENS, stop_at_eos=False, **PENALTIES)
                     for t in c.token_ids]
     return asyncio.run(run())
@@ -47,7 +48,7 @@ def test_greedy_with_penalties_is_the_argmax_of_the_penalised_logits(small_vocab
 
 def test_penalties_outside_their_range_are_refused_naming_them(small_vocab_model):
     async def run():
-        async with shardspec.connect(model=str(small_vocab_model), local=1, max_seq_len=64) as engine:
+        async with shardspec.connect(model=str(small_vocab_model), workers=pooled(1), max_seq_len=64) as engine:
             for name, value in (("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("repetition_penalty", 0.0)):
                 with pytest.raises(ValueError, match=name):
                     async for _ in engine.generate(PROMPT, max_tokens=2, **{name: value}):

@@ -11,6 +11,7 @@ import random
 import time
 
 import pytest
+from conftest import pooled
 from reference import hf_greedy, hf_model
 
 import shardspec
@@ -42,8 +43,8 @@ def test_greedy_output_with_pipeline_stages_equals_transformers_with_and_without
     expected = [hf_greedy(reference, prompt, 24) for prompt in prompts]
 
     async def run(mtp: bool):
-        async with shardspec.connect(model=str(tiny_model), local=pp * tp, pp=pp, tp=tp, layer_split=split, mtp=mtp,
-                                     prefill_chunk=64) as engine:
+        async with shardspec.connect(model=str(tiny_model), workers=pooled(pp * tp), pp=pp, tp=tp, layer_split=split,
+                                     mtp=mtp, prefill_chunk=64) as engine:
             layers = [reply.layers for reply, _ in await engine.group.call_all(engine.group.load_request)]
             return await generate_all(engine, prompts, 24), layers
 
@@ -67,7 +68,7 @@ def test_the_bundled_model_with_mtp_at_pp_2_equals_one_worker(bundled_prompts=("
             ids = [engine.tokenizer.encode(p) for p in bundled_prompts]
             return await generate_all(engine, ids, 48)
 
-    (staged, accepted), (alone, _) = asyncio.run(run(local=2, pp=2)), asyncio.run(run(local=1))
+    (staged, accepted), (alone, _) = asyncio.run(run(workers=pooled(2), pp=2)), asyncio.run(run(workers=pooled(1)))
     assert staged == alone
     assert accepted > 48  # high acceptance: several drafts kept per step, every stage advanced by them
 
@@ -116,8 +117,8 @@ def test_micro_batches_keep_two_steps_in_flight_on_the_first_stage_and_give_one_
             return outputs, (await engine.stats())[0].forwarded_max
 
     (split, in_flight), (whole, alone), (one_worker, _) = (
-        asyncio.run(run(local=2, pp=2, micro_batches=2)), asyncio.run(run(local=2, pp=2, micro_batches=1)),
-        asyncio.run(run(local=1)))
+        asyncio.run(run(workers=pooled(2), pp=2, micro_batches=2)),
+        asyncio.run(run(workers=pooled(2), pp=2, micro_batches=1)), asyncio.run(run(workers=pooled(1))))
     assert split == whole == one_worker
     assert in_flight == 2  # stage 0 ran one micro-batch's step before the other's record came
     assert alone == 1  # one micro-batch: each step waits for the record of the one before
@@ -137,14 +138,14 @@ def test_a_stage_link_that_cannot_open_is_relayed_through_the_orchestrator_with_
 
     relayed, fell_back = asyncio.run(run(workers=workers))
     assert fell_back
-    assert relayed == asyncio.run(run(local=2))[0]
+    assert relayed == asyncio.run(run(workers=pooled(2)))[0]
     with pytest.raises(RemoteError, match=r"w1\.link"):
         asyncio.run(run(workers=workers, relay=False))
 
 
 def test_a_reload_after_steps_of_finished_sequences_only_serves_the_same_output(tiny_model):
     async def run():
-        async with shardspec.connect(model=str(tiny_model), local=2, pp=2) as engine:
+        async with shardspec.connect(model=str(tiny_model), workers=pooled(2), pp=2) as engine:
             # two micro-batches, one sequence each: the short one's group keeps a step on the wire after it
             # finishes (a step of finished sequences only), while the long one goes on
             before = await asyncio.gather(collect_tokens(engine, [5, 6, 7], 2), collect_tokens(engine, [9, 8], 24))

@@ -9,6 +9,7 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import pooled
 from scipy.stats import chisquare
 
 import shardspec
@@ -32,7 +33,7 @@ def greedy_outputs(model, prompts, tp, mtp, max_tokens=64, draft_tokens=3):
     # deterministic: equal outputs are guaranteed whatever shares a step and with MTP on or off
     # (docs/architecture.md, "Deterministic decoding")
     async def run():
-        async with shardspec.connect(model=str(model), local=tp, mtp=mtp, draft_tokens=draft_tokens,
+        async with shardspec.connect(model=str(model), workers=pooled(tp), mtp=mtp, draft_tokens=draft_tokens,
                                      max_slots=8, dtype="float32", deterministic=True) as engine:
             return await generate_all(engine, prompts, max_tokens=max_tokens)
 
@@ -65,7 +66,7 @@ def test_sequences_accepting_different_draft_counts_in_one_step_stay_correct(sma
     solo = greedy_outputs(small_vocab_model, prompts, 2, mtp=False, max_tokens=40)
 
     async def run():
-        async with shardspec.connect(model=str(small_vocab_model), local=2, mtp=True, max_slots=8,
+        async with shardspec.connect(model=str(small_vocab_model), workers=pooled(2), mtp=True, max_slots=8,
                                      dtype="float32") as engine:
             step = StepRequest(prefill=[PrefillSpec(seq=i, length=3, max_tokens=40) for i in range(8)])
             tensors = {"prompt_ids": torch.tensor([t for p in prompts for t in p])}
@@ -101,7 +102,7 @@ def sample_counts(model, n: int, pp: int = 1, **sampling) -> list[Counter]:
     """Counts of the tokens at POSITIONS over n generations with MTP, seeds 0..n-1 (fixed: the
     outcome is reproducible; the same arguments are computed once)."""
     async def run():
-        async with shardspec.connect(model=str(model), local=pp, pp=pp, mtp=True, max_slots=64) as engine:
+        async with shardspec.connect(model=str(model), workers=pooled(pp), pp=pp, mtp=True, max_slots=64) as engine:
             outs = await generate_all_seeded(engine, n, sampling)
             return [Counter(o[i] for o in outs) for i in POSITIONS]
 
@@ -187,7 +188,7 @@ def test_sampled_distribution_with_mtp_at_pp_2_matches_one_worker_without(small_
 
 def test_sampling_with_mtp_is_reproducible_with_a_seed(small_vocab_model):
     async def run():
-        async with shardspec.connect(model=str(small_vocab_model), local=2, mtp=True) as engine:
+        async with shardspec.connect(model=str(small_vocab_model), workers=pooled(2), mtp=True) as engine:
             kwargs = {"max_tokens": 32, "temperature": 0.9, "top_p": 0.95}
             return [await generate_all(engine, [[1, 2]], seed=s, **kwargs) for s in (11, 11, 12)]
 
@@ -199,7 +200,7 @@ def test_slots_and_states_are_all_free_after_100_generations_with_cancellations(
     rng = random.Random(0)
 
     async def run():
-        async with shardspec.connect(model=str(small_vocab_model), local=2, mtp=True, max_slots=6) as engine:
+        async with shardspec.connect(model=str(small_vocab_model), workers=pooled(2), mtp=True, max_slots=6) as engine:
             async def one(i):
                 stream = engine.generate(rng.choices(range(16), k=rng.randint(1, 12)),
                                          max_tokens=rng.randint(1, 40), temperature=rng.choice([0.0, 1.0]), seed=i)
@@ -228,7 +229,7 @@ def test_pipelined_and_unpipelined_loops_give_the_same_output(small_vocab_model)
     prompts = [[1, 2, 3], [9, 9], [15]]
 
     async def run(pipeline):
-        async with shardspec.connect(model=str(small_vocab_model), local=2, pipeline=pipeline) as engine:
+        async with shardspec.connect(model=str(small_vocab_model), workers=pooled(2), pipeline=pipeline) as engine:
             return await generate_all(engine, prompts, max_tokens=30)
 
     assert asyncio.run(run(True)) == asyncio.run(run(False))

@@ -1,0 +1,160 @@
+#!/usr/bin/env bash
+# Every GPU figure of docs/benchmarks.md, on a fresh GPU machine with no network, one stage a call.
+#
+#   bash bench/gpu.sh WHEELS OUT STAGE...
+#
+# WHEELS: a folder of the wheels the machine lacks (pyzmq; fla-core for the prefill kernel), installed
+# into /tmp/shardspec-site with no index. OUT: where logs and JSON results go. Checkpoints are written
+# under .bench/ (kept while the machine is). Each stage fits in ~10 minutes on 2 × H200 (9b took 6, tests 4) and
+# writes at most 8 files to OUT:
+#   tests   tests/test_cuda.py + tests/test_kernels.py, and the MTP tests again with NCCL only (TP = 2)
+#           and the cuBLAS draft head
+#   9b      9B-class, TP = 1: batch 1/8/32, MTP off and k = 1..4 at 0.6 and 0.8, prefill 2k/8k,
+#           transformers' generate in the same run; the in-process batch-8 step and prefill profile;
+#           the drafts' LM head (bench/lm_head.py), the delta rule's tiles (bench/kernels.py), and batch 1/8
+#           MTP with the cuBLAS draft head (the peer)
+#   9b-tp2  9B-class, TP = 2, batch 1/8/32, MTP off and k = 3 at 0.8: the symmetric-memory all-reduce
+#           fused with the norm, the same unfused (SHARDSPEC_FUSED_NORM=0, the peer), NCCL; and TP = 1
+#           in the same call, the reference of the ratios
+#   tp2-profile  the all-reduce latency table (with the add + norm paths), the in-process 9B step at
+#           TP = 1 and at TP = 2 fused and unfused (with the all-reduce kernels of both ranks)
+#   27b     27B-class (written first, ~1.5 min): TP = 2 (symmetric memory, fused) and TP = 1, batch
+#           1/8/32, MTP off and k = 3 at 0.8; TP = 2 unfused without MTP
+#   floor   one H200: tests/test_cuda.py + tests/test_kernels.py (the 9B-class checkpoint written meanwhile),
+#           then 9B-class TP = 1 batch 1/8, MTP off and k = 3 at 0.8, against the floor; the drafts' LM head
+#           (bench/lm_head.py, 1/2/16 rows) with its ties and wrong indices; each part runs even if one before failed
+#   deterministic  tests/test_cuda.py (with the batch-invariance tests), then 9B-class batch 1/8/32, MTP off
+#           and k = 3 at 0.8, each row in the default and in deterministic mode (its cost, same run)
+#   pp      pipeline stages on one GPU (one H200 is enough): tests/test_cuda.py, then 9B-class PP = 1 and
+#           PP = 2 with both stages on cuda:0, batch 1/8, MTP off and k = 3 at 0.8, and the stage link's
+#           cost per message; batch 8 again as one micro-batch; each part runs even if one before it failed (the exit status says)
+#   fp8     one H200, ~9 minutes: the FP8 GPU tests (tests/test_cuda.py + tests/test_kernels.py -k fp8, the FP8
+#           floor's test; the 9B-class bf16 checkpoint and its FP8 twin written meanwhile), the FP8 GEMMs at the 9B
+#           shapes (bench/fp8_gemm.py: decode GEMV at 1/8/32 rows against its floor and bf16 cuBLAS, prefill W8A8),
+#           the teacher-forced agreement (16 prompts × 128 tokens, against the exact FP8 reference and the bf16 twin),
+#           then 9B-class bf16 and FP8 in one bench/decode.py run: batch 1/8, MTP off and k = 3 at 0.8, prefill
+#           2k, each against its floor; each part runs even if one before failed (the exit status says)
+# Then, where matplotlib is: python bench/plot_decode.py OUT/decode-9b-tp1.json ... --out docs/decode.png
+set -euo pipefail
+if [ $# -lt 3 ]; then
+    sed -n '2,/^set -euo/{/^set -euo/!p}' "$0" | sed 's/^# \{0,1\}//'
+    exit 2
+fi
+wheels=$1 out=$2
+shift 2
+for stage in "$@"; do
+    case $stage in
+    tests | 9b | 9b-tp2 | tp2-profile | 27b | floor | deterministic | pp | fp8) ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, 9b, 9b-tp2, tp2-profile, 27b, floor, deterministic, pp, fp8)" >&2
+       exit 2 ;;
+    esac
+done
+mkdir -p "$out" .bench
+failed=0
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/shardspec-site \
+    "$wheels"/*.whl
+export PYTHONPATH=/tmp/shardspec-site:$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+
+for stage in "$@"; do
+    case $stage in
+    tests)
+        python3 -m pytest -q tests/test_cuda.py tests/test_kernels.py --durations=10 2>&1 | tee "$out/tests.log"
+        {   # MTP on = off again with the other variants: NCCL only (not the symmetric-memory all-reduce), the cuBLAS draft head
+            SHARDSPEC_ALLREDUCE=nccl python3 -m pytest -q tests/test_cuda.py -k "mtp and 2"
+            SHARDSPEC_DRAFT_HEAD=cublas python3 -m pytest -q tests/test_cuda.py -k mtp
+        } 2>&1 | tee "$out/tests-variants.log"
+        ;;
+    9b)
+        python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 1 --batch 1 8 32 --k 1 2 3 4 --forced 0.6 0.8 \
+            --prefill 2048 8192 --hf --out "$out/decode-9b-tp1.json" 2>&1 | tee "$out/decode-9b-tp1.log"
+        python3 bench/profile_step.py --size 9b --batch 8 --k 0 3 --prefill 2048 8192 --prefill-chunk 512 2048 2>&1 \
+            | tee "$out/profile-9b-prefill.log"   # the batch-8 step in-process, and where a prefill's time goes
+        python3 bench/lm_head.py --out "$out/lm-head.json"    # the drafts' LM head, cuBLAS against the kernel
+        python3 bench/kernels.py --out "$out/kernels.json"    # the gated delta rule's tile shapes
+        SHARDSPEC_DRAFT_HEAD=cublas python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 1 --batch 1 8 --k 3 \
+            --forced 0.8 --prefill --out "$out/decode-9b-tp1-cublas-head.json" 2>&1 | grep -v -i warn
+        ;;
+    9b-tp2)
+        python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 1 --batch 1 8 32 --k 3 --forced 0.8 \
+            --prefill 2048 8192 --out "$out/decode-9b-tp1-k3.json" 2>&1 | tee "$out/decode-9b-tp1-k3.log"
+        SHARDSPEC_ALLREDUCE=symm python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 2 --batch 1 8 32 --k 3 \
+            --forced 0.8 --prefill 2048 --out "$out/decode-9b-tp2-symm.json" 2>&1 | tee "$out/decode-9b-tp2-symm.log"
+        SHARDSPEC_ALLREDUCE=symm SHARDSPEC_FUSED_NORM=0 python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 2 \
+            --batch 1 8 32 --k 3 --forced 0.8 --prefill --out "$out/decode-9b-tp2-symm-unfused.json" 2>&1 \
+            | tee "$out/decode-9b-tp2-symm-unfused.log"
+        SHARDSPEC_ALLREDUCE=nccl python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 2 --batch 1 8 32 --k 3 \
+            --forced 0.8 --prefill --out "$out/decode-9b-tp2.json" 2>&1 | tee "$out/decode-9b-tp2.log"
+        ;;
+    tp2-profile)
+        python3 bench/allreduce.py --out "$out/allreduce.json" 2>&1 | tee "$out/allreduce.log"
+        python3 bench/profile_step.py --size 9b --batch 1 --k 0 3 2>&1 | tee "$out/profile-9b.log"
+        SHARDSPEC_ALLREDUCE=symm python3 bench/profile_step.py --size 9b --tp 2 --batch 1 --k 0 3 2>&1 \
+            | tee "$out/profile-9b-tp2.log"   # both ranks' all-reduce kernels: durations, arrival gaps
+        SHARDSPEC_ALLREDUCE=symm SHARDSPEC_FUSED_NORM=0 python3 bench/profile_step.py --size 9b --tp 2 --batch 1 \
+            --k 0 3 2>&1 | tee "$out/profile-9b-tp2-unfused.log"
+        ;;
+    27b)
+        [ -f .bench/27b/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/27b --size 27b
+        SHARDSPEC_ALLREDUCE=symm python3 bench/decode.py --size 27b --ckpt .bench/27b --tp 2 --batch 1 8 32 --k 3 \
+            --forced 0.8 --prefill --out "$out/decode-27b-tp2-symm.json" 2>&1 | tee "$out/decode-27b-tp2-symm.log"
+        python3 bench/decode.py --size 27b --ckpt .bench/27b --tp 1 --batch 1 8 32 --k 3 --forced 0.8 --prefill \
+            --out "$out/decode-27b-tp1.json" 2>&1 | tee "$out/decode-27b-tp1.log"
+        SHARDSPEC_ALLREDUCE=symm SHARDSPEC_FUSED_NORM=0 python3 bench/decode.py --size 27b --ckpt .bench/27b --tp 2 \
+            --batch 1 8 32 --k --forced --prefill --out "$out/decode-27b-tp2-symm-unfused.json" 2>&1 \
+            | tee "$out/decode-27b-tp2-symm-unfused.log"
+        ;;
+    floor)
+        [ -f .bench/9b/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/9b --size 9b &
+        writer=$!   # on the CPUs, while the tests take the GPU
+        timeout 270 python3 -m pytest -q tests/test_cuda.py tests/test_kernels.py --durations=10 --timeout 200 2>&1 \
+            | tee "$out/tests.log" || failed=1
+        wait $writer || failed=1
+        timeout 210 python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 1 --batch 1 8 --k 3 --forced 0.8 --prefill \
+            --out "$out/decode-9b-floor.json" 2>&1 | tee "$out/decode-9b-floor.log" || failed=1
+        timeout 80 python3 bench/lm_head.py --rows 1 2 16 --out "$out/lm-head.json" 2>&1 | tee "$out/lm-head.log" \
+            || failed=1
+        ;;
+    deterministic)
+        [ -f .bench/9b/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/9b --size 9b &
+        writer=$!   # on the CPUs, while the tests take the GPU
+        timeout 240 python3 -m pytest -q tests/test_cuda.py --durations=10 --timeout 200 2>&1 \
+            | tee "$out/tests-deterministic.log" || failed=1
+        wait $writer || failed=1
+        timeout 250 python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 1 --batch 1 8 32 --k 3 --forced 0.8 \
+            --prefill --deterministic --out "$out/decode-9b-deterministic.json" 2>&1 \
+            | tee "$out/decode-9b-deterministic.log" || failed=1
+        ;;
+    pp)
+        [ -f .bench/9b/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/9b --size 9b &
+        writer=$!   # on the CPUs, while the tests take the GPU
+        python3 -m pytest -q tests/test_cuda.py --durations=10 --timeout 300 2>&1 | tee "$out/tests-pp.log" || failed=1
+        wait $writer || failed=1
+        python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 1 --batch 1 8 --k 3 --forced 0.8 --prefill \
+            --out "$out/decode-9b-pp1.json" 2>&1 | tee "$out/decode-9b-pp1.log" || failed=1
+        python3 bench/decode.py --size 9b --ckpt .bench/9b --pp 2 --device cuda:0 --batch 1 8 --k 3 --forced 0.8 \
+            --prefill --link-cost --out "$out/decode-9b-pp2.json" 2>&1 | tee "$out/decode-9b-pp2.log" || failed=1
+        python3 bench/decode.py --size 9b --ckpt .bench/9b --pp 2 --micro-batches 1 --device cuda:0 --batch 8 --k 3 \
+            --forced 0.8 --prefill --out "$out/decode-9b-pp2-mb1.json" 2>&1 | tee "$out/decode-9b-pp2-mb1.log" || failed=1
+        ;;
+    fp8)
+        {   # on the CPUs, while the tests take the GPU: the bf16 checkpoint and its FP8 twin (same seed) side by side
+            [ -f .bench/9b/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/9b --size 9b &
+            bf16=$!
+            [ -f .bench/9b-fp8/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/9b-fp8 --size 9b --fp8
+            written=$?
+            wait $bf16 && exit $written
+        } &
+        writer=$!
+        timeout 150 python3 -m pytest -q tests/test_cuda.py tests/test_kernels.py tests/test_step_bytes.py -k fp8 \
+            --durations=10 --timeout 140 2>&1 | tee "$out/tests-fp8.log" || failed=1
+        timeout 80 python3 bench/fp8_gemm.py --out "$out/fp8-gemm.json" 2>&1 | tee "$out/fp8-gemm.log" || failed=1
+        wait $writer || failed=1
+        timeout 110 python3 bench/fp8_agreement.py --bf16 .bench/9b --fp8 .bench/9b-fp8 --prompts 16 --tokens 128 \
+            --out "$out/fp8-agreement-9b.json" 2>&1 | tee "$out/fp8-agreement-9b.log" || failed=1
+        timeout 190 python3 bench/decode.py --size 9b --ckpt .bench/9b --fp8 --fp8-ckpt .bench/9b-fp8 --tp 1 \
+            --batch 1 8 --k 3 --forced 0.8 --prefill 2048 --out "$out/decode-9b-fp8.json" 2>&1 \
+            | tee "$out/decode-9b-fp8.log" || failed=1
+        ;;
+    esac
+done
+exit $failed

@@ -1,0 +1,459 @@
+"""The Triton kernels of the CUDA path against the PyTorch reference they replace.
+
+On a machine with a GPU the kernels run on it; elsewhere they run on the CPU through Triton's
+interpreter (TRITON_INTERPRET=1), which checks the same code. float32 must agree to float32
+rounding; bfloat16 within two bf16 ulps (the interpreter rounds float32 -> bfloat16 by truncation,
+the GPU to nearest).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+GPU = torch.cuda.is_available()
+if not GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton", reason="Triton is not installed (it comes with CUDA builds of torch)")
+
+from shardspec import kernels
+from shardspec.kernels import gdn as kernel_gdn
+from shardspec.kernels import norm as kernel_norm
+from shardspec.layers import gdn as reference_gdn
+from shardspec.layers.batch import Batch
+from shardspec.layers.norm import GatedRMSNorm, RMSNorm
+from shardspec.layers.parallel import TPGroup
+from shardspec.models.qwen3_5 import Qwen3_5Config, Qwen3_5Model, mixer
+from shardspec.models.random_checkpoint import tiny_config
+
+DEVICE = torch.device("cuda" if GPU else "cpu")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def interpreter_scalars(monkeypatch):
+    """Triton 3.6's interpreter turns a loaded scalar into a Python int with int(array of shape
+    (1,)), which numpy >= 2.4 refuses; loop bounds read from memory need it."""
+    if GPU:
+        return
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
+
+
+
+def assert_agree(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, bf16_tol: float = 2**-6) -> None:
+    tol = 2e-5 if dtype == torch.float32 else bf16_tol  # bf16: two ulps, relative
+    torch.testing.assert_close(actual.cpu().float(), expected.cpu().float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_with_and_without_the_residual_add_matches_the_reference(dtype):
+    norm = RMSNorm(96, 1e-6)
+    norm.weight.data.normal_(0, 0.2)
+    norm = norm.to(dtype)
+    x, residual = torch.randn(2, 5, 96, dtype=dtype), torch.randn(2, 5, 96, dtype=dtype)
+    weight = norm.weight.to(DEVICE)
+    assert_agree(kernel_norm.rms_norm(x.to(DEVICE), weight, 1e-6), norm(x), dtype)
+    y, total = kernel_norm.rms_norm(x.to(DEVICE), weight, 1e-6, residual.to(DEVICE))
+    expected_y, expected_total = norm(x, residual)
+    assert_agree(y, expected_y, dtype)
+    assert_agree(total, expected_total, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_rms_norm_and_silu_mul_match_the_reference(dtype):
+    torch.manual_seed(0)
+    norm = GatedRMSNorm(32, 1e-6)
+    norm.weight.data.normal_(1, 0.2)
+    norm = norm.to(dtype)
+    # z and the gate/up halves are slices of one merged projection's output, as in the layers
+    x, projected = torch.randn(3, 2, 4, 32, dtype=dtype), torch.randn(3, 2, 4 * 32 + 8, dtype=dtype)
+    z = projected[..., 8:].view(3, 2, 4, 32)
+    # three roundings to bf16 (x̂, w·x̂, the gated product): each truncates in the interpreter, so up
+    # to three ulps there (2.3 % at worst over 300 seeds); two on the GPU, which rounds to nearest
+    assert_agree(kernel_norm.gated_rms_norm(x.to(DEVICE), projected.to(DEVICE)[..., 8:].view(3, 2, 4, 32),
+                                            norm.weight.to(DEVICE), 1e-6), norm(x, z), dtype,
+                 bf16_tol=2**-6 if GPU else 2**-5)
+    gate_up = torch.randn(3, 2, 3000, dtype=dtype)
+    gate, up = gate_up.split(1500, -1)
+    assert_agree(kernel_norm.silu_mul(*gate_up.to(DEVICE).split(1500, -1)), torch.nn.functional.silu(gate) * up, dtype)
+
+
+def gdn_inputs(dtype, T, DK=16, DV=32):
+    torch.manual_seed(T)
+    B, HK, HV, slots = 3, 2, 4, 5
+    C = 2 * HK * DK + HV * DV
+    return dict(
+        x=torch.randn(B, T, C, dtype=dtype),
+        conv_state=torch.randn(slots, C, 3, dtype=dtype),
+        conv_weight=(torch.randn(C, 1, 4) * 0.3).to(dtype),
+        a=torch.randn(B, T, HV, dtype=dtype),
+        b=torch.randn(B, T, HV, dtype=dtype),
+        A_log=torch.randn(HV) * 0.5,
+        dt_bias=torch.randn(HV) * 0.5,
+        state=torch.randn(slots, HV, DK, DV) * 0.1,
+        slots=torch.tensor([3, 0, 2]),
+        k_heads=HK,
+        dk=DK,
+    )
+
+
+def on(device, tensors: dict) -> dict:
+    return {k: v.to(device).clone() if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
+
+
+def run_gdn(ops, t: dict, **flags):
+    """Convolution then delta rule, as GatedDeltaNet runs them; returns (output, conv state, state)."""
+    mixed = ops.causal_conv(t["x"], t["conv_state"], t["conv_weight"], t["slots"], write_state=flags["write"])
+    out = ops.delta_rule(mixed, t["a"], t["b"], t["A_log"], t["dt_bias"], t["state"], t["slots"], t["k_heads"],
+                         t["dk"], write_state=flags["write"])
+    return out, mixed
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("T", "dims"), [(1, {}), (4, {}), (9, {}), (3, {"DK": 24, "DV": 40})],
+                         ids=["T1", "T4", "T9", "T3-dk24-dv40"])
+def test_gated_deltanet_kernels_match_the_reference_and_update_states_in_place(dtype, T, dims):
+    """Also at key head dim 24 and value head dim 40 (padded to 32 and 64, masked), with a value
+    tile (16) that does not divide 40."""
+    inputs = gdn_inputs(dtype, T, **dims)
+    ref, dev = on("cpu", inputs), on(DEVICE, inputs)
+    out, _ = run_gdn(reference_gdn, ref, write=True)
+    out_k, _ = run_gdn(kernel_gdn, dev, write=True)
+    assert_agree(out_k, out, dtype)
+    assert_agree(dev["conv_state"], ref["conv_state"], dtype)
+    assert_agree(dev["state"], ref["state"], torch.float32 if dtype == torch.float32 else dtype)
+    untouched = [1, 4]  # slots no row uses
+    assert torch.equal(dev["state"][untouched].cpu(), inputs["state"][untouched])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [2, 37])
+def test_the_convolution_over_several_token_blocks_matches_the_reference(dtype, T):
+    """A prefill chunk's convolution runs its tokens in parallel blocks: every block reads its own
+    window, only the first reads the old state, and the new state is the chunk's last K-1 inputs
+    (for T < K-1, old state and input together). x is a slice of a wider projection, as in the layer."""
+    assert T < 3 or T > 2 * kernel_gdn.CONV_TOKENS
+    inputs = gdn_inputs(dtype, T)
+    C = inputs["x"].shape[-1]
+    wide = torch.cat([inputs["x"], torch.randn(3, T, 40, dtype=dtype)], -1)
+    ref, dev = on("cpu", inputs), on(DEVICE, inputs)
+    ref["x"], dev["x"] = wide[..., :C], wide.to(DEVICE)[..., :C]
+    expected = reference_gdn.causal_conv(ref["x"], ref["conv_state"], ref["conv_weight"], ref["slots"])
+    actual = kernel_gdn.causal_conv(dev["x"], dev["conv_state"], dev["conv_weight"], dev["slots"])
+    assert_agree(actual, expected, dtype)
+    assert_agree(dev["conv_state"], ref["conv_state"], dtype)
+    assert torch.equal(dev["conv_state"][[1, 4]].cpu(), inputs["conv_state"][[1, 4]])  # slots no row uses
+
+
+def test_the_delta_rule_gives_the_same_result_at_every_tile_shape():
+    """bench/kernels.py times other (block_v, warps) tiles: each must compute the same thing."""
+    inputs = gdn_inputs(torch.float32, 4)
+    mixed = reference_gdn.causal_conv(inputs["x"], None, inputs["conv_weight"], inputs["slots"]).contiguous()
+    results = []
+    for block_v, warps in [(16, 2), (32, 4)]:
+        t = on(DEVICE, inputs)
+        out = kernel_gdn.delta_rule(mixed.to(DEVICE), t["a"], t["b"], t["A_log"], t["dt_bias"], t["state"], t["slots"],
+                                    t["k_heads"], t["dk"], block_v=block_v, num_warps=warps)
+        results.append((out.cpu(), t["state"].cpu()))
+    for actual, expected in zip(results[1], results[0]):
+        assert_agree(actual, expected, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_speculative_pass_leaves_states_alone_and_its_replay_commits_the_accepted_prefix(dtype):
+    inputs = gdn_inputs(dtype, 4)
+    lengths = torch.tensor([1, 4, 2])  # accepted tokens + 1 per row
+    dev = on(DEVICE, inputs)
+    _, mixed = run_gdn(kernel_gdn, dev, write=False)
+    assert torch.equal(dev["conv_state"].cpu(), inputs["conv_state"])
+    assert torch.equal(dev["state"].cpu(), inputs["state"])
+    kernel_gdn.causal_conv(dev["x"], dev["conv_state"], dev["conv_weight"], dev["slots"], write_out=False,
+                           lengths=lengths.to(DEVICE))
+    kernel_gdn.delta_rule(mixed, dev["a"], dev["b"], dev["A_log"], dev["dt_bias"], dev["state"], dev["slots"],
+                          dev["k_heads"], dev["dk"], write_out=False, lengths=lengths.to(DEVICE))
+    for row, n in enumerate(lengths.tolist()):  # the states after the row's first n tokens, token by token
+        ref = on("cpu", inputs)
+        ref["slots"] = inputs["slots"][row : row + 1]
+        for key in ("x", "a", "b"):
+            ref[key] = inputs[key][row : row + 1, :n]
+        run_gdn(reference_gdn, ref, write=True)
+        slot = int(inputs["slots"][row])
+        assert_agree(dev["conv_state"][slot], ref["conv_state"][slot], dtype)
+        assert_agree(dev["state"][slot], ref["state"][slot], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [16, 48])  # 48: padded to 64 in the kernels, masked
+def test_attention_kernels_match_the_reference_and_fill_the_cache(dtype, head_dim, monkeypatch):
+    if head_dim == 48 and dtype == torch.bfloat16 and not GPU:  # the rotation sums two bf16-rounded terms:
+        pytest.skip("the interpreter's truncation to bf16 is an ulp of the larger term off, beyond two of the sum")
+    config = Qwen3_5Config.from_dict(tiny_config(head_dim=head_dim))
+    torch.manual_seed(0)
+    layer = mixer(config, "full_attention", TPGroup())
+    for p in layer.parameters():
+        p.data.normal_(0, 0.3)
+    layer = layer.to(dtype)
+    slots = torch.tensor([2, 0])
+    prompt = torch.randn(2, 37, config.hidden_size, dtype=dtype)
+    step = torch.randn(2, 3, config.hidden_size, dtype=dtype)
+    outputs = []
+    for use_kernels, device in ((False, "cpu"), (True, DEVICE)):
+        monkeypatch.setattr(kernels, "enabled", lambda x, on=use_kernels: on)
+        layer.to(device).allocate(3, 64, dtype, torch.device(device))
+        s = slots.to(device)
+        positions = torch.arange(37, device=device).expand(2, -1)
+        layer(prompt.to(device), Batch(s, positions, 37))  # prefill: never the kernels
+        positions = torch.tensor([[37, 38, 39], [30, 31, 32]], device=device)  # row 1 overwrites its tail
+        out = layer(step.to(device), Batch(s, positions, 40))
+        outputs.append((out, layer.k_cache.clone(), layer.v_cache.clone()))
+    (out, k_cache, v_cache), (out_k, k_cache_k, v_cache_k) = outputs
+    # the output projection sums 8 · head_dim bf16-rounded products, so a few ulps before it show up
+    # larger: 0.05 at 128 products, growing as the square root of their count
+    assert_agree(out_k, out, dtype, bf16_tol=0.05 * (head_dim / 16) ** 0.5)
+    assert_agree(k_cache_k, k_cache, dtype)
+    assert_agree(v_cache_k, v_cache, dtype)
+
+
+@pytest.mark.skipif(not GPU or kernel_gdn.chunk_gated_delta_rule is None, reason="needs a GPU and fla-core")
+def test_prefill_through_fla_matches_the_float32_reference():
+    inputs = gdn_inputs(torch.bfloat16, kernel_gdn.FLA_MIN_TOKENS * 3)
+    ref = {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
+    ref = on("cpu", ref)
+    dev = on(DEVICE, inputs)
+    out, _ = run_gdn(reference_gdn, ref, write=True)
+    out_k, _ = run_gdn(kernel_gdn, dev, write=True)
+    torch.testing.assert_close(out_k.float().cpu(), out, rtol=0.05, atol=0.05)
+    torch.testing.assert_close(dev["state"].cpu(), ref["state"], rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("M", [1, 5])
+def test_the_draft_head_argmax_matches_the_logits_argmax(fp8, M):
+    """The drafts' LM head (no logits written): the argmax and max of x @ W^T (W bf16, or fp8 with
+    a scale per row) as the dequantized matmul gives them; rows past `valid` (vocabulary padding)
+    never win, and a tie goes to the lowest index."""
+    from shardspec.kernels import head
+
+    torch.manual_seed(M)
+    N, K, valid = 300, 160, 290  # several blocks of rows, a partial one, and K not a block multiple
+    weight = torch.randn(N, K, dtype=torch.bfloat16)
+    weight[valid:] = 10.0  # padding rows that would win every argmax
+    weight[77] = weight[211]  # a tie between two blocks: the argmax of rows that pick 211 must be 77
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    x[0] = weight[211] * 2  # row 0's maximum is the tie
+    w, scale = head.quantize_rows(weight) if fp8 else (weight, None)
+    dense = w.float() * (scale[:, None] if fp8 else 1.0)
+    logits = x.float() @ dense.T
+    logits[:, valid:] = float("-inf")
+    value, index = head.argmax(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE) if fp8 else None, valid)
+    assert index.cpu().tolist() == logits.argmax(-1).tolist()
+    assert index[0].item() == 77
+    torch.testing.assert_close(value.cpu(), logits.max(-1).values, rtol=1e-4, atol=1e-4)
+
+
+def test_the_fp8_head_keeps_each_row_within_fp8_rounding():
+    from shardspec.kernels import head
+
+    weight = torch.randn(64, 96) * torch.logspace(-3, 1, 64)[:, None]  # rows of very different sizes
+    w8, scale = head.quantize_rows(weight)
+    assert w8.dtype == torch.float8_e4m3fn and scale.shape == (64,)
+    error = (w8.float() * scale[:, None] - weight).abs().amax(1) / weight.abs().amax(1)
+    assert error.max() <= 2**-4  # e4m3: 3 mantissa bits, half an ulp relative
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp8"])
+def test_the_lm_head_drafts_through_the_head_kernel(mode, monkeypatch):
+    """ParallelLMHead.draft_argmax with the kernel chosen: the argmax of each row of [B, T, H]
+    hidden states over the weight the mode reads; "cublas" goes back to the logits' argmax."""
+    from shardspec.layers.embedding import ParallelLMHead
+
+    torch.manual_seed(0)
+    lm_head = ParallelLMHead(300, 160, TPGroup()).to(torch.bfloat16)
+    lm_head.weight.data.normal_()
+    lm_head = lm_head.to(DEVICE)
+    hidden = torch.randn(2, 3, 160, dtype=torch.bfloat16).to(DEVICE)
+    monkeypatch.setattr(kernels, "enabled", lambda x: True)  # (on the CPU: the kernel interpreted)
+    lm_head.use_draft_kernel(mode)
+    assert lm_head.draft_weight.dtype == (torch.float8_e4m3fn if mode == "fp8" else torch.bfloat16)
+    dense = lm_head.draft_weight.float() * (lm_head.draft_scale[:, None] if mode == "fp8" else 1.0)
+    assert lm_head.draft_argmax(hidden).tolist() == (hidden.float() @ dense.T).argmax(-1).tolist()
+    lm_head.use_draft_kernel("cublas")
+    assert lm_head.draft_weight is None and torch.equal(lm_head.draft_argmax(hidden), lm_head.argmax(hidden))
+    assert [name for name, _ in lm_head.named_parameters()] == ["weight"]
+
+
+def test_the_draft_head_mode_falls_back_where_the_kernel_cannot_run(monkeypatch):
+    """fp8 needs CUDA with compute capability 8.9 or later and a bf16/fp16 model; a bad
+    SHARDSPEC_DRAFT_HEAD is an error on every device, not only where the kernel runs."""
+    from shardspec.shard_worker import runner
+
+    with torch.device("meta"):
+        model = Qwen3_5Model(Qwen3_5Config.from_dict(tiny_config()), TPGroup(), with_mtp=True)
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(runner, "DRAFT_HEAD", "fp8")  # the default, whatever this shell sets
+    assert runner.draft_head_mode(model, torch.bfloat16, cpu) == "cublas"  # no CUDA tensors here
+    monkeypatch.setattr(kernels, "enabled", lambda x: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert runner.draft_head_mode(model, torch.bfloat16, cpu) == "bf16"  # an A100: no fp8 loads
+    assert runner.draft_head_mode(model, torch.float32, cpu) == "cublas"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert runner.draft_head_mode(model, torch.bfloat16, cpu) == "fp8"
+    monkeypatch.setattr(runner, "DRAFT_HEAD", "fp9")
+    with pytest.raises(ValueError, match="SHARDSPEC_DRAFT_HEAD"):
+        runner.draft_head_mode(model, torch.bfloat16, cpu)
+
+
+def test_the_fused_all_reduce_swaps_each_flag_from_one_thread_and_shares_the_result():
+    """The fused all-reduce's protocol needs each program's flag compare-and-swaps to run once (if
+    every thread ran them, all but one would spin on a flag already swapped). Triton runs a scalar
+    atomic in one thread and broadcasts its result through shared memory; this checks that in the
+    kernel's compiled code for an H100/H200 (sm_90), with no GPU needed (in a process of its own:
+    this module may run the kernels through the interpreter, which compiles nothing)."""
+    compile_ptx = """
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import triton
+from shardspec.kernels.norm import _all_reduce_rms_norm_kernel as kernel
+types = {"D": "i32", "eps": "fp32", "stride_x": "i32", "stride_r": "i32", "SLOT_ROWS": "i32",
+         "buffers": "*i64", "pads": "*i64", "epochs": "*i64"}
+constants = {"RANK": 0, "WORLD": 2, "HAS_RES": True, "BLOCK": 4096}
+signature = {a: "constexpr" if a in constants else types.get(a, "*bf16") for a in kernel.arg_names}
+source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+print(triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])
+"""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", compile_ptx], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line.strip() for line in done.stdout.splitlines()]
+    swaps = [i for i, line in enumerate(lines) if ".sys.cas." in line]
+    assert [("release" in lines[i], "acquire" in lines[i]) for i in swaps] == [(True, False), (False, True)]
+    for i in swaps:
+        assert lines[i].startswith("@%p"), lines[i]  # predicated: not every thread
+        shared = next(line for line in lines[i + 1 :] if "st.shared" in line or "bar.sync" in line)
+        assert shared.startswith("@%p") and "st.shared" in shared, shared  # the result, to shared memory
+
+
+# --- FP8 GEMMs (block-wise e4m3 weights, 128 × 128 scales) -------------------------------------------
+
+def _fp8_operands(M: int, N: int, K: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    weight = (torch.randn(N, K, generator=gen) * 3).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(-(-N // 128), -(-K // 128), generator=gen) * 0.01 + 0.001
+    return x, weight, scale
+
+
+def _dequantised(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    from fp8_reference import per_column
+
+    return weight.float() * per_column(scale, weight.shape[1]).repeat_interleave(128, 0)[: weight.shape[0]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("M", "N", "K"), [(1, 256, 512), (7, 200, 320), (20, 128, 1024)])  # ragged: 200 × 320
+@pytest.mark.parametrize("split", [1, 3, 8])  # 8 > the K blocks of 320 and 512: splits with nothing to add
+def test_the_fp8_weight_only_gemm_matches_the_dequantised_weight_at_every_split(dtype, M, N, K, split):
+    from shardspec.kernels import fp8
+
+    x, weight, scale = _fp8_operands(M, N, K, dtype)
+    launch = fp8.Plan(block_m=16 if M <= 16 else 32, block_n=64, split=split)
+    got = fp8.weight_only(x.to(DEVICE), weight.to(DEVICE), scale.to(DEVICE), launch=launch)
+    assert got.dtype == dtype
+    assert_agree(got, x.float() @ _dequantised(weight, scale).T, dtype)
+
+
+def test_the_fp8_weight_only_gemm_is_batch_invariant_and_deterministic():
+    """Invariant mode: a row's result is bit for bit the same alone and in a batch, and again."""
+    from shardspec.kernels import fp8
+
+    x, weight, scale = (t.to(DEVICE) for t in _fp8_operands(21, 256, 1024, torch.bfloat16, seed=1))
+    batch = fp8.weight_only(x, weight, scale, invariant=True)
+    assert fp8.plan(21, 256, 1024, 132, invariant=True) == fp8.plan(1, 256, 1024, 132, invariant=True)
+    for row in (0, 20):
+        assert torch.equal(fp8.weight_only(x[row : row + 1], weight, scale, invariant=True)[0], batch[row])
+    assert torch.equal(fp8.weight_only(x, weight, scale, invariant=True), batch)
+
+
+def test_the_weight_only_plan_fills_the_sms_with_k_splits_that_never_depend_on_the_rows():
+    from shardspec.kernels import fp8
+
+    down, gate_up = fp8.plan(1, 4096, 12288, 132), fp8.plan(1, 24576, 4096, 132)
+    assert 64 * down.split >= 4 * 132 and down.split <= 16 and 96 // down.split >= 4
+    assert gate_up.split * 384 >= 4 * 132
+    assert {fp8.plan(M, 4096, 12288, 132).split for M in (1, 8, 33, 64)} == {down.split}
+    assert fp8.plan(64, 4096, 12288, 132).block_m == 64 and fp8.plan(3, 4096, 12288, 132).block_m == 16
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("M", "K", "rows"), [(3, 512, 3), (5, 320, 16)])  # 16: padded with zero rows
+def test_the_fp8_activation_quantiser_rounds_each_group_to_the_nearest_e4m3_at_max_over_448(dtype, M, K, rows):
+    """Bit for bit the PyTorch rounding: scale = max |x| / 448 per token and 128 columns, q = the
+    e4m3 nearest x / scale (ties to even); rows past M hold zeros."""
+    from fp8_reference import quantised_groups
+
+    from shardspec.kernels import fp8
+
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(3)).to(dtype) * 3
+    x[0, :7] = torch.tensor([0.0, 1e-6, -1e-6, 2.0**-12, 448.0, 300.0, -0.01])  # zero, subnormals, the max
+    q, scale = fp8.quantize_groups(x.to(DEVICE), rows=rows)
+    expected_q, expected_scale = quantised_groups(x)
+    assert torch.equal(q[:M].cpu().view(torch.uint8), expected_q.view(torch.uint8))
+    assert torch.equal(scale[:M].cpu(), expected_scale)
+    assert not q[M:].float().any()
+
+
+@pytest.mark.parametrize(("M", "N", "K"), [(70, 256, 512), (65, 200, 320)])
+def test_the_w8a8_kernel_equals_the_fp32_product_of_its_quantised_operands(M, N, K):
+    """Our FP8 × FP8 kernel against (q · scale) @ (W8 · scale)^T in fp32: to fp32 rounding through the
+    interpreter; on the GPU within 2^-9 of the sum of |terms| (the FP8 tensor cores keep fewer
+    bits while they accumulate each 128-column block)."""
+    from fp8_reference import per_column
+
+    from shardspec.kernels import fp8
+
+    x, weight, scale = _fp8_operands(M, N, K, torch.bfloat16, seed=4)
+    q, x_scale = fp8.quantize_groups(x.to(DEVICE))
+    got = fp8.w8a8_triton(q, x_scale, weight.to(DEVICE), scale.to(DEVICE), torch.float32).cpu()
+    rows = q.cpu().float() * per_column(x_scale, K)
+    w = _dequantised(weight, scale)
+    terms = rows.abs() @ w.abs().T
+    assert ((got - rows @ w.T).abs() <= (2**-9 if GPU else 1e-6) * terms + 1e-30).all()
+
+
+def test_the_split_k_counter_is_taken_by_one_thread_and_the_partials_read_past_l1():
+    """The weight-only kernel's split-K protocol, in its compiled code for sm_90 (no GPU needed; a
+    process of its own, as the all-reduce's check below): one predicated acq_rel add per program
+    on the tile's counter, one predicated reset, and the other splits' partials loaded .cg (L2, where
+    they were stored; L1 may hold stale lines of the workspace)."""
+    compile_ptx = """
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import triton
+from shardspec.kernels.fp8 import _weight_only_kernel as kernel
+types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "y_ptr": "*bf16", "part_ptr": "*fp32",
+         "count_ptr": "*i32"}
+constants = {"SPLIT": 4, "EXACT": False, "EVEN": True, "BM": 16, "BN": 64, "BK": 128}
+signature = {a: "constexpr" if a in constants else types.get(a, "i32") for a in kernel.arg_names}
+source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+print(triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])
+"""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", compile_ptx], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line.strip() for line in done.stdout.splitlines()]
+    atomics = [line for line in lines if "atom." in line]
+    assert len(atomics) == 2 and all(line.startswith("@%p") and ".gpu.acq_rel." in line for line in atomics), atomics
+    assert ".add." in atomics[0] and ".exch." in atomics[1]
+    assert any(line.startswith(("ld.global.cg", "@%p")) and "ld.global.cg" in line for line in lines)
