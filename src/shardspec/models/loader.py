@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from shardspec.layers.parallel import TPGroup
 from shardspec.models import registry
-from shardspec.models.base import CausalLM, Stage, split_layers
+from shardspec.models.base import CausalLM, Stage, split_config, split_layers
 from shardspec.models.config import MAX_CONFIG_BYTES, ConfigError, check_regular, open_regular, read_json
 
 Progress = Callable[[int, int], None]
@@ -105,12 +105,14 @@ def load_model(
     with_mtp: bool | None = None,
     progress: Progress | None = None,
     stage: Stage | None = None,
+    expert_parallel: int = 1,
 ) -> CausalLM:
-    """This rank's shard of `stage` (default: the whole model), weights in `dtype` on `device`;
-    peak host memory ≈ the shard, not the model."""
+    """This rank's shard of `stage` (default: the whole model), weights in `dtype` on `device`, its
+    experts (if any) split over `expert_parallel` groups of the ranks; peak host memory ≈ the shard,
+    not the model."""
     folder = Path(folder)
-    family, config = registry.read(folder)
-    config.check_tp(tp.size)
+    family, whole_config = registry.read(folder)
+    config = split_config(whole_config, tp.size, expert_parallel)
     stage = stage or Stage.whole(config.num_hidden_layers)
     files = checkpoint_files(folder)
     mtp_present = family.has_mtp(files)
@@ -119,14 +121,16 @@ def load_model(
     mtp = mtp_present if with_mtp is None else with_mtp
     with torch.device("meta"):
         model = family.build(config, tp, stage, mtp)
-        whole = family.build(config, TPGroup(), stage, mtp)  # one rank's view of every full tensor
-    specs = {name: (getattr(param, "shard", None), getattr(param, "parts", None))
+        whole = family.build(whole_config, TPGroup(), stage, mtp)  # one rank's view of every full tensor
+    specs = {name: (getattr(param, "shard", None), getattr(param, "parts", None), getattr(param, "experts", None))
              for name, param in model.named_parameters()}
     plan = _reads(model, whole, specs, files)
     _check_shapes(plan, files, folder)  # before allocating: the checkpoint really holds every tensor the config implies
     model = model.to(dtype).to_empty(device=device)  # new parameter objects: give them their specs back
     for name, param in model.named_parameters():
-        param.shard, param.parts = specs[name]  # type: ignore[attr-defined]
+        param.shard, param.parts, experts = specs[name]  # type: ignore[attr-defined]
+        if experts is not None:
+            param.experts = experts  # type: ignore[attr-defined]
 
     params = list(model.named_parameters())
     with ExitStack() as stack:
@@ -142,6 +146,8 @@ def load_model(
         for done, (name, param) in enumerate(params, 1):
             reads, stacked = plan[name]
             tensor = torch.cat([read(key, spec) for key, spec, _ in reads]) if stacked else read(*reads[0][:2])
+            if specs[name][2] is not None:  # experts one after the other, read from either layout
+                tensor = tensor.view(param.shape)
             assert list(tensor.shape) == list(param.shape), (name, tensor.shape, param.shape)
             with torch.no_grad():
                 param.copy_(tensor)
@@ -150,7 +156,8 @@ def load_model(
     return model
 
 
-Read = tuple[str, tuple | None, list[int]]  # a checkpoint tensor, this rank's slice of it, its full shape
+# a checkpoint tensor, this rank's slice of it ((dim, ranges), or a tuple of them), its full shape
+Read = tuple[str, tuple | None, list[int]]
 
 
 def _reads(model: CausalLM, whole: CausalLM, specs: dict, files: dict[str, Path]) -> dict[str, tuple[list[Read], bool]]:
@@ -163,10 +170,13 @@ def _reads(model: CausalLM, whole: CausalLM, specs: dict, files: dict[str, Path]
         return text_prefix + key[len("model.") :] if key.startswith("model.") else key
 
     plan = {}
-    for name, (spec, parts) in specs.items():
-        keys = [in_file(key) for key in sources(model, name, parts)]
+    for name, (spec, parts, experts) in specs.items():
+        keys = [in_file(key) for key in sources(model, name, parts, experts)]
         shape = list(whole.get_parameter(name).shape)
-        if parts is None:
+        if experts is not None:
+            sizes = whole.get_submodule(name.rsplit(".", 1)[0]).sizes if parts else []
+            plan[name] = _expert_reads(keys[0], spec, parts, experts, shape, sizes, files)
+        elif parts is None:
             plan[name] = ([(keys[0], spec, shape)], False)
         else:
             sizes = whole.get_submodule(name.rsplit(".", 1)[0]).sizes
@@ -192,11 +202,30 @@ def _check_shapes(plan: dict[str, tuple[list[Read], bool]], files: dict[str, Pat
                 raise ConfigError(f"tensor {key!r} has shape {found}, the config implies {shape}")
 
 
-def sources(model: CausalLM, name: str, parts: list | None) -> list[str]:
+def _expert_reads(key: str, spec: tuple | None, parts: list | None, experts: tuple[int, int], shape: list[int],
+                  sizes: list[int], files: dict[str, Path]) -> tuple[list[Read], bool]:
+    """The reads of a parameter holding experts [first, end) (layers.moe.Experts), whose spec and
+    parts slice one expert's matrix: one read of the fused 3-D tensor `key` [E, ...] where the
+    checkpoint has it, else one per expert of `{module}.{e}.{part}.weight`, stacked."""
+    if key in files:
+        if parts:  # the parts' rows lie one after the other in the fused tensor (gate rows first)
+            starts = [sum(sizes[:i]) for i in range(len(sizes))]
+            cut = (1, [(start + a, start + b) for start, (_, ranges) in zip(starts, parts) for a, b in ranges])
+        else:
+            cut = (spec[0] + 1, spec[1])
+        return [(key, ((0, [experts]), cut), shape)], False
+    module, leaf = key.rsplit(".", 1)
+    if parts:
+        return [(f"{module}.{e}.{part}.weight", (0, ranges), [rows, *shape[2:]])
+                for e in range(*experts) for (part, ranges), rows in zip(parts, sizes, strict=True)], True
+    return [(f"{module}.{e}.{leaf}.weight", spec, shape[1:]) for e in range(*experts)], True
+
+
+def sources(model: CausalLM, name: str, parts: list | None, experts: tuple | None = None) -> list[str]:
     """The checkpoint tensors (text layout) parameter `name` is read from: one, or one per part of
-    a stacked parameter (layers.parallel.stack)."""
+    a stacked parameter (layers.parallel.stack); for experts, their fused tensor's name."""
     key = model.checkpoint_key(name)
-    if parts is None:
+    if parts is None or experts is not None:
         return [key]
     module, leaf = key.rsplit(".", 2)[0], key.rsplit(".", 1)[1]
     return [f"{module}.{part}.{leaf}" for part, _ in parts]
@@ -205,21 +234,28 @@ def sources(model: CausalLM, name: str, parts: list | None) -> list[str]:
 def checkpoint_keys(model: CausalLM) -> set[str]:
     """Every checkpoint tensor (text layout) the model's parameters are read from."""
     return {key for name, param in model.named_parameters()
-            for key in sources(model, name, getattr(param, "parts", None))}
+            for key in sources(model, name, getattr(param, "parts", None), getattr(param, "experts", None))}
 
 
 def _read_shard(full, spec: tuple | None) -> torch.Tensor:
-    """Read the rows/columns of a checkpoint tensor a parameter holds; ranges past the end (only
-    the vocabulary's, padded up to a multiple of the group size) read as zeros."""
+    """Read the rows/columns of a checkpoint tensor a parameter holds: spec is (dim, ranges), or a
+    tuple of them for cuts along several dims; ranges past the end (only the vocabulary's, padded up
+    to a multiple of the group size) read as zeros."""
     if spec is None:
         return full[:]
-    dim, ranges = spec
+    cuts = spec if isinstance(spec[0], tuple) else (spec,)
+    return _read_cuts(full, list(cuts), [slice(None)] * len(full.get_shape()))
+
+
+def _read_cuts(full, cuts: list[tuple[int, list]], index: list[slice]) -> torch.Tensor:
+    if not cuts:
+        return full[tuple(index)]
+    (dim, ranges), rest = cuts[0], cuts[1:]
     size = full.get_shape()[dim]
     parts = []
     for start, end in ranges:
-        index = [slice(None)] * len(full.get_shape())
-        index[dim] = slice(min(start, size), min(end, size))
-        part = full[tuple(index)]
+        index = [*index[:dim], slice(min(start, size), min(end, size)), *index[dim + 1 :]]
+        part = _read_cuts(full, rest, index)
         missing = end - start - part.shape[dim]
         if missing:
             pad_shape = list(part.shape)
