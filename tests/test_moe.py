@@ -4,19 +4,33 @@ both expert layouts, under tensor and expert parallelism; MTP; the splits that a
 from __future__ import annotations
 
 import asyncio
+import math
 import random
+import re
 
 import pytest
 import torch
-from reference import hf_greedy, hf_logits, hf_model
+from reference import fuse_experts, hf_greedy, hf_logits, hf_model
 from test_deterministic import decode_logits, prompts_of
 from test_model_equivalence import DECODE_STEPS, sharded_logits
 from test_spec_decode import generate_all
+from transformers import Qwen3_5MoeTextConfig
 
 import shardspec
 from shardspec.layers.parallel import TPGroup
+from shardspec.models.base import split_config
+from shardspec.models.config import ConfigError
 from shardspec.models.loader import load_model
-from shardspec.models.random_checkpoint import tiny_moe_config, write_random_checkpoint
+from shardspec.models.qwen3_5 import Qwen3_5MoeConfig
+from shardspec.models.random_checkpoint import (
+    parameter_shapes,
+    random_state_dict,
+    thirty_five_b_a3b_config,
+    tiny_moe_config,
+    write_checkpoint,
+    write_random_checkpoint,
+)
+from shardspec.orchestrator.config import EngineConfig
 
 
 @pytest.fixture(scope="session")
@@ -98,3 +112,105 @@ def test_moe_deterministic_logits_are_the_same_bits_alone_in_a_batch_and_with_mt
         alone = decode_logits(model, [prompt], draft_len=0, deterministic=True)[0]
         assert alone.keys() == batched.keys()
         assert all(torch.equal(alone[pos], batched[pos]) for pos in alone)
+
+
+@pytest.mark.parametrize("experts", ["fused", "per_expert"])
+def test_a_rank_reads_its_experts_and_its_rows_of_each_from_either_layout(tmp_path, experts):
+    """TP 4 in 2 expert groups: rank 3 holds experts 4..7 (the second half), rows 16..31 of each."""
+    config = tiny_moe_config()
+    state = write_random_checkpoint(tmp_path, config, seed=4, experts=experts)
+    model = load_model(tmp_path, TPGroup(3, 4), torch.float32, torch.device("cpu"), with_mtp=True, expert_parallel=2)
+    for prefix, layer in (("model.layers.1.", model.layers["1"]), ("mtp.layers.0.", model.mtp.layers[0])):
+        fused = fuse_experts({n: t for n, t in state.items() if n.startswith(prefix)})
+        gate_up, down = fused[f"{prefix}mlp.experts.gate_up_proj"], fused[f"{prefix}mlp.experts.down_proj"]
+        rows = slice(16, 32)
+        expected = torch.cat([gate_up[4:, rows], gate_up[4:, 32 + 16 : 64]], 1)
+        assert torch.equal(layer.mlp.experts.gate_up_proj, expected)
+        assert torch.equal(layer.mlp.experts.down_proj, down[4:, :, rows])
+        assert torch.equal(layer.mlp.gate.weight, fused[f"{prefix}mlp.gate.weight"])  # the router: whole
+        shared = slice(36, 48)  # the shared expert: split over all 4 ranks
+        assert torch.equal(layer.mlp.shared_expert.down_proj.weight,
+                           fused[f"{prefix}mlp.shared_expert.down_proj.weight"][:, shared])
+
+
+def test_the_expert_layouts_hold_the_same_weights_and_mixed_puts_the_mtp_layer_per_expert():
+    config = tiny_moe_config()
+    fused = random_state_dict(config, seed=1, experts="fused")
+    per_expert = random_state_dict(config, seed=1, experts="per_expert")
+    mixed = random_state_dict(config, seed=1, experts="mixed")
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in per_expert
+    assert "model.layers.0.mlp.experts.down_proj" in mixed and "mtp.layers.0.mlp.experts.7.up_proj.weight" in mixed
+    for other in (per_expert, mixed):
+        together = fuse_experts(other)
+        assert together.keys() == fused.keys()
+        assert all(torch.equal(together[n], fused[n]) for n in fused)
+
+
+def test_every_moe_parameter_is_randomised():
+    state = random_state_dict(tiny_moe_config(), seed=0, experts="mixed")
+    for name in ("model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.gate_up_proj",
+                 "model.layers.0.mlp.shared_expert_gate.weight", "mtp.layers.0.mlp.experts.3.down_proj.weight"):
+        assert name in state
+    for name, t in state.items():
+        assert torch.isfinite(t).all() and t.float().std() > 0.05, name
+    gate_up = state["model.layers.0.mlp.experts.gate_up_proj"]
+    assert not torch.equal(gate_up[0], gate_up[1]) and not torch.equal(gate_up[0, :32], gate_up[0, 32:])
+
+
+def test_the_35b_a3b_shape_has_35b_parameters_and_loads_in_transformers():
+    config = thirty_five_b_a3b_config()
+    count = sum(math.prod(s) for s in parameter_shapes(config, mtp=False).values())
+    assert 34e9 < count < 36e9
+    hf = Qwen3_5MoeTextConfig(**{k: v for k, v in config.items() if k != "model_type"})
+    assert (hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size) == (256, 8, 512)
+    assert hf.layer_types == config["layer_types"]
+
+
+def test_a_missing_expert_tensor_is_named(tmp_path):
+    config = tiny_moe_config()
+    state = random_state_dict(config, seed=1, experts="per_expert")
+    missing = "model.layers.2.mlp.experts.5.up_proj.weight"
+    write_checkpoint(tmp_path, config, {n: t for n, t in state.items() if n != missing})
+    with pytest.raises(ConfigError, match=missing.replace(".", r"\.")):
+        load_model(tmp_path, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=False)
+
+
+def test_a_fused_expert_tensor_of_another_shape_is_refused(tmp_path):
+    config = tiny_moe_config()
+    state = random_state_dict(config, seed=1)
+    name = "model.layers.0.mlp.experts.down_proj"
+    write_checkpoint(tmp_path, config, {**state, name: state[name][:-1]})
+    with pytest.raises(ConfigError, match=re.escape(f"{name}' has shape [7, 64, 32], the config implies [8, 64, 32]")):
+        load_model(tmp_path, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=False)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"local": 3}, "tensor-parallel degree 3 does not divide num_attention_heads=8; degrees that work: 1, 2, 4$"),
+    ({"local": 4, "ep": 3}, "expert-parallel degree 3 does not divide the tensor-parallel degree 4; at "
+                            "tensor-parallel degree 4 these work: 1, 2, 4$"),
+    ({"local": 2, "ep": 2, "pp": 1}, None),
+])
+def test_a_split_that_does_not_fit_the_experts_is_refused_before_any_worker_starts(moe_model, options, message):
+    config = EngineConfig(model=str(moe_model), **options)
+    if message is None:
+        config.check_model_folder()
+        return
+    with pytest.raises(ValueError, match=message):
+        config.check_model_folder()
+
+
+def test_the_refusals_name_the_expert_count_and_width_and_the_degrees_that_work():
+    few = Qwen3_5MoeConfig.from_dict(tiny_moe_config(num_experts=6))
+    with pytest.raises(ConfigError, match=r"expert-parallel degree 4 does not divide num_experts=6; at tensor-parallel "
+                                          r"degree 4 these work: 1, 2$"):
+        split_config(few, 4, 4)
+    narrow = Qwen3_5MoeConfig.from_dict(tiny_moe_config(moe_intermediate_size=6))
+    with pytest.raises(ConfigError, match=r"tensor-parallel degree 4 leaves 4 ranks per expert, which do not divide "
+                                          "moe_intermediate_size=6; degrees that work: 1, 2$"):
+        split_config(narrow, 4)
+    assert split_config(narrow, 4, 2).expert_parallel == 2  # two ranks per expert: 3 rows each
+
+
+def test_expert_parallelism_on_a_dense_model_is_refused(tiny_model):
+    with pytest.raises(ValueError, match="expert parallelism \\(ep=2\\) applies to mixture-of-experts models"):
+        EngineConfig(model=str(tiny_model), local=2, ep=2).check_model_folder()
