@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from reference import fuse_experts, hf_greedy, hf_logits, hf_model
+from reference import fuse_experts, hf_greedy, hf_logits, hf_model, read_checkpoint
 from test_deterministic import decode_logits, prompts_of
 from test_model_equivalence import DECODE_STEPS, sharded_logits
 from test_spec_decode import generate_all
@@ -214,3 +214,36 @@ def test_the_refusals_name_the_expert_count_and_width_and_the_degrees_that_work(
 def test_expert_parallelism_on_a_dense_model_is_refused(tiny_model):
     with pytest.raises(ValueError, match="expert parallelism \\(ep=2\\) applies to mixture-of-experts models"):
         EngineConfig(model=str(tiny_model), local=2, ep=2).check_model_folder()
+
+
+@pytest.mark.parametrize("backend", ["reference", "grouped", "gathered"])
+@pytest.mark.parametrize(("tp", "ep"), [(1, 1), (2, 2), (4, 2)])
+def test_every_expert_backend_computes_the_block_and_the_ranks_parts_sum_to_the_whole(moe_model, backend, tp, ep):
+    """The MoE block of layer 0 over 37 tokens: the ranks' partial sums, each rank with its slices
+    and its experts, add up to one worker's block (the reference backend), in float32."""
+    x = torch.randn(37, 64, generator=torch.Generator().manual_seed(tp))
+    whole = load_model(moe_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=False).layers["0"].mlp
+    expected = whole(x)
+    total = torch.zeros_like(expected)
+    for rank in range(tp):
+        model = load_model(moe_model, TPGroup(rank, tp), torch.float32, torch.device("cpu"), with_mtp=False,
+                           expert_parallel=ep)
+        block = model.layers["0"].mlp
+        block.experts.backend = backend
+        total += block(x)
+    assert (total - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def test_a_checkpoint_with_zero_experts_holds_them_as_holes_and_every_other_tensor_random(tmp_path):
+    config = tiny_moe_config()
+    kept = write_random_checkpoint(tmp_path, config, seed=3, experts="mixed", zero_experts=True)
+    _, state = read_checkpoint(tmp_path)
+    expected = fuse_experts(random_state_dict(config, seed=3, experts="mixed"))
+    assert state.keys() == expected.keys()
+    experts = [n for n in state if ".experts." in n]
+    assert experts and all(not state[n].any() for n in experts)
+    assert all(torch.equal(state[n], expected[n]) for n in state if n not in experts)
+    assert all(not kept[n].any() for n in kept if ".experts." in n)
+    file = (tmp_path / "model.safetensors").stat()
+    expert_bytes = sum(t.nbytes for n, t in state.items() if n in experts)
+    assert file.st_blocks * 512 < file.st_size - expert_bytes // 2  # most of the experts' bytes take no disk

@@ -375,10 +375,11 @@ def _split(sizes: list[int], shards: int) -> list[int]:
 def _write_safetensors(
     file: Path,
     entries: list[tuple[str, tuple[int, ...], torch.dtype]],
-    get: Callable[[], Iterator[Tensor]],
+    get: Callable[[], Iterator[Tensor | None]],
     progress: Callable[[int], None],
 ) -> None:
-    """Stream tensors into a safetensors file in the order `get` yields them."""
+    """Stream tensors into a safetensors file in the order `get` yields them; None leaves a hole (the
+    tensor reads as zeros and takes no disk space)."""
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape, dtype in entries:
@@ -394,19 +395,23 @@ def _write_safetensors(
     with open(file, "wb") as f:
         f.write(struct.pack("<Q", len(blob)) + blob)
         for (name, shape, dtype), tensor in zip(entries, get(), strict=True):
+            if tensor is None:
+                f.seek(math.prod(shape) * dtype.itemsize, os.SEEK_CUR)
+                continue
             if tuple(tensor.shape) != shape or tensor.dtype != dtype:
                 raise ValueError(
                     f"{name}: expected {shape} {dtype}, got {tuple(tensor.shape)} {tensor.dtype}"
                 )
             f.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
             progress(tensor.numel() * dtype.itemsize)
+        f.truncate()  # a hole at the end still counts in the file's length
 
 
 def _write(
     path: str | Path,
     config: dict,
     entries: list[tuple[str, tuple[int, ...], torch.dtype]],
-    tensor_of: Callable[[str], Tensor],
+    tensor_of: Callable[[str], Tensor | None],
     layout: str,
     shards: int,
 ) -> None:
@@ -449,7 +454,7 @@ def _write(
     (path / "config.json").write_text(json.dumps(checkpoint_config(config, layout), indent=2) + "\n")
 
 
-def _ahead(make: Callable[[str], Tensor], names: Iterable[str]) -> Iterator[Tensor]:
+def _ahead(make: Callable[[str], Tensor | None], names: Iterable[str]) -> Iterator[Tensor | None]:
     """make(name) for each name, in order, computed a few at a time on threads (torch's CPU ops
     release the GIL) while the caller writes the earlier ones: random 27B weights take minutes on
     one core."""
@@ -486,9 +491,13 @@ def write_random_checkpoint(
     mtp: bool = True,
     keep: bool | None = None,
     experts: str = "fused",
+    zero_experts: bool = False,
 ) -> dict[str, Tensor]:
     """Stream a random checkpoint to `path`; returns its text-layout state dict, or {} if not kept.
-    `experts`: the routed experts' layout of an MoE config (EXPERT_LAYOUTS).
+    `experts`: the routed experts' layout of an MoE config (EXPERT_LAYOUTS). `zero_experts`: the
+    routed experts are zeros, written as holes (benchmarks on small disks: 35B-A3B's experts are
+    64 of its 70 GB; a step's speed does not depend on their values, and routing, which does,
+    stays random); every other tensor is random.
 
     Tensors are generated a few at a time while writing, so peak memory is a few tensors plus what
     is kept; `keep=None` keeps (and returns) the state dict only below KEEP_LIMIT_BYTES.
@@ -501,7 +510,11 @@ def write_random_checkpoint(
         keep = sum(math.prod(s) for s in shapes.values()) * dtype.itemsize < KEEP_LIMIT_BYTES
     kept: dict[str, Tensor] = {}
 
-    def tensor_of(name: str) -> Tensor:
+    def tensor_of(name: str) -> Tensor | None:
+        if zero_experts and ".experts." in name:
+            if keep:
+                kept[name] = torch.zeros(shapes[name], dtype=dtype)
+            return None
         t = random_tensor(config, name, shapes[name], seed, dtype)
         if keep:
             kept[name] = t
@@ -529,10 +542,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--experts", choices=EXPERT_LAYOUTS, default="mixed",
                         help="MoE sizes: routed experts as fused 3-D tensors, one tensor per expert, or mixed (fused "
                              "in the layers, per expert in the MTP layer, as Qwen3.5-35B-A3B is released)")
+    parser.add_argument("--zero-experts", action="store_true",
+                        help="MoE sizes, for benchmarks on small disks: routed experts all zeros, written as holes of "
+                             "sparse files (35B-A3B: ~6 GB on disk instead of 70); every other tensor random")
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype or ("float32" if args.size.startswith("tiny") else "bfloat16"))
     write_random_checkpoint(args.path, sizes[args.size](), seed=args.seed, dtype=dtype, layout=args.layout,
-                            shards=args.shards, mtp=not args.no_mtp, keep=False, experts=args.experts)
+                            shards=args.shards, mtp=not args.no_mtp, keep=False, experts=args.experts,
+                            zero_experts=args.zero_experts)
     print(f"wrote a random {args.size} checkpoint to {args.path}", file=sys.stderr)
 
 
