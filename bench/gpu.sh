@@ -28,6 +28,9 @@
 #   pp      pipeline stages on one GPU (one H200 is enough): tests/test_cuda.py, then 9B-class PP = 1 and
 #           PP = 2 with both stages on cuda:0, batch 1/8, MTP off and k = 3 at 0.8, and the stage link's
 #           cost per message; batch 8 again as one micro-batch; each part runs even if one before it failed (the exit status says)
+#   moe     one H200: the MoE tests of tests/test_cuda.py (the 35B-A3B-class checkpoint written meanwhile, its
+#           routed experts zeros in holes: ~6 GB of disk, not 70), then 35B-A3B-class TP = 1 batch 1/8/32, MTP
+#           off and k = 3 at 0.8, prefill 2k, transformers' generate in the same run
 # Then, where matplotlib is: python bench/plot_decode.py OUT/decode-9b-tp1.json ... --out docs/decode.png
 set -euo pipefail
 if [ $# -lt 3 ]; then
@@ -38,8 +41,9 @@ wheels=$1 out=$2
 shift 2
 for stage in "$@"; do
     case $stage in
-    tests | 9b | 9b-tp2 | tp2-profile | 27b | floor | deterministic | pp) ;;
-    *) echo "gpu.sh: unknown stage '$stage' (tests, 9b, 9b-tp2, tp2-profile, 27b, floor, deterministic, pp)" >&2; exit 2 ;;
+    tests | 9b | 9b-tp2 | tp2-profile | 27b | floor | deterministic | pp | moe) ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, 9b, 9b-tp2, tp2-profile, 27b, floor, deterministic, pp, moe)" >&2
+       exit 2 ;;
     esac
 done
 mkdir -p "$out" .bench
@@ -128,6 +132,17 @@ for stage in "$@"; do
             --prefill --link-cost --out "$out/decode-9b-pp2.json" 2>&1 | tee "$out/decode-9b-pp2.log" || failed=1
         python3 bench/decode.py --size 9b --ckpt .bench/9b --pp 2 --micro-batches 1 --device cuda:0 --batch 8 --k 3 \
             --forced 0.8 --prefill --out "$out/decode-9b-pp2-mb1.json" 2>&1 | tee "$out/decode-9b-pp2-mb1.log" || failed=1
+        ;;
+    moe)
+        [ -f .bench/35b-a3b/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/35b-a3b \
+            --size 35b-a3b --zero-experts &
+        writer=$!   # on the CPUs, while the tests take the GPU
+        timeout 240 python3 -m pytest -q tests/test_cuda.py -k moe --durations=10 --timeout 200 2>&1 \
+            | tee "$out/tests-moe.log" || failed=1
+        wait $writer || failed=1
+        timeout 540 python3 bench/decode.py --size 35b-a3b --ckpt .bench/35b-a3b --tp 1 --batch 1 8 32 --k 3 \
+            --forced 0.8 --prefill 2048 --hf --zero-experts --out "$out/decode-35b-a3b.json" 2>&1 | tee "$out/decode-35b-a3b.log" \
+            || failed=1
         ;;
     esac
 done

@@ -50,10 +50,11 @@ def moe_model_per_expert(tmp_path_factory):
     return path
 
 
+# fast: each layout, TP 1, 2 and 4, TP split inside expert groups; slow: the other combinations
 @pytest.mark.parametrize(("layout", "tp", "ep"), [
-    ("mixed", 1, 1), ("mixed", 2, 1), ("per_expert", 4, 1), ("mixed", 4, 2), ("per_expert", 2, 2),
-    *(pytest.param(*case, marks=pytest.mark.slow) for case in [("per_expert", 1, 1), ("mixed", 4, 1),
-                                                                ("mixed", 4, 4)]),
+    ("mixed", 1, 1), ("per_expert", 2, 1), ("mixed", 4, 2),
+    *(pytest.param(*case, marks=pytest.mark.slow) for case in [
+        ("per_expert", 1, 1), ("mixed", 2, 1), ("per_expert", 2, 2), ("per_expert", 4, 1), ("mixed", 4, 4)]),
 ])
 def test_moe_logits_match_transformers_for_prefill_and_decode(layout, tp, ep, moe_model, moe_model_per_expert):
     model_dir = moe_model if layout == "mixed" else moe_model_per_expert
@@ -87,7 +88,7 @@ def test_moe_greedy_generation_through_the_orchestrator_equals_transformers_gene
     assert asyncio.run(run()) == expected
 
 
-@pytest.mark.parametrize(("tp", "ep"), [(1, 1), (2, 2)])
+@pytest.mark.parametrize(("tp", "ep"), [pytest.param(1, 1, marks=pytest.mark.slow), (2, 2)])
 def test_moe_greedy_output_with_mtp_equals_output_without(moe_small_vocab_model, tp, ep):
     rng = random.Random(tp)
     prompts = [rng.choices(range(16), k=rng.randint(1, 30)) for _ in range(4)]
@@ -216,8 +217,10 @@ def test_expert_parallelism_on_a_dense_model_is_refused(tiny_model):
         EngineConfig(model=str(tiny_model), local=2, ep=2).check_model_folder()
 
 
-@pytest.mark.parametrize("backend", ["reference", "grouped", "gathered"])
-@pytest.mark.parametrize(("tp", "ep"), [(1, 1), (2, 2), (4, 2)])
+@pytest.mark.parametrize(("backend", "tp", "ep"), [
+    ("grouped", 1, 1), ("gathered", 1, 1), ("reference", 4, 2), ("grouped", 4, 2), ("gathered", 4, 2),
+    *(pytest.param(backend, 2, 2, marks=pytest.mark.slow) for backend in ("reference", "grouped", "gathered")),
+])
 def test_every_expert_backend_computes_the_block_and_the_ranks_parts_sum_to_the_whole(moe_model, backend, tp, ep):
     """The MoE block of layer 0 over 37 tokens: the ranks' partial sums, each rank with its slices
     and its experts, add up to one worker's block (the reference backend), in float32."""
