@@ -75,14 +75,16 @@ def moe_small_vocab_model(tmp_path_factory):
     return path
 
 
-def test_moe_greedy_generation_through_the_orchestrator_equals_transformers_generate(moe_model):
+@pytest.mark.parametrize("options", [dict(local=2, ep=2, mtp=False), dict(local=2, pp=2, mtp=True)])
+def test_moe_greedy_generation_through_the_orchestrator_equals_transformers_generate(moe_model, options):
+    """Expert parallelism, and pipeline stages with the MoE MTP layer on the last one."""
     rng = random.Random(8)
     prompts = [rng.choices(range(512), k=n) for n in (1, 9, 40)]
     reference = hf_model(moe_model)
     expected = [hf_greedy(reference, prompt, 32) for prompt in prompts]
 
     async def run() -> list[list[int]]:
-        async with shardspec.connect(model=str(moe_model), local=2, ep=2) as engine:
+        async with shardspec.connect(model=str(moe_model), dtype="float32", **options) as engine:
             return await generate_all(engine, prompts, max_tokens=32)  # batched in shared steps
 
     assert asyncio.run(run()) == expected
@@ -210,6 +212,11 @@ def test_the_refusals_name_the_expert_count_and_width_and_the_degrees_that_work(
                                           "moe_intermediate_size=6; degrees that work: 1, 2$"):
         split_config(narrow, 4)
     assert split_config(narrow, 4, 2).expert_parallel == 2  # two ranks per expert: 3 rows each
+
+
+def test_an_expert_parallel_degree_out_of_range_is_refused():
+    with pytest.raises(ValueError, match=r"ep must be an expert-parallel degree in \[1, 4096\], got 0"):
+        EngineConfig(local=2, ep=0)
 
 
 def test_expert_parallelism_on_a_dense_model_is_refused(tiny_model):
