@@ -25,6 +25,10 @@ With --pp P the workers form P pipeline stages (P × --tp of them); `--device cu
 stage on one GPU, whose floor is then the whole model's bytes (the stages run one after the other
 on it). --link-cost adds what one stage-link message of this model's hidden states costs at each
 batch size: its bytes, encode + send + receive through ZeroMQ, and the copies off and onto the GPU.
+
+With --fp8 every row runs again, in the same run, on the checkpoint's block-wise FP8 twin (the same
+seed quantised: `random_checkpoint --fp8`), its rows tagged "weights": "fp8" and set against the
+FP8 floor (FP8 weights, their block scales and the 16-bit parts).
 """
 
 from __future__ import annotations
@@ -67,9 +71,10 @@ PROMPT_LEN = 128
 
 
 class Bench:
-    def __init__(self, engine, config: HybridConfig, bandwidth: float, last_rank: int = 0):
+    def __init__(self, engine, config: HybridConfig, bandwidth: float, last_rank: int = 0, fp8: bool = False):
         self.engine, self.config, self.bandwidth = engine, config, bandwidth
         self.last_rank = last_rank  # a rank of the last stage: it verifies, so it counts the drafts
+        self.fp8 = fp8  # a block-wise FP8 checkpoint: its floor counts FP8 weights and their scales
 
     async def reload(self, slots: int, k: int | None, forced: float | None, deterministic: bool = False) -> None:
         """New caches, MTP settings and mode on the loaded weights (the workers keep them); the rest of
@@ -132,7 +137,7 @@ class Bench:
         share: one sequence's step runs them one after the other), at the run's mean context."""
         dtype_bytes = 4 if self.config.dtype == "float32" else 2
         return step_bytes(self.config, tp, batch, PROMPT_LEN + new_tokens // 2, k, dtype_bytes,
-                          DRAFT_HEAD if dtype_bytes == 2 else "cublas")
+                          DRAFT_HEAD if dtype_bytes == 2 else "cublas", fp8=self.fp8)
 
 
 def transformers_decode(model: str, batches: list[int], new_tokens: int, vocab: int, device: str) -> list[dict]:
@@ -195,23 +200,32 @@ def link_costs(config: HybridConfig, batches: list[int], ks: list[int], device: 
 
 
 async def run(args: argparse.Namespace, out: dict, save) -> None:
-    config = split_config(registry.read(args.ckpt)[1], args.tp, args.ep)  # the floor counts a rank's experts
     device = torch.device(args.device)
     out["bandwidth_GBps"] = copy_bandwidth(device) / 1e9
     print(f"copy bandwidth {out['bandwidth_GBps']:.0f} GB/s", flush=True)
     if args.link_cost:
-        out["link_cost"] = link_costs(config, args.batch, sorted({0, *args.k}), device)
+        out["link_cost"] = link_costs(registry.read(args.ckpt)[1], args.batch, sorted({0, *args.k}), device)
         save()
+    out["decode"], out["prefill"] = [], []
+    for weights, ckpt in [("bf16", args.ckpt), *([("fp8", args.fp8_ckpt)] if args.fp8 else [])]:
+        await run_checkpoint(args, ckpt, weights, out, save)
+
+
+async def run_checkpoint(args: argparse.Namespace, ckpt: Path, weights: str, out: dict, save) -> None:
+    """Every decode and prefill row of one checkpoint; `weights` (bf16 or fp8) tags its rows."""
+    config = split_config(registry.read(ckpt)[1], args.tp, args.ep)  # the floor counts a rank's experts
     max_seq_len = max([PROMPT_LEN + args.new_tokens + 64, *(p + 8 for p in args.prefill)])
     stages = {"micro_batches": args.micro_batches} if args.micro_batches else {}
-    async with shardspec.connect(model=str(args.ckpt), local=args.tp * args.pp, pp=args.pp, tp=args.tp, ep=args.ep,
+    async with shardspec.connect(model=str(ckpt), local=args.tp * args.pp, pp=args.pp, tp=args.tp, ep=args.ep,
                                  **stages,
                                  device=args.device, mtp=None, max_slots=max(args.batch), max_seq_len=max_seq_len,
                                  connect_timeout=600, heartbeat_timeout=60) as engine:  # a fresh VM stalls as it grows
-        bench = Bench(engine, config, out["bandwidth_GBps"] * 1e9, last_rank=(args.pp - 1) * args.tp)
-        out["weight_bytes_per_rank"] = engine.load_info.weight_bytes  # loaded: the floor counts what a step reads
-        out["weight_bytes_per_stage"] = [s.weight_bytes for s in (await engine.stats())[:: args.tp]]
-        out["decode"] = []
+        bench = Bench(engine, config, out["bandwidth_GBps"] * 1e9, last_rank=(args.pp - 1) * args.tp,
+                      fp8=weights == "fp8")
+        suffix = "" if weights == "bf16" else f"_{weights}"
+        out["weight_bytes_per_rank" + suffix] = engine.load_info.weight_bytes  # loaded: what a step reads
+        out["weight_bytes_per_stage" + suffix] = [s.weight_bytes for s in (await engine.stats())[:: args.tp]]
+        print(f"{weights} weights ({ckpt})", flush=True)
         print("| batch | MTP | tokens/s | step ms | floor ms | of floor | MAL | idle gap ms |", flush=True)
         print("|---|---|---|---|---|---|---|---|", flush=True)
         for batch in args.batch:
@@ -222,8 +236,8 @@ async def run(args: argparse.Namespace, out: dict, save) -> None:
                 row = await bench.decode(batch, args.new_tokens)
                 moved = bench.floor(args.tp, batch, k or 0, args.new_tokens)
                 floor = 1000 * moved.total / bench.bandwidth
-                row |= {"k": k or 0, "forced": forced, "deterministic": deterministic, "floor_bytes": asdict(moved),
-                        "floor_ms": floor, "of_floor": floor / row["step_ms"]}
+                row |= {"weights": weights, "k": k or 0, "forced": forced, "deterministic": deterministic,
+                        "floor_bytes": asdict(moved), "floor_ms": floor, "of_floor": floor / row["step_ms"]}
                 out["decode"].append(row)
                 save()
                 label = ("off" if not k else f"k={k} @{forced}") + (" deterministic" if deterministic else "")
@@ -231,9 +245,10 @@ async def run(args: argparse.Namespace, out: dict, save) -> None:
                       f"| {row['of_floor']:.0%} | {row.get('mean_acceptance_length', 1):.2f} "
                       f"| {row['idle_gap_ms']:.3f} |", flush=True)
         await bench.reload(1, None, None)
-        out["prefill"] = [await bench.prefill(length) for length in args.prefill]
+        rows = [await bench.prefill(length) | {"weights": weights} for length in args.prefill]
+        out["prefill"] += rows
         save()
-        for row in out["prefill"]:
+        for row in rows:
             print(f"prefill {row['prompt_tokens']} tokens: {row['tokens_per_s']:.0f} tokens/s (first token "
                   f"{row['ttft_ms']:.1f} ms, of which the worker's step {row['worker_step_ms']:.1f})", flush=True)
 
@@ -281,15 +296,23 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, nargs="*", default=[2048, 8192])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--hf", action="store_true", help="also time transformers' generate (batch sizes ≤ 8)")
+    parser.add_argument("--fp8", action="store_true",
+                        help="then every row again on the block-wise FP8 twin of the checkpoint (same seed)")
+    parser.add_argument("--fp8-ckpt", type=Path, default=None,
+                        help="the FP8 twin (default: CKPT-fp8; written if missing)")
     parser.add_argument("--out", type=Path, default=Path("decode-results.json"))
     args = parser.parse_args()
     os.environ[FORCED_ACCEPTANCE_ENV] = "1"  # a benchmark: forced acceptance is meant here
     args.ckpt = args.ckpt or Path(f"/tmp/shardspec-{args.size}")
+    args.fp8_ckpt = args.fp8_ckpt or args.ckpt.with_name(args.ckpt.name + "-fp8")
+    dtype = torch.float32 if args.size.startswith("tiny") else torch.bfloat16
+    moe = "num_experts" in SIZES[args.size]()
+    experts = {"experts": "mixed", "zero_experts": args.zero_experts} if moe else {}
     if not (args.ckpt / "config.json").exists():
-        dtype = torch.float32 if args.size.startswith("tiny") else torch.bfloat16
-        moe = "num_experts" in SIZES[args.size]()
-        experts = {"experts": "mixed", "zero_experts": args.zero_experts} if moe else {}
         write_random_checkpoint(args.ckpt, SIZES[args.size](), seed=0, dtype=dtype, keep=False, **experts)
+    if args.fp8 and not (args.fp8_ckpt / "config.json").exists():  # quantised from the same seed: the twin
+        write_random_checkpoint(args.fp8_ckpt, SIZES[args.size](), seed=0, dtype=dtype, keep=False, fp8=True,
+                                **experts)
     out: dict = {"size": args.size, "tp": args.tp, "ep": args.ep, "pp": args.pp, "zero_experts": args.zero_experts,
                  "micro_batches": args.micro_batches,
                  "device": torch.cuda.get_device_name() if

@@ -407,3 +407,113 @@ def test_moe_deterministic_logits_on_the_gpu_are_the_same_bits_alone_in_a_batch_
         alone = decode_logits(model, [prompt], draft_len=0, deterministic=True, device="cuda")[0]
         assert alone.keys() == batched.keys()
         assert all(torch.equal(alone[pos], batched[pos]) for pos in alone)
+
+
+# --- FP8 checkpoints (block-wise e4m3, 128 × 128 scales) ---------------------------------------------
+
+def _fp8_reference_inputs(M: int, N: int, K: int):
+    gen = torch.Generator().manual_seed(M * 7 + N)
+    x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(N, K, generator=gen) * 3).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(-(-N // 128), -(-K // 128), generator=gen) * 0.01 + 0.001
+    return x, weight, scale
+
+
+def _quantised_groups(x: torch.Tensor) -> torch.Tensor:
+    """x with each token's 128-column groups through e4m3 at their own scale (the W8A8 path's input)."""
+    M, K = x.shape
+    padded = torch.zeros(M, -(-K // 128) * 128)
+    padded[:, :K] = x.float()
+    groups = padded.view(M, -1, 128)
+    scale = groups.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448
+    return ((groups / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale).view(M, -1)[:, :K]
+
+
+@pytest.mark.parametrize("M", [1, 7, 64, 65, 300])
+@pytest.mark.parametrize(("N", "K"), [(384, 512), (200, 320)])  # whole blocks; ragged last blocks
+@pytest.mark.parametrize("prefill", ["triton", "cublas"])
+def test_the_fp8_gemms_match_the_dequantised_weight(M, N, K, prefill):
+    """Decode rows (≤ 64): bf16 activations times the FP8 weight · its block scales, to bf16 rounding;
+    prefill rows: activations through e4m3 per token and 128-group first, then the same."""
+    from shardspec.kernels import fp8 as kernel_fp8
+    from shardspec.layers.fp8 import dequantize
+
+    x, weight, scale = _fp8_reference_inputs(M, N, K)
+    w = dequantize(weight, scale, torch.float32)
+    cuda = torch.device("cuda")
+    cublas = kernel_fp8.cublas_layout(weight.to(cuda), scale.to(cuda)) if prefill == "cublas" else None
+    if prefill == "cublas" and M > kernel_fp8.DECODE_ROWS and cublas is None:
+        pytest.skip("no block-scaled FP8 in this cuBLAS, or not this shape")
+    got = kernel_fp8.linear(x.to(cuda), weight.to(cuda), scale.to(cuda), cublas_scale=cublas).float().cpu()
+    rows = x.float() if M <= kernel_fp8.DECODE_ROWS else _quantised_groups(x)
+    expected = rows @ w.T
+    assert (got - expected).abs().max() <= 1e-2 * expected.abs().max()
+    invariant = kernel_fp8.linear(x.to(cuda), weight.to(cuda), scale.to(cuda), invariant=True).float().cpu()
+    one_row = kernel_fp8.linear(x[:1].to(cuda), weight.to(cuda), scale.to(cuda), invariant=True).float().cpu()
+    assert torch.equal(invariant[:1], one_row)  # batch-invariant: a row's result depends on that row alone
+
+
+@pytest.fixture(scope="module")
+def fp8_model(tmp_path_factory) -> Path:
+    from test_fp8 import ALIGNED  # whole 128 × 128 blocks at TP = 1 and 2
+
+    path = tmp_path_factory.mktemp("fp8-aligned")
+    write_random_checkpoint(path, ALIGNED, seed=2, fp8=True, dtype=torch.bfloat16)
+    return path
+
+
+@torch.inference_mode()
+def test_an_fp8_checkpoint_kept_fp8_on_the_gpu_gives_the_cpu_logits_in_fp32(fp8_model):
+    """fp32 (the weight-only kernel at every row count): a cached prefill of 80 tokens, one-token
+    decode passes and a three-token (verify-sized) pass with the FP8 weights in GPU memory give the
+    logits of the weights dequantised at load on the CPU."""
+    from shardspec.layers.fp8 import Fp8Linear
+
+    ids = torch.randint(0, 512, (2, 90), generator=torch.Generator().manual_seed(0))
+    cpu = load_model(fp8_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=False)
+    reference = cpu.lm_head.logits(cpu(ids, Batch.uncached(2, 90, ids.device)))
+    model = load_model(fp8_model, TPGroup(), torch.float32, torch.device("cuda"), with_mtp=False)
+    assert isinstance(model.layers["0"].mlp.down_proj, Fp8Linear)
+    assert model.layers["0"].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    model.allocate_caches(3, 128, torch.float32, torch.device("cuda"))
+    x, slots = ids.cuda(), torch.tensor([2, 0], device="cuda")
+    positions = torch.arange(90, device="cuda").expand(2, -1)
+    spans = [(0, 80), *((t, t + 1) for t in range(80, 87)), (87, 90)]
+    hidden = torch.cat([model(x[:, a:b], Batch(slots, positions[:, a:b], b)) for a, b in spans], 1)
+    torch.testing.assert_close(model.lm_head.logits(hidden).cpu(), reference, rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_an_fp8_checkpoint_in_bf16_on_the_gpu_agrees_with_the_fp32_dequantised_reference(fp8_model):
+    """Teacher-forced top-1 agreement over 256 positions: a prefill pass (W8A8: activations in e4m3)
+    and 256 one-token decode passes (weight-only: activations in bf16)."""
+    ids = torch.randint(0, 512, (1, 256), generator=torch.Generator().manual_seed(1))
+    cpu = load_model(fp8_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=False)
+    reference = cpu.lm_head.logits(cpu(ids, Batch.uncached(1, 256, ids.device)))[0].argmax(-1)
+    model = load_model(fp8_model, TPGroup(), torch.bfloat16, torch.device("cuda"), with_mtp=False)
+    x, slots = ids.cuda(), torch.tensor([0], device="cuda")
+    positions = torch.arange(256, device="cuda")[None]
+    model.allocate_caches(1, 256, torch.bfloat16, x.device)
+    prefill = model(x, Batch(slots, positions, 256))
+    model.reset_slots(slots)
+    decode = torch.cat([model(x[:, t : t + 1], Batch(slots, positions[:, t : t + 1], t + 1)) for t in range(256)], 1)
+    agreement = {name: (model.lm_head.logits(hidden)[0].argmax(-1).cpu() == reference).float().mean().item()
+                 for name, hidden in (("prefill", prefill), ("decode", decode))}
+    assert min(agreement.values()) >= 0.95, agreement
+
+
+def test_an_fp8_checkpoint_through_the_engine_on_the_gpu_gives_the_cpu_greedy_output(fp8_model):
+    """fp32, the engine's CUDA graphs, MTP on and off (verify passes of k + 1 rows), against the
+    CPU path, which dequantises at load."""
+    prompts = [[5, 17, 300, 42, 9], [101, 7, 7, 250]]
+    cpu = greedy("cpu", "float32", 1, mtp=False, prompts=prompts, model=fp8_model)
+    assert greedy("cuda", "float32", 1, mtp=False, prompts=prompts, model=fp8_model) == cpu
+    assert greedy("cuda", "float32", 1, mtp=True, prompts=prompts, model=fp8_model) == cpu
+
+
+def test_an_fp8_checkpoint_at_tp_2_on_the_gpu_gives_the_tp_1_greedy_output(fp8_model):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    prompts = [[5, 17, 300, 42, 9], [101, 7, 7, 250]]
+    assert greedy("cuda", "float32", 2, mtp=False, prompts=prompts, model=fp8_model) == \
+        greedy("cuda", "float32", 1, mtp=False, prompts=prompts, model=fp8_model)

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from shardspec.models.base import split_config
 from shardspec.models.qwen3_5 import Qwen3_5Config, Qwen3_5MoeConfig
-from shardspec.models.random_checkpoint import parameter_shapes, tiny_config, tiny_moe_config
+from shardspec.models.random_checkpoint import parameter_shapes, tiny_config, tiny_moe_config, write_random_checkpoint
 from shardspec.models.step_bytes import step_bytes
 
 CONFIG = Qwen3_5Config.from_dict(tiny_config())
@@ -60,6 +62,17 @@ def test_the_weights_with_the_embedding_table_and_the_mtp_module_are_the_checkpo
     total = 2 * sum(math.prod(shape) for shape in parameter_shapes(tiny_config(), mtp=True).values())
     got = step_bytes(CONFIG, tp=1, batch=1, context=0, k=1)
     assert got.weights + 2 * 512 * 64 + got.mtp == total
+
+
+def test_the_fp8_floor_reads_what_an_fp8_checkpoint_holds_fp8_weights_their_block_scales_and_the_16_bit_rest(
+        tmp_path):
+    """The FP8 floor against the bytes of a written FP8 checkpoint (bf16 where it keeps 16 bits)."""
+    entries = write_random_checkpoint(tmp_path, tiny_config(), dtype=torch.bfloat16, fp8=True, keep=True)
+    total = sum(t.nbytes for t in entries.values())
+    assert any(t.dtype == torch.float8_e4m3fn for t in entries.values())
+    got = step_bytes(CONFIG, tp=1, batch=1, context=0, k=1, fp8=True)
+    assert got.weights + 2 * 512 * 64 + got.mtp == total
+    assert got.weights < step_bytes(CONFIG, tp=1, batch=1, context=0, k=0).weights
 
 
 MOE = Qwen3_5MoeConfig.from_dict(tiny_moe_config())  # 8 experts, top 3, expert width 32, shared 48

@@ -17,12 +17,20 @@ import os
 
 import torch
 
-try:
-    import triton  # noqa: F401
 
-    HAVE_TRITON = True
-except ImportError:  # the CPU wheel of torch comes without Triton
-    HAVE_TRITON = False
+def _import_triton() -> bool:
+    """Triton where a kernel can run: a GPU, or its interpreter (TRITON_INTERPRET=1, the tests).
+    A CPU-only process skips the import, a few tenths of a second of every CPU worker's start."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:  # the CPU wheel of torch comes without Triton
+        return False
+    return True
+
+
+HAVE_TRITON = _import_triton()
 
 ENABLED = HAVE_TRITON and os.environ.get("SHARDSPEC_KERNELS", "1") != "0"
 
@@ -38,4 +46,4 @@ def rows(x: torch.Tensor) -> torch.Tensor:
 
 
 if HAVE_TRITON:  # the kernel modules need Triton to import; callers check enabled() first
-    from shardspec.kernels import attention, gdn, head, norm  # noqa: F401
+    from shardspec.kernels import attention, fp8, gdn, head, norm  # noqa: F401

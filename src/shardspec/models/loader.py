@@ -14,12 +14,15 @@ from pathlib import Path, PurePosixPath
 import torch
 from safetensors import safe_open
 
+from shardspec import kernels
+from shardspec.layers.fp8 import FP8, prepare_kernels
 from shardspec.layers.parallel import TPGroup
-from shardspec.models import registry
+from shardspec.models import fp8, registry
 from shardspec.models.base import CausalLM, Stage, split_config, split_layers
-from shardspec.models.config import MAX_CONFIG_BYTES, ConfigError, check_regular, open_regular, read_json
+from shardspec.models.config import MAX_CONFIG_BYTES, ConfigError, check_regular, open_regular, read_config, read_json
 
 Progress = Callable[[int, int], None]
+MAX_FP8_TP = 64  # the largest TP degree an FP8 refusal considers when it names the degrees that work
 MAX_HEADER_BYTES = 100 * 2**20  # a safetensors header (the safetensors library's own limit)
 DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
@@ -41,8 +44,13 @@ def checkpoint_files(folder: Path) -> dict[str, Path]:
 
 
 def read_header(file: Path) -> dict[str, list[int]]:
-    """Every tensor's shape in a safetensors file, from its header, read only if the file is a
-    regular one whose header is bounded and whose tensors' bytes are all in the file."""
+    """Every tensor's shape in a safetensors file (read_entries)."""
+    return {name: shape for name, (shape, _) in read_entries(file).items()}
+
+
+def read_entries(file: Path) -> dict[str, tuple[list[int], str]]:
+    """Every tensor's (shape, dtype) in a safetensors file, from its header, read only if the file
+    is a regular one whose header is bounded and whose tensors' bytes are all in the file."""
     with open_regular(file) as f:
         size = os.fstat(f.fileno()).st_size
         length_bytes = f.read(8)
@@ -59,11 +67,11 @@ def read_header(file: Path) -> dict[str, list[int]]:
     if not isinstance(header, dict):
         raise ConfigError(f"{file}: the safetensors header is not a JSON object")
     header.pop("__metadata__", None)
-    shapes = {name: _entry_shape(file, name, entry) for name, entry in header.items()}
+    entries = {name: (_entry_shape(file, name, entry), entry["dtype"]) for name, entry in header.items()}
     end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
     if 8 + length + end > size:
         raise ConfigError(f"{file} is {size} bytes, its header says its tensors need {8 + length + end}: truncated?")
-    return shapes
+    return entries
 
 
 def _entry_shape(file: Path, name: str, entry: object) -> list[int]:
@@ -105,55 +113,143 @@ def load_model(
     with_mtp: bool | None = None,
     progress: Progress | None = None,
     stage: Stage | None = None,
+    fp8_native: bool | None = None,
     expert_parallel: int = 1,
 ) -> CausalLM:
     """This rank's shard of `stage` (default: the whole model), weights in `dtype` on `device`, its
-    experts (if any) split over `expert_parallel` groups of the ranks; peak host memory ≈ the shard,
-    not the model."""
+    experts (if any) split over `expert_parallel` groups of the ranks (layers.moe); peak host memory
+    ≈ the shard, not the model. The FP8 weights of an FP8 checkpoint stay FP8 where fp8_native
+    (default: on a GPU with FP8, compute capability 8.9 or later), else are dequantised."""
     folder = Path(folder)
-    family, whole_config = registry.read(folder)
-    config = split_config(whole_config, tp.size, expert_parallel)
+    family, config = registry.read(folder)
+    split_config(config, tp.size, expert_parallel)  # ConfigError naming the degrees that work
     stage = stage or Stage.whole(config.num_hidden_layers)
     files = checkpoint_files(folder)
     mtp_present = family.has_mtp(files)
     if with_mtp and not mtp_present:
         raise ConfigError(f"{folder} has no MTP weights ({family.draft_prefix or 'its family has no MTP'}*)")
     mtp = mtp_present if with_mtp is None else with_mtp
-    with torch.device("meta"):
-        model = family.build(config, tp, stage, mtp)
-        whole = family.build(whole_config, TPGroup(), stage, mtp)  # one rank's view of every full tensor
-    specs = {name: (getattr(param, "shard", None), getattr(param, "parts", None), getattr(param, "experts", None))
-             for name, param in model.named_parameters()}
-    plan = _reads(model, whole, specs, files)
-    _check_shapes(plan, files, folder)  # before allocating: the checkpoint really holds every tensor the config implies
-    model = model.to(dtype).to_empty(device=device)  # new parameter objects: give them their specs back
+    model, specs, plan = _plan(family, config, tp, stage, mtp, files, expert_parallel)
+    experts = {name: param.experts for name, param in model.named_parameters() if hasattr(param, "experts")}
+    entries = _entries(plan, files)
+    quantized = fp8.quantized_keys(entries, fp8.read_format(read_config(folder)), folder)
+    model = model.to(dtype)
+    if quantized and (fp8_native_default(device) if fp8_native is None else fp8_native):
+        plan = _keep_fp8(model, plan, quantized, tp.size, (family, config, stage, mtp, files))
+    # before allocating: the checkpoint really holds every tensor the config implies
+    _check_shapes(plan, entries, files, folder)
+    model = model.to_empty(device=device)  # new parameter objects: give them their specs back
     for name, param in model.named_parameters():
-        param.shard, param.parts, experts = specs[name]  # type: ignore[attr-defined]
-        if experts is not None:
-            param.experts = experts  # type: ignore[attr-defined]
+        param.shard, param.parts = specs.get(name, (None, None))  # type: ignore[attr-defined]
+        if name in experts:
+            param.experts = experts[name]  # type: ignore[attr-defined]
+    raw = {key for name, (reads, _) in plan.items() if model.get_parameter(name).dtype == FP8
+           for key, _, _ in reads}  # read as they are; other FP8 tensors are dequantised
 
     params = list(model.named_parameters())
     with ExitStack() as stack:
         handles: dict[Path, object] = {}
 
-        def read(key: str, spec: tuple | None) -> torch.Tensor:
-            """This rank's slice of checkpoint tensor `key`."""
+        def handle(key: str):
             if files[key] not in handles:
                 check_regular(files[key])  # safetensors opens it by name
                 handles[files[key]] = stack.enter_context(safe_open(files[key], framework="pt"))
-            return _read_shard(handles[files[key]].get_slice(key), spec)
+            return handles[files[key]]
+
+        def read(key: str, spec: tuple | None) -> torch.Tensor:
+            """This rank's slice of checkpoint tensor `key`."""
+            full = handle(key).get_slice(key)
+            tensor = _read_shard(full, spec)
+            if key in quantized and key not in raw:
+                scale = handle(fp8.scale_key(key)).get_tensor(fp8.scale_key(key))
+                tensor = fp8.dequantize_slice(tensor, scale, spec, full.get_shape(), dtype)
+            return tensor
 
         for done, (name, param) in enumerate(params, 1):
             reads, stacked = plan[name]
             tensor = torch.cat([read(key, spec) for key, spec, _ in reads]) if stacked else read(*reads[0][:2])
-            if specs[name][2] is not None:  # experts one after the other, read from either layout
+            if name in experts:  # experts one after the other, read from either layout
                 tensor = tensor.view(param.shape)
             assert list(tensor.shape) == list(param.shape), (name, tensor.shape, param.shape)
             with torch.no_grad():
                 param.copy_(tensor)
             if progress:
                 progress(done, len(params))
+    if raw:
+        prepare_kernels(model)
     return model
+
+
+def fp8_native_default(device: torch.device) -> bool:
+    """Whether FP8 weights stay FP8 on `device`: a GPU whose kernels read FP8 (8.9 or later)."""
+    return device.type == "cuda" and kernels.HAVE_TRITON and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def check_quantization(folder: str | Path, tp_size: int, fp8_native: bool) -> None:
+    """The checks load_model makes of an FP8 checkpoint, for every rank, without reading a tensor:
+    a supported quantization, and (kept FP8) slices of whole blocks. ConfigError otherwise."""
+    folder = Path(folder)
+    family, config = registry.read(folder)
+    config.check_tp(tp_size)
+    files = checkpoint_files(folder)
+    stage, mtp = Stage.whole(config.num_hidden_layers), family.has_mtp(files)
+    fmt = fp8.read_format(read_config(folder))
+    for rank in range(tp_size if fp8_native else 1):
+        model, _, plan = _plan(family, config, TPGroup(rank, tp_size), stage, mtp, files)
+        quantized = fp8.quantized_keys(_entries(plan, files), fmt, folder)
+        if not quantized or not fp8_native:
+            return
+        _keep_fp8(model, plan, quantized, tp_size, (family, config, stage, mtp, files))
+
+
+def _plan(family, config, tp: TPGroup, stage: Stage, mtp: bool, files: dict[str, Path], ep: int = 1):
+    """A rank's model (its experts over ep groups of the ranks) on the meta device, its parameters'
+    slice specs, and where each is read from."""
+    with torch.device("meta"):
+        model = family.build(split_config(config, tp.size, ep) if ep != 1 else config, tp, stage, mtp)
+        whole = family.build(config, TPGroup(), stage, mtp)  # one rank's view of every full tensor
+    specs = {name: (getattr(param, "shard", None), getattr(param, "parts", None))
+             for name, param in model.named_parameters()}
+    return model, specs, _reads(model, whole, specs, files)
+
+
+def _keep_fp8(model: CausalLM, plan: dict, quantized: set[str], tp_size: int, build: tuple) -> dict:
+    """fp8.convert, naming the TP degrees that keep whole blocks where this one does not."""
+    try:
+        return fp8.convert(model, plan, quantized, tp_size)
+    except fp8.BlockSplitError as exc:
+        raise ConfigError(f"{exc}; on a GPU, where FP8 weights stay FP8, the TP degrees that keep whole blocks are "
+                          f"{_whole_block_degrees(quantized, *build)} (on a CPU any degree works: it dequantises "
+                          "at load)") from None
+
+
+def _whole_block_degrees(quantized: set[str], family, config, stage: Stage, mtp: bool, files) -> list[int]:
+    degrees = []
+    for size in range(1, MAX_FP8_TP + 1):
+        try:
+            config.check_tp(size)
+            for rank in range(size):
+                model, _, plan = _plan(family, config, TPGroup(rank, size), stage, mtp, files)
+                fp8.convert(model, plan, quantized, size)
+        except ConfigError:
+            continue
+        degrees.append(size)
+    return degrees
+
+
+def _entries(plan: dict, files: dict[str, Path]) -> dict[str, tuple[list[int], str]]:
+    """(shape, dtype) from the safetensors headers of every tensor the plan reads, and of their
+    FP8 scales; a tensor the checkpoint lacks is left out (_check_shapes names it)."""
+    keys = {key for reads, _ in plan.values() for key, _, _ in reads}
+    keys |= {fp8.scale_key(key) for key in keys}
+    headers: dict[Path, dict] = {}
+    entries = {}
+    for key in sorted(keys & files.keys()):
+        if files[key] not in headers:
+            headers[files[key]] = read_entries(files[key])
+        if key in headers[files[key]]:
+            entries[key] = headers[files[key]][key]
+    return entries
 
 
 # a checkpoint tensor, this rank's slice of it ((dim, ranges), or a tuple of them), its full shape
@@ -170,7 +266,8 @@ def _reads(model: CausalLM, whole: CausalLM, specs: dict, files: dict[str, Path]
         return text_prefix + key[len("model.") :] if key.startswith("model.") else key
 
     plan = {}
-    for name, (spec, parts, experts) in specs.items():
+    for name, (spec, parts) in specs.items():
+        experts = getattr(model.get_parameter(name), "experts", None)
         keys = [in_file(key) for key in sources(model, name, parts, experts)]
         shape = list(whole.get_parameter(name).shape)
         if experts is not None:
@@ -185,19 +282,17 @@ def _reads(model: CausalLM, whole: CausalLM, specs: dict, files: dict[str, Path]
     return plan
 
 
-def _check_shapes(plan: dict[str, tuple[list[Read], bool]], files: dict[str, Path], folder: Path) -> None:
+def _check_shapes(plan: dict[str, tuple[list[Read], bool]], entries: dict[str, tuple[list[int], str]],
+                  files: dict[str, Path], folder: Path) -> None:
     """Every tensor the plan reads is in the checkpoint, with the shape the config implies (from
     the safetensors headers, whose sizes match the files' bytes)."""
-    headers: dict[Path, dict[str, list[int]]] = {}
     for reads, _ in plan.values():
         for key, _, shape in reads:
             if key not in files:
                 raise ConfigError(f"checkpoint in {folder} lacks tensor {key!r}")
-            if files[key] not in headers:
-                headers[files[key]] = read_header(files[key])
-            found = headers[files[key]].get(key)
-            if found is None:
+            if key not in entries:
                 raise ConfigError(f"{files[key]} lacks tensor {key!r}, which the checkpoint index puts there")
+            found = entries[key][0]
             if found != shape:
                 raise ConfigError(f"tensor {key!r} has shape {found}, the config implies {shape}")
 

@@ -8,6 +8,7 @@ import math
 import os
 import struct
 import sys
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,7 @@ KEEP_LIMIT_BYTES = 1 << 30  # write_random_checkpoint keeps tensors by default o
 PROGRESS_MIN_BYTES = 1 << 30  # report write progress on stderr from this checkpoint size up
 
 _ST_DTYPES = {
+    torch.float8_e4m3fn: "F8_E4M3",
     torch.float64: "F64",
     torch.float32: "F32",
     torch.float16: "F16",
@@ -326,6 +328,61 @@ def random_state_dict(
     }
 
 
+# What the FP8 releases leave unquantised among the 2-D weights (docs/architecture.md, "FP8 checkpoints")
+FP8_KEEP = ("embed_tokens", "lm_head", "in_proj_a", "in_proj_b", "mtp.fc")
+FP8_BLOCK, FP8_MAX = 128, 448.0
+
+
+def fp8_quantized(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether an FP8 release stores this text-layout tensor as FP8 (with a weight_scale_inv)."""
+    return name.endswith(".weight") and len(shape) == 2 and not any(part in name for part in FP8_KEEP)
+
+
+def quantize_fp8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """weight [N, K] -> (e4m3 [N, K], fp32 scales [⌈N/128⌉, ⌈K/128⌉]) with weight ≈ w8 · scale per
+    128 × 128 block, each block's largest magnitude mapped to e4m3's largest (448)."""
+    n, k = weight.shape
+    nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+    tiles = weight.new_zeros(nb * FP8_BLOCK, kb * FP8_BLOCK, dtype=torch.float32)
+    tiles[:n, :k] = weight
+    tiles = tiles.view(nb, FP8_BLOCK, kb, FP8_BLOCK)
+    amax = tiles.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    w8 = tiles.div_(scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return w8.view(nb * FP8_BLOCK, kb * FP8_BLOCK)[:n, :k].contiguous(), scale
+
+
+def fp8_config(config: dict, layout: str) -> dict:
+    """`config` with the quantization_config of an FP8 release in `layout`."""
+    keep = sorted({layout_name(n, layout).removesuffix(".weight") for n, shape in parameter_shapes(config).items()
+                   if len(shape) == 2 and not fp8_quantized(n, shape)})
+    return {**config, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                              "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+                                              "modules_to_not_convert": keep}}
+
+
+class _Quantizer:
+    """Each weight quantised once, whichever of it and its scale a writer thread asks for first;
+    forgotten once both are taken."""
+
+    def __init__(self, make: Callable[[str], Tensor]):
+        self.make, self.lock, self.slots = make, threading.Lock(), {}
+
+    def get(self, name: str, part: int) -> Tensor:
+        """Part 0 (the FP8 weight) or 1 (its scales) of weight `name`."""
+        with self.lock:
+            slot = self.slots.setdefault(name, [threading.Lock(), None, 2])
+        with slot[0]:
+            if slot[1] is None:
+                slot[1] = quantize_fp8(self.make(name))
+            value = slot[1][part]
+            slot[2] -= 1
+        if not slot[2]:
+            with self.lock:
+                self.slots.pop(name, None)
+        return value
+
+
 def layout_name(name: str, layout: str) -> str:
     """Rename a text-layout parameter name for a checkpoint layout."""
     if layout not in LAYOUTS:
@@ -344,16 +401,18 @@ def text_layout_name(name: str) -> str:
 
 def checkpoint_config(config: dict, layout: str) -> dict:
     """The config.json contents for a text config written in `layout`."""
-    text = {k: v for k, v in config.items() if k != "architectures"}
+    text = {k: v for k, v in config.items() if k not in ("architectures", "quantization_config")}
+    top = {"quantization_config": config["quantization_config"]} if "quantization_config" in config else {}
     moe = "Moe" if "num_experts" in config else ""
     if layout == "model":
-        return {**text, "architectures": [f"Qwen3_5{moe}ForCausalLM"]}
+        return {**text, "architectures": [f"Qwen3_5{moe}ForCausalLM"], **top}
     if layout == "language_model":
         return {
             "model_type": "qwen3_5_moe" if moe else "qwen3_5",
             "architectures": [f"Qwen3_5{moe}ForConditionalGeneration"],
             "text_config": text,
             "tie_word_embeddings": text.get("tie_word_embeddings", False),
+            **top,
         }
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
@@ -490,6 +549,7 @@ def write_random_checkpoint(
     shards: int = 1,
     mtp: bool = True,
     keep: bool | None = None,
+    fp8: bool = False,
     experts: str = "fused",
     zero_experts: bool = False,
 ) -> dict[str, Tensor]:
@@ -500,28 +560,51 @@ def write_random_checkpoint(
     stays random); every other tensor is random.
 
     Tensors are generated a few at a time while writing, so peak memory is a few tensors plus what
-    is kept; `keep=None` keeps (and returns) the state dict only below KEEP_LIMIT_BYTES.
+    is kept; `keep=None` keeps (and returns) the state dict only below KEEP_LIMIT_BYTES. fp8: in an
+    FP8 release's format, quantised from the `dtype` checkpoint of the same seed (fp8_quantized).
     """
     config = dict(tiny_config() if config is None else config)
     config["dtype"] = str(dtype).removeprefix("torch.")
     shapes = parameter_shapes(config, mtp, experts)
     entries = [(n, s, dtype) for n, s in shapes.items()]
+    if fp8:
+        config = fp8_config(config, layout)
+        entries = _fp8_entries(entries)
     if keep is None:
-        keep = sum(math.prod(s) for s in shapes.values()) * dtype.itemsize < KEEP_LIMIT_BYTES
+        keep = sum(math.prod(s) * d.itemsize for _, s, d in entries) < KEEP_LIMIT_BYTES
     kept: dict[str, Tensor] = {}
+    quantizer = _Quantizer(lambda name: random_tensor(config, name, shapes[name], seed, dtype))
 
     def tensor_of(name: str) -> Tensor | None:
         if zero_experts and ".experts." in name:
             if keep:
                 kept[name] = torch.zeros(shapes[name], dtype=dtype)
             return None
-        t = random_tensor(config, name, shapes[name], seed, dtype)
+        if name.endswith("_scale_inv"):
+            t = quantizer.get(name.removesuffix("_scale_inv"), 1)
+        elif fp8 and fp8_quantized(name, shapes[name]):
+            t = quantizer.get(name, 0)
+        else:
+            t = random_tensor(config, name, shapes[name], seed, dtype)
         if keep:
             kept[name] = t
         return t
 
     _write(path, config, entries, tensor_of, layout, shards)
-    return {n: kept[n] for n in shapes} if keep else {}
+    return {n: kept[n] for n, _, _ in entries} if keep else {}
+
+
+def _fp8_entries(entries: list[tuple[str, tuple[int, ...], torch.dtype]]) -> list:
+    """The (name, shape, dtype) entries of the FP8 form: each quantised weight as e4m3, followed
+    by its fp32 weight_scale_inv."""
+    out = []
+    for name, shape, dtype in entries:
+        if not fp8_quantized(name, shape):
+            out.append((name, shape, dtype))
+            continue
+        blocks = tuple(-(-n // FP8_BLOCK) for n in shape)
+        out += [(name, shape, torch.float8_e4m3fn), (name + "_scale_inv", blocks, torch.float32)]
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -539,6 +622,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shards", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-mtp", action="store_true", help="leave out the mtp.* weights")
+    parser.add_argument("--fp8", action="store_true",
+                        help="block-wise FP8 (e4m3, 128 × 128 scales) as the FP8 releases, quantised from the "
+                             "--dtype checkpoint of the same seed; unquantised tensors in --dtype")
     parser.add_argument("--experts", choices=EXPERT_LAYOUTS, default="mixed",
                         help="MoE sizes: routed experts as fused 3-D tensors, one tensor per expert, or mixed (fused "
                              "in the layers, per expert in the MTP layer, as Qwen3.5-35B-A3B is released)")
@@ -548,9 +634,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype or ("float32" if args.size.startswith("tiny") else "bfloat16"))
     write_random_checkpoint(args.path, sizes[args.size](), seed=args.seed, dtype=dtype, layout=args.layout,
-                            shards=args.shards, mtp=not args.no_mtp, keep=False, experts=args.experts,
+                            shards=args.shards, mtp=not args.no_mtp, keep=False, fp8=args.fp8, experts=args.experts,
                             zero_experts=args.zero_experts)
-    print(f"wrote a random {args.size} checkpoint to {args.path}", file=sys.stderr)
+    kind = "FP8 " if args.fp8 else ""
+    print(f"wrote a random {kind}{args.size} checkpoint to {args.path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -217,7 +217,9 @@ class ModelRunner:
         self.forwarded: deque[Forwarded] = deque()  # on an earlier stage: steps whose record is to come
         self.forwarded_max = 0
         self.counters = SpecCounters(accepted_per_position=[0] * draft_len)
-        dtype = next(model.parameters()).dtype
+        # the model's dtype: of its weights, not of FP8 ones or their fp32 scales (layers.fp8)
+        dtype = next(p.dtype for name, p in model.named_parameters()
+                     if p.dtype.itemsize > 1 and not name.endswith("_scale_inv"))
         # a verify pass writes k positions past the accepted ones and the draft chain k - 1 more past
         # those (also for a sequence that finishes in that step): room for them; one more slot is
         # scratch space for the padding rows of graphed batches

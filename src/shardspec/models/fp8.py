@@ -1,0 +1,190 @@
+"""Fine-grained FP8 checkpoints (the block-wise FP8 releases): the format in config.json, which of
+a checkpoint's tensors are FP8, and how a rank reads them.
+
+config.json's `quantization_config` is {quant_method: fp8, fmt: e4m3, weight_block_size: [128,
+128], activation_scheme: dynamic, modules_to_not_convert: [...]}; each quantised weight [N, K] is
+float8 e4m3 beside its `weight_scale_inv` [⌈N/128⌉, ⌈K/128⌉], W = W8 · scale per block. Which
+tensors are FP8 is read from the safetensors headers (their dtype), so what the checkpoint holds
+decides, whatever the skip list names; every other tensor (embeddings, LM head, norms, ...) loads
+as in a bf16 checkpoint.
+
+Two ways to load one: dequantised at load into the model's dtype (the CPU path: any slice of a
+weight works), or kept FP8 (`convert`, the GPU path): each Linear whose checkpoint weights are FP8
+becomes a layers.fp8.Fp8Linear holding the rank's slice of the weight and of its scale blocks, so
+a rank's slice must consist of whole 128 × 128 blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardspec.layers.fp8 import BLOCK, Fp8Linear, dequantize
+from shardspec.layers.linear import Linear
+from shardspec.models.config import ConfigError, text_config
+
+SUPPORTED = ("supported: fine-grained FP8 (quant_method 'fp8', fmt 'e4m3', weight_block_size [128, 128], "
+             "activation_scheme 'dynamic', float scales)")
+FP8_DTYPE = "F8_E4M3"  # the safetensors dtype of a quantised weight
+SCALE_DTYPES = ("F32", "BF16", "F16")
+
+Read = tuple[str, Any, list[int]]  # loader.Read: a checkpoint tensor, this rank's slice of it, its full shape
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    """A checkpoint's fine-grained FP8 quantization (the only one supported)."""
+
+    modules_to_not_convert: tuple[str, ...] = ()
+
+
+class BlockSplitError(ConfigError):
+    """A rank's slice of an FP8 weight cuts through its 128 × 128 blocks (the loader names the TP
+    degrees that do not)."""
+
+
+def read_format(raw: dict[str, Any]) -> Fp8Format | None:
+    """The FP8 format config.json declares, None for an unquantised checkpoint; ConfigError naming
+    what is supported for any other quantization."""
+    config = raw.get("quantization_config", text_config(raw).get("quantization_config"))
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        raise ConfigError(f"quantization_config must be a JSON object, got {config!r}; {SUPPORTED}")
+    method = config.get("quant_method")
+    if method != "fp8":
+        raise ConfigError(f"quantization quant_method {method!r} is not supported; {SUPPORTED}")
+    checks = {"fmt": ("e4m3", "e4m3"), "activation_scheme": ("dynamic", "dynamic"), "scale_fmt": ("float", "float"),
+              "weight_block_size": (None, [BLOCK, BLOCK])}
+    for field, (default, wanted) in checks.items():
+        value = config.get(field, default)
+        if value != wanted:
+            raise ConfigError(f"FP8 quantization with {field} {value!r} is not supported; {SUPPORTED}")
+    skip = config.get("modules_to_not_convert") or []
+    if not isinstance(skip, list) or not all(isinstance(name, str) for name in skip):
+        raise ConfigError(f"quantization_config.modules_to_not_convert must be a list of module names, got {skip!r}")
+    return Fp8Format(tuple(skip))
+
+
+def scale_key(key: str) -> str:
+    """The scale tensor of a quantised weight: `x.weight` -> `x.weight_scale_inv`."""
+    return key + "_scale_inv"
+
+
+def blocks(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+def quantized_keys(entries: dict[str, tuple[list[int], str]], fmt: Fp8Format | None, folder: Any) -> set[str]:
+    """The FP8 weights among `entries` (checkpoint key -> (shape, safetensors dtype)), each checked
+    to be a 2-D `.weight` of e4m3 with a float scale of the shape its blocks imply (`entries` must
+    hold the scales too)."""
+    quantized = {key for key, (_, dtype) in entries.items() if dtype == FP8_DTYPE}
+    other_fp8 = sorted(key for key, (_, dtype) in entries.items() if dtype.startswith("F8_") and dtype != FP8_DTYPE)
+    if other_fp8:
+        raise ConfigError(f"tensor {other_fp8[0]!r} is {entries[other_fp8[0]][1]}; {SUPPORTED}")
+    if quantized and fmt is None:
+        raise ConfigError(f"{folder}: tensor {min(quantized)!r} is FP8 but config.json has no quantization_config; "
+                          f"{SUPPORTED}")
+    for key in sorted(quantized):
+        shape = entries[key][0]
+        if not key.endswith(".weight") or len(shape) != 2:
+            raise ConfigError(f"FP8 tensor {key!r} of shape {shape}: only 2-D .weight tensors can be FP8")
+        scale = entries.get(scale_key(key))
+        if scale is None:
+            raise ConfigError(f"FP8 weight {key!r} has no {scale_key(key)!r} in the checkpoint")
+        expected = [blocks(shape[0]), blocks(shape[1])]
+        if scale[0] != expected or scale[1] not in SCALE_DTYPES:
+            raise ConfigError(f"{scale_key(key)!r} is {scale[1]} {scale[0]}; a weight of shape {shape} needs "
+                              f"float scales of shape {expected} (one per {BLOCK} × {BLOCK} block)")
+    return quantized
+
+
+def dequantize_slice(w8: torch.Tensor, scale: torch.Tensor, spec: tuple | None, shape: list[int],
+                     dtype: torch.dtype) -> torch.Tensor:
+    """A rank's slice `spec` (loader: None or (dim, ranges)) of an FP8 weight of `shape`, dequantised."""
+    index = [torch.arange(n) for n in shape]
+    if spec is not None:
+        dim, ranges = spec  # rows past the end (padding) are zeros: any block's scale does
+        index[dim] = torch.cat([torch.arange(start, end) for start, end in ranges]).clamp(max=shape[dim] - 1)
+    return dequantize(w8, scale, dtype, *index)
+
+
+def convert(model: nn.Module, plan: dict[str, tuple[list[Read], bool]], quantized: set[str],
+            tp_size: int) -> dict[str, tuple[list[Read], bool]]:
+    """Replace, on the meta device, each Linear whose checkpoint weights are FP8 by an Fp8Linear,
+    and return the plan with that layer's reads (weight, weight_scale_inv and rest in place of
+    weight). BlockSplitError where this rank's slice would split a block."""
+    plan = dict(plan)
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, Linear):
+            continue
+        reads, stacked = plan[f"{name}.weight"]
+        if not any(key in quantized for key, _, _ in reads):
+            continue
+        del plan[f"{name}.weight"]
+        with torch.device("meta"):  # allocated on the device later, with the rest (loader)
+            layer, layer_reads = (_merged if stacked else _single)(reads, quantized, module.weight.dtype, tp_size)
+        model.set_submodule(name, layer)
+        plan |= {f"{name}.{leaf}": entry for leaf, entry in layer_reads.items()}
+    return plan
+
+
+def _single(reads: list[Read], quantized: set[str], dtype, tp_size: int):
+    """One FP8 checkpoint weight, whole or sliced along one dimension."""
+    ((key, spec, shape),) = reads
+    if spec is None:
+        rows, cols, scale_spec = shape[0], shape[1], None
+    else:
+        dim, ranges = spec
+        ranges = _whole_blocks(key, ranges, shape[dim], tp_size)
+        size = sum(end - start for start, end in ranges)
+        rows, cols = (size, shape[1]) if dim == 0 else (shape[0], size)
+        scale_spec = (dim, [(start // BLOCK, blocks(end)) for start, end in ranges])
+    scale = (scale_key(key), scale_spec, [blocks(shape[0]), blocks(shape[1])])
+    return Fp8Linear(rows, cols), {"weight": ([(key, spec, shape)], False), "weight_scale_inv": ([scale], False)}
+
+
+def _merged(reads: list[Read], quantized: set[str], dtype, tp_size: int):
+    """Stacked parts (a MergedColumnParallelLinear): the FP8 parts each padded to whole blocks with
+    zero rows, the others into `rest`."""
+    weight, scales, rest, outputs = [], [], [], []
+    fp8_rows = rest_rows = 0
+    for key, (_, ranges), shape in reads:
+        size = sum(end - start for start, end in ranges)
+        if key not in quantized:
+            rest.append((key, (0, ranges), shape))
+            outputs.append((True, rest_rows, size))
+            rest_rows += size
+            continue
+        ranges = _whole_blocks(key, ranges, shape[0], tp_size)
+        pad = -size % BLOCK  # only where the part ends at its tensor's end: rows past it read as zeros
+        ranges[-1] = (ranges[-1][0], ranges[-1][1] + pad)
+        weight.append((key, (0, ranges), shape))
+        scales.append((scale_key(key), (0, [(start // BLOCK, blocks(end)) for start, end in ranges]),
+                       [blocks(shape[0]), blocks(shape[1])]))
+        outputs.append((False, fp8_rows, size))
+        fp8_rows += size + pad
+    layer_reads = {"weight": (weight, True), "weight_scale_inv": (scales, True)}
+    if rest:
+        layer_reads["rest"] = (rest, True)
+    return Fp8Linear(fp8_rows, reads[0][2][1], outputs, rest_rows, dtype), layer_reads
+
+
+def _whole_blocks(key: str, ranges: list[tuple[int, int]], size: int, tp_size: int) -> list[tuple[int, int]]:
+    """`ranges` with adjacent ones joined, once each is seen to start on a block boundary and to end
+    on one or at the tensor's end."""
+    joined: list[tuple[int, int]] = []
+    for start, end in ranges:
+        if joined and joined[-1][1] == start:
+            joined[-1] = (joined[-1][0], end)
+        else:
+            joined.append((start, end))
+    for start, end in joined:
+        if start % BLOCK or (end % BLOCK and end < size):
+            raise BlockSplitError(f"tensor-parallel degree {tp_size} splits the {BLOCK} × {BLOCK} FP8 blocks of "
+                                  f"{key!r} (a rank's slice {start}:{end} of {size})")
+    return joined
