@@ -15,6 +15,12 @@ read and written) ÷ the copy bandwidth measured with CUDA events. With --hf, tr
 `generate` runs on the same checkpoint and GPU in the same run. Results go to stdout as tables and
 to --out as JSON, row by row.
 
+Mixture-of-experts sizes (35b-a3b) take --ep (expert parallelism); their floor counts the routed
+experts the step's tokens hit under uniform routing (step_bytes). With --zero-experts the written
+checkpoint's routed experts are zeros stored as holes (35B-A3B: ~6 GB on disk instead of 70, for
+machines whose disk cannot hold it); every other tensor, the routers too, is random, so the routing
+is, and a step's speed does not depend on the experts' values. transformers loads the same folder.
+
 With --pp P the workers form P pipeline stages (P × --tp of them); `--device cuda:0` puts every
 stage on one GPU, whose floor is then the whole model's bytes (the stages run one after the other
 on it). --link-cost adds what one stage-link message of this model's hidden states costs at each
@@ -44,10 +50,14 @@ import torch
 from gpu_timing import copy_bandwidth, sync
 
 import shardspec
-from shardspec.models.qwen3_5 import Qwen3_5Config
+from shardspec.models import registry
+from shardspec.models.base import split_config
+from shardspec.models.qwen3_5 import HybridConfig, Qwen3_5MoeConfig
 from shardspec.models.random_checkpoint import (
     nine_b_config,
+    thirty_five_b_a3b_config,
     tiny_config,
+    tiny_moe_config,
     twenty_seven_b_config,
     write_random_checkpoint,
 )
@@ -55,12 +65,13 @@ from shardspec.models.step_bytes import StepBytes, step_bytes
 from shardspec.orchestrator.config import FORCED_ACCEPTANCE_ENV
 from shardspec.shard_worker.runner import DRAFT_HEAD
 
-SIZES = {"tiny": tiny_config, "9b": nine_b_config, "27b": twenty_seven_b_config}
+SIZES = {"tiny": tiny_config, "9b": nine_b_config, "27b": twenty_seven_b_config, "tiny-moe": tiny_moe_config,
+         "35b-a3b": thirty_five_b_a3b_config}
 PROMPT_LEN = 128
 
 
 class Bench:
-    def __init__(self, engine, config: Qwen3_5Config, bandwidth: float, last_rank: int = 0, fp8: bool = False):
+    def __init__(self, engine, config: HybridConfig, bandwidth: float, last_rank: int = 0, fp8: bool = False):
         self.engine, self.config, self.bandwidth = engine, config, bandwidth
         self.last_rank = last_rank  # a rank of the last stage: it verifies, so it counts the drafts
         self.fp8 = fp8  # a block-wise FP8 checkpoint: its floor counts FP8 weights and their scales
@@ -131,10 +142,12 @@ class Bench:
 
 def transformers_decode(model: str, batches: list[int], new_tokens: int, vocab: int, device: str) -> list[dict]:
     """Greedy tokens/s of transformers' `generate` at each batch size, the model loaded once."""
-    from transformers import GenerationConfig, Qwen3_5ForCausalLM
+    from transformers import GenerationConfig, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 
     placed = {} if device == "cpu" else {"device_map": device}  # device_map needs accelerate
-    hf = Qwen3_5ForCausalLM.from_pretrained(model, dtype=torch.bfloat16, **placed).eval()
+    moe = isinstance(registry.read(model)[1], Qwen3_5MoeConfig)
+    hf = (Qwen3_5MoeForCausalLM if moe else Qwen3_5ForCausalLM).from_pretrained(model, dtype=torch.bfloat16,
+                                                                               **placed).eval()
     rows = []
     for batch in batches:
         ids = torch.tensor([random.Random(batch).choices(range(vocab), k=PROMPT_LEN) for _ in range(batch)],
@@ -155,7 +168,7 @@ def transformers_decode(model: str, batches: list[int], new_tokens: int, vocab: 
     return rows
 
 
-def link_costs(config: Qwen3_5Config, batches: list[int], ks: list[int], device: torch.device) -> list[dict]:
+def link_costs(config: HybridConfig, batches: list[int], ks: list[int], device: torch.device) -> list[dict]:
     """One stage-link message of a verify pass at each batch and k: bytes, encode + send + receive
     (bench/pipeline.py's link_cost, best of 200), and the copy off the GPU into a reused pinned
     buffer plus the copy of the received frame onto it (best of 200)."""
@@ -191,7 +204,7 @@ async def run(args: argparse.Namespace, out: dict, save) -> None:
     out["bandwidth_GBps"] = copy_bandwidth(device) / 1e9
     print(f"copy bandwidth {out['bandwidth_GBps']:.0f} GB/s", flush=True)
     if args.link_cost:
-        out["link_cost"] = link_costs(Qwen3_5Config.from_folder(args.ckpt), args.batch, sorted({0, *args.k}), device)
+        out["link_cost"] = link_costs(registry.read(args.ckpt)[1], args.batch, sorted({0, *args.k}), device)
         save()
     out["decode"], out["prefill"] = [], []
     for weights, ckpt in [("bf16", args.ckpt), *([("fp8", args.fp8_ckpt)] if args.fp8 else [])]:
@@ -200,10 +213,11 @@ async def run(args: argparse.Namespace, out: dict, save) -> None:
 
 async def run_checkpoint(args: argparse.Namespace, ckpt: Path, weights: str, out: dict, save) -> None:
     """Every decode and prefill row of one checkpoint; `weights` (bf16 or fp8) tags its rows."""
-    config = Qwen3_5Config.from_folder(ckpt)
+    config = split_config(registry.read(ckpt)[1], args.tp, args.ep)  # the floor counts a rank's experts
     max_seq_len = max([PROMPT_LEN + args.new_tokens + 64, *(p + 8 for p in args.prefill)])
     stages = {"micro_batches": args.micro_batches} if args.micro_batches else {}
-    async with shardspec.connect(model=str(ckpt), local=args.tp * args.pp, pp=args.pp, tp=args.tp, **stages,
+    async with shardspec.connect(model=str(ckpt), local=args.tp * args.pp, pp=args.pp, tp=args.tp, ep=args.ep,
+                                 **stages,
                                  device=args.device, mtp=None, max_slots=max(args.batch), max_seq_len=max_seq_len,
                                  connect_timeout=600) as engine:  # a fresh VM loads a large checkpoint slowly
         bench = Bench(engine, config, out["bandwidth_GBps"] * 1e9, last_rank=(args.pp - 1) * args.tp,
@@ -267,6 +281,9 @@ def main() -> None:
     parser.add_argument("--size", choices=SIZES, default="9b")
     parser.add_argument("--ckpt", type=Path, default=None, help="checkpoint folder (written if missing)")
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1, help="expert parallelism of MoE sizes (it divides --tp)")
+    parser.add_argument("--zero-experts", action="store_true",
+                        help="MoE sizes: write the checkpoint's routed experts as zeros in holes (small disks)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (with --device cuda:N: all on that GPU)")
     parser.add_argument("--micro-batches", type=int, default=None, help="micro-batches in flight (default: --pp)")
     parser.add_argument("--link-cost", action="store_true", help="also time one stage-link message per batch and k")
@@ -288,12 +305,16 @@ def main() -> None:
     os.environ[FORCED_ACCEPTANCE_ENV] = "1"  # a benchmark: forced acceptance is meant here
     args.ckpt = args.ckpt or Path(f"/tmp/shardspec-{args.size}")
     args.fp8_ckpt = args.fp8_ckpt or args.ckpt.with_name(args.ckpt.name + "-fp8")
-    dtype = torch.float32 if args.size == "tiny" else torch.bfloat16
+    dtype = torch.float32 if args.size.startswith("tiny") else torch.bfloat16
+    moe = "num_experts" in SIZES[args.size]()
+    experts = {"experts": "mixed", "zero_experts": args.zero_experts} if moe else {}
     if not (args.ckpt / "config.json").exists():
-        write_random_checkpoint(args.ckpt, SIZES[args.size](), seed=0, dtype=dtype, keep=False)
+        write_random_checkpoint(args.ckpt, SIZES[args.size](), seed=0, dtype=dtype, keep=False, **experts)
     if args.fp8 and not (args.fp8_ckpt / "config.json").exists():  # quantised from the same seed: the twin
-        write_random_checkpoint(args.fp8_ckpt, SIZES[args.size](), seed=0, dtype=dtype, keep=False, fp8=True)
-    out: dict = {"size": args.size, "tp": args.tp, "pp": args.pp, "micro_batches": args.micro_batches,
+        write_random_checkpoint(args.fp8_ckpt, SIZES[args.size](), seed=0, dtype=dtype, keep=False, fp8=True,
+                                **experts)
+    out: dict = {"size": args.size, "tp": args.tp, "ep": args.ep, "pp": args.pp, "zero_experts": args.zero_experts,
+                 "micro_batches": args.micro_batches,
                  "device": torch.cuda.get_device_name() if
                  torch.cuda.is_available() else "cpu", "setup": setup()}
 
@@ -301,7 +322,7 @@ def main() -> None:
         args.out.write_text(json.dumps(out, indent=1))
 
     if args.hf:  # first, so that a run cut short still has its peer
-        vocab = Qwen3_5Config.from_folder(args.ckpt).vocab_size
+        vocab = registry.read(args.ckpt)[1].vocab_size
         try:
             out["transformers"] = transformers_decode(str(args.ckpt), [b for b in args.batch if b <= 8],
                                                       min(args.new_tokens, 32), vocab, args.device)

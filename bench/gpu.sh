@@ -28,6 +28,9 @@
 #   pp      pipeline stages on one GPU (one H200 is enough): tests/test_cuda.py, then 9B-class PP = 1 and
 #           PP = 2 with both stages on cuda:0, batch 1/8, MTP off and k = 3 at 0.8, and the stage link's
 #           cost per message; batch 8 again as one micro-batch; each part runs even if one before it failed (the exit status says)
+#   moe     one H200: the MoE tests of tests/test_cuda.py (the 35B-A3B-class checkpoint written meanwhile, its
+#           routed experts zeros in holes: ~6 GB of disk, not 70), then 35B-A3B-class TP = 1 batch 1/8/32, MTP
+#           off and k = 3 at 0.8, prefill 2k, transformers' generate in the same run
 #   fp8     one H200: the FP8 tests (tests/test_cuda.py -k fp8, tests/test_fp8.py, the FP8 floor's test; the 9B-class
 #           bf16 checkpoint and its FP8 twin written meanwhile), then the teacher-forced top-1 agreement of the FP8 twin
 #           with bf16 (16 prompts × 128 tokens), then 9B-class bf16 and FP8 in one bench/decode.py run: batch 1/8,
@@ -42,8 +45,8 @@ wheels=$1 out=$2
 shift 2
 for stage in "$@"; do
     case $stage in
-    tests | 9b | 9b-tp2 | tp2-profile | 27b | floor | deterministic | pp | fp8) ;;
-    *) echo "gpu.sh: unknown stage '$stage' (tests, 9b, 9b-tp2, tp2-profile, 27b, floor, deterministic, pp, fp8)" >&2
+    tests | 9b | 9b-tp2 | tp2-profile | 27b | floor | deterministic | pp | moe | fp8) ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, 9b, 9b-tp2, tp2-profile, 27b, floor, deterministic, pp, moe, fp8)" >&2
        exit 2 ;;
     esac
 done
@@ -133,6 +136,17 @@ for stage in "$@"; do
             --prefill --link-cost --out "$out/decode-9b-pp2.json" 2>&1 | tee "$out/decode-9b-pp2.log" || failed=1
         python3 bench/decode.py --size 9b --ckpt .bench/9b --pp 2 --micro-batches 1 --device cuda:0 --batch 8 --k 3 \
             --forced 0.8 --prefill --out "$out/decode-9b-pp2-mb1.json" 2>&1 | tee "$out/decode-9b-pp2-mb1.log" || failed=1
+        ;;
+    moe)
+        [ -f .bench/35b-a3b/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/35b-a3b \
+            --size 35b-a3b --zero-experts &
+        writer=$!   # on the CPUs, while the tests take the GPU
+        timeout 240 python3 -m pytest -q tests/test_cuda.py -k moe --durations=10 --timeout 200 2>&1 \
+            | tee "$out/tests-moe.log" || failed=1
+        wait $writer || failed=1
+        timeout 540 python3 bench/decode.py --size 35b-a3b --ckpt .bench/35b-a3b --tp 1 --batch 1 8 32 --k 3 \
+            --forced 0.8 --prefill 2048 --hf --zero-experts --out "$out/decode-35b-a3b.json" 2>&1 \
+            | tee "$out/decode-35b-a3b.log" || failed=1
         ;;
     fp8)
         {   # on the CPUs, while the tests take the GPU: the bf16 checkpoint, then its FP8 twin (same seed)

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from transformers import GenerationConfig, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers import (
+    GenerationConfig,
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+)
 
 from shardspec.models.random_checkpoint import text_layout_name
 
@@ -20,16 +27,44 @@ def read_checkpoint(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     state_dict = {}
     for file in sorted(path.glob("*.safetensors")):
         state_dict |= {text_layout_name(n): t for n, t in load_file(file).items()}
-    return config, state_dict
+    return config, fuse_experts(state_dict)
+
+
+def fuse_experts(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert tensors (`mlp.experts.{e}.gate_proj.weight`, ...) stacked into the fused 3-D
+    tensors transformers holds (`mlp.experts.gate_up_proj` [E, 2I, H], gate rows first;
+    `mlp.experts.down_proj` [E, H, I])."""
+    pattern = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+    fused: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    out = {}
+    for name, tensor in state_dict.items():
+        match = pattern.fullmatch(name)
+        if match is None:
+            out[name] = tensor
+        else:
+            module, e, part = match.groups()
+            fused.setdefault(module, {}).setdefault(part, {})[int(e)] = tensor
+    for module, parts in fused.items():
+        experts = sorted(parts["down_proj"])
+        out[f"{module}.gate_up_proj"] = torch.stack(
+            [torch.cat([parts["gate_proj"][e], parts["up_proj"][e]]) for e in experts])
+        out[f"{module}.down_proj"] = torch.stack([parts["down_proj"][e] for e in experts])
+    return out
 
 
 def hf_model(source: str | Path | tuple[dict, dict[str, torch.Tensor]]) -> Qwen3_5ForCausalLM:
-    """fp32 eval-mode transformers model from a folder or (text config, text-layout state dict)."""
+    """fp32 eval-mode transformers model (dense or MoE) from a folder or (text config, text-layout
+    state dict)."""
     config, state_dict = read_checkpoint(source) if isinstance(source, (str, Path)) else source
-    hf_config = Qwen3_5TextConfig(
-        **{k: v for k, v in config.items() if k not in ("architectures", "dtype")}
+    moe = "num_experts" in config
+    config_class, model_class = ((Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM) if moe
+                                 else (Qwen3_5TextConfig, Qwen3_5ForCausalLM))
+    hf_config = config_class(
+        **{k: v for k, v in config.items() if k not in ("architectures", "dtype", "model_type")}
     )
-    model = Qwen3_5ForCausalLM._from_config(
+    if moe:
+        hf_config._experts_implementation = "eager"  # the plain loop over experts, not a kernel
+    model = model_class._from_config(
         hf_config, attn_implementation="eager", dtype=torch.float32
     )
     state_dict = {n: t.float() for n, t in state_dict.items() if not n.startswith("mtp.")}

@@ -311,6 +311,104 @@ def test_deterministic_greedy_output_on_the_gpu_is_the_same_alone_and_among_othe
     assert asyncio.run(run(True, together=True)) == alone
 
 
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory) -> Path:
+    """A tiny random mixture of experts (8 experts, top 3), fused experts in the layers and per expert in the
+    MTP layer."""
+    from shardspec.models.random_checkpoint import tiny_moe_config
+
+    path = tmp_path_factory.mktemp("tiny-moe")
+    write_random_checkpoint(path, tiny_moe_config(), seed=2, experts="mixed")
+    return path
+
+
+def moe_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of a cached prefill of 16 tokens, five one-token decode passes and a three-token (verify-sized)
+    pass over ids [2, 24] on the model's device."""
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    model.allocate_caches(3, 64, dtype, device)
+    x, slots = ids.to(device), torch.tensor([2, 0], device=device)
+    positions = torch.arange(24, device=device).expand(2, -1)
+    spans = [(0, 16), *((t, t + 1) for t in range(16, 21)), (21, 24)]
+    hidden = torch.cat([model(x[:, a:b], Batch(slots, positions[:, a:b], b)) for a, b in spans], 1)
+    return model.lm_head.logits(hidden).float().cpu()
+
+
+@torch.inference_mode()
+def test_moe_fp32_on_the_gpu_gives_the_cpu_logits(moe_model):
+    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    cpu = load_model(moe_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=False)
+    reference = cpu.lm_head.logits(cpu(ids, Batch.uncached(2, 24, ids.device)))
+    gpu = load_model(moe_model, TPGroup(), torch.float32, torch.device("cuda"), with_mtp=False)
+    for backend in ("gathered", "grouped"):  # gathered: the fp32 default; grouped: where the GPU's kernel takes fp32
+        for module in gpu.modules():
+            if hasattr(module, "backend"):
+                module.backend = backend
+        try:
+            logits = moe_logits(gpu, ids)
+        except RuntimeError as exc:  # torch's grouped_mm takes bf16 only on some builds
+            assert backend == "grouped", exc
+            continue
+        torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4 * reference.abs().max().item())
+
+
+@torch.inference_mode()
+def test_moe_bf16_logits_agree_with_the_fp32_reference_teacher_forced(moe_model):
+    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
+    cpu = load_model(moe_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=False)
+    reference = cpu.lm_head.logits(cpu(ids, Batch.uncached(2, 24, ids.device))).argmax(-1)
+    gpu = load_model(moe_model, TPGroup(), torch.bfloat16, torch.device("cuda"), with_mtp=False)
+    assert gpu.layers["0"].mlp.experts.pick(torch.empty(1, device="cuda", dtype=torch.bfloat16)) == "grouped"
+    agreement = (moe_logits(gpu, ids).argmax(-1) == reference).float().mean().item()
+    assert agreement >= 0.98, agreement
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("backend", ["grouped", "gathered"])
+def test_moe_routing_and_experts_run_in_a_cuda_graph_without_host_syncs(backend):
+    """The block at the 35B-A3B MoE shape (hidden 2048, top 8 of 256, width 512), bf16: captured in a
+    CUDA graph (a host sync would fail the capture), replayed on new tokens, it gives the eager result;
+    and it agrees with the fp32 reference loop."""
+    from shardspec.layers.moe import SparseMoE
+
+    torch.manual_seed(0)
+    block = SparseMoE(2048, 256, 8, 512, 512, TPGroup()).cuda()
+    for param in block.parameters():
+        param.data.normal_(0, 2048 ** -0.5)
+    reference = SparseMoE(2048, 256, 8, 512, 512, TPGroup()).cuda()
+    reference.load_state_dict(block.state_dict())
+    block, reference.experts.backend, block.experts.backend = block.bfloat16(), "reference", backend
+    x = torch.randn(32, 2048, device="cuda", dtype=torch.bfloat16)
+    block(x)  # warm-up (kernel choice, allocations) before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = block(x)
+    x.copy_(torch.randn(32, 2048, device="cuda", dtype=torch.bfloat16))
+    graph.replay()
+    torch.testing.assert_close(out, block(x), rtol=0, atol=0)
+    exact = reference(x.float())
+    assert (out.float() - exact).abs().max() <= 2e-2 * exact.abs().max()
+
+
+def test_moe_greedy_on_the_gpu_with_cuda_graphs_equals_the_cpu_in_fp32(moe_model):
+    prompts = [[5, 17, 300, 42, 9], [101, 7, 7, 250]]
+    assert greedy("cuda", "float32", 1, mtp=False, prompts=prompts, model=moe_model) == \
+        greedy("cpu", "float32", 1, mtp=False, prompts=prompts, model=moe_model)
+
+
+def test_moe_deterministic_logits_on_the_gpu_are_the_same_bits_alone_in_a_batch_and_with_mtp_in_bf16(moe_model):
+    from test_deterministic import decode_logits, prompts_of
+
+    model = load_model(moe_model, TPGroup(), torch.bfloat16, torch.device("cuda"), with_mtp=True)
+    prompts = prompts_of([5, 5, 1, 17, 70], seed=3)
+    together = decode_logits(model, prompts, draft_len=3, deterministic=True, device="cuda")
+    for prompt, batched in zip(prompts, together):
+        alone = decode_logits(model, [prompt], draft_len=0, deterministic=True, device="cuda")[0]
+        assert alone.keys() == batched.keys()
+        assert all(torch.equal(alone[pos], batched[pos]) for pos in alone)
+
+
 # --- FP8 checkpoints (block-wise e4m3, 128 × 128 scales) ---------------------------------------------
 
 def _fp8_reference_inputs(M: int, N: int, K: int):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import pooled
 from reference import hf_logits, hf_model, read_checkpoint
 from test_spec_decode import greedy_outputs
 
@@ -111,7 +112,7 @@ def test_fp8_logits_through_workers_at_tp_2_equal_transformers_on_the_dequantise
     ids = random.Random(1).choices(range(512), k=40)
 
     async def run():
-        async with shardspec.connect(model=str(fp8_model), local=2, mtp=False, dtype="float32") as engine:
+        async with shardspec.connect(model=str(fp8_model), workers=pooled(2), mtp=False, dtype="float32") as engine:
             out = []
             async for chunk in engine.generate(ids, max_tokens=24):
                 out += chunk.token_ids

@@ -16,9 +16,10 @@ from shardspec.protocol.messages import PrefillSpec, StepRequest
 DECODE_STEPS = 32
 
 
-async def sharded_logits(model_dir, tp: int, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+async def sharded_logits(model_dir, tp: int, prompt: list[int], ep: int = 1) -> tuple[list[int], torch.Tensor]:
     """Greedy-decode DECODE_STEPS tokens with logits returned; -> (tokens, logits [len(prompt)+steps, V])."""
-    async with shardspec.connect(model=str(model_dir), workers=pooled(tp), prefill_chunk=48, mtp=False) as engine:
+    async with shardspec.connect(model=str(model_dir), workers=pooled(tp), ep=ep, prefill_chunk=48,
+                                 mtp=False) as engine:
         prefill = StepRequest(prefill=[PrefillSpec(seq=1, length=len(prompt))], return_logits=True)
         replies = await engine.group.call_all(prefill, tensors={"prompt_ids": torch.tensor(prompt)})
         tokens, logits = [replies[0][0].tokens[0][0]], [replies[0][1]["logits"]]

@@ -8,8 +8,9 @@ import math
 
 import torch
 
-from shardspec.models.qwen3_5 import Qwen3_5Config
-from shardspec.models.random_checkpoint import parameter_shapes, tiny_config, write_random_checkpoint
+from shardspec.models.base import split_config
+from shardspec.models.qwen3_5 import Qwen3_5Config, Qwen3_5MoeConfig
+from shardspec.models.random_checkpoint import parameter_shapes, tiny_config, tiny_moe_config, write_random_checkpoint
 from shardspec.models.step_bytes import step_bytes
 
 CONFIG = Qwen3_5Config.from_dict(tiny_config())
@@ -72,3 +73,37 @@ def test_the_fp8_floor_reads_what_an_fp8_checkpoint_holds_fp8_weights_their_bloc
     got = step_bytes(CONFIG, tp=1, batch=1, context=0, k=1, fp8=True)
     assert got.weights + 2 * 512 * 64 + got.mtp == total
     assert got.weights < step_bytes(CONFIG, tp=1, batch=1, context=0, k=0).weights
+
+
+MOE = Qwen3_5MoeConfig.from_dict(tiny_moe_config())  # 8 experts, top 3, expert width 32, shared 48
+EXPERT = 3 * 32 * 64  # gate, up, down of one expert
+MOE_FIXED = 8 * 64 + 64 + 3 * 48 * 64  # router, shared gate, shared expert: read whatever the routing
+MOE_ATTENTION = ATTENTION - MLP  # the mixer and its norms: as in the dense model
+MOE_GDN = GDN - MLP
+
+
+def test_a_moe_layer_reads_its_fixed_part_and_only_the_experts_a_token_routes_to():
+    got = step_bytes(MOE, tp=1, batch=1, context=10, k=0)
+    # one token: exactly top-k = 3 experts in each of the 4 layers; the norms (2 a layer) as in MLP
+    layer = MOE_FIXED + 3 * EXPERT + 2 * 64
+    assert got.weights == 2 * (3 * (MOE_GDN + layer) + MOE_ATTENTION + layer + 64 + 512 * 64)
+
+
+def test_under_expert_parallelism_a_rank_reads_the_share_of_its_whole_experts_that_is_hit():
+    # TP 2 in 2 expert groups: a rank holds 4 whole experts, of which N tokens hit 4 · (1 − (5/8)^N) on average
+    ep2 = split_config(MOE, 2, 2)
+    one, four = (step_bytes(ep2, tp=2, batch=n, context=10, k=0).weights for n in (1, 4))
+    hit = [4 * (1 - (5 / 8) ** n) for n in (1, 4)]
+    assert abs((four - one) - 2 * 4 * (hit[1] - hit[0]) * EXPERT) < 2  # 4 layers, bf16; the rest is the same
+    # at EP = 1 a rank holds half of each of the 8 experts: twice the experts, half the bytes, the same mean
+    assert abs(step_bytes(split_config(MOE, 2, 1), tp=2, batch=4, context=10, k=0).weights - four) < 2
+
+
+def test_many_tokens_read_nearly_every_expert_and_the_mtp_layer_counts_its_passes_tokens():
+    every = step_bytes(MOE, tp=1, batch=512, context=10, k=0).weights
+    layer = MOE_FIXED + 8 * EXPERT + 2 * 64
+    assert abs(every - 2 * (3 * (MOE_GDN + layer) + MOE_ATTENTION + layer + 64 + 512 * 64)) < 1
+    got = step_bytes(MOE, tp=1, batch=1, context=10, k=2)
+    hit = [8 * (1 - (5 / 8) ** n) for n in (3, 1)]  # the prefix pass over 3 tokens, one chained pass of 1
+    mtp_layer = [MOE_ATTENTION + MOE_FIXED + h * EXPERT + 2 * 64 for h in hit]
+    assert got.mtp == round(2 * sum(2 * 64 * 64 + 3 * 64 + m for m in mtp_layer))

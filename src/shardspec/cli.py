@@ -133,6 +133,10 @@ def _add_model_options(parser: argparse.ArgumentParser,
     where.add_argument("--workers", metavar="A,B,...", help="addresses of running workers, rank order")
     parser.add_argument("--tp", type=int, metavar="N", help="tensor-parallel degree of each stage (default: the "
                         "workers ÷ --pp)")
+    parser.add_argument("--ep", type=int, default=1, metavar="E",
+                        help="expert parallelism of mixture-of-experts models (default 1): each stage's --tp ranks "
+                        "form E groups, each holding 1/E of the experts whole, each expert split over its group's "
+                        "ranks; E must divide --tp and the expert count (E = --tp: whole experts per rank)")
     parser.add_argument("--pp", type=int, default=1, metavar="P",
                         help="pipeline stages (default 1): the workers, in rank order, form P stages of --tp ranks "
                         "each, stage 0's first; give P×T addresses with --workers, or --local P×T. Stages send each "
@@ -275,7 +279,7 @@ def _engine_config(args: argparse.Namespace, **options: Any) -> EngineConfig:
     dtype = args.dtype or ("float32" if workers is None and device == "cpu" else "auto")  # serve's default
     try:
         return EngineConfig(
-            model=args.model, workers=workers, local=local, device=device, tp=args.tp, pp=args.pp,
+            model=args.model, workers=workers, local=local, device=device, tp=args.tp, ep=args.ep, pp=args.pp,
             layer_split=split, micro_batches=args.micro_batches, relay=args.relay, dtype=dtype,
             max_seq_len=args.max_seq_len, mtp=False if args.no_mtp else None,
             draft_tokens=DEFAULT_DRAFT_TOKENS if args.draft_tokens is None else args.draft_tokens,

@@ -70,6 +70,19 @@ def split_layers(num_layers: int, stages: int, layer_split: list[int] | None = N
     return [Stage(start, start + n, num_layers) for start, n in zip(starts, counts)]
 
 
+def split_config(config: Any, tp: int, ep: int = 1) -> Any:
+    """The config of a model split over tp ranks, its experts over ep groups of them (layers.moe);
+    ConfigError, naming the degrees that work, where it cannot be split so."""
+    if ep != 1:
+        with_ep = getattr(config, "with_expert_parallel", None)
+        if with_ep is None:
+            raise ConfigError(f"expert parallelism (ep={ep}) applies to mixture-of-experts models; this one has "
+                              "no experts: leave ep at 1")
+        config = with_ep(ep)
+    config.check_tp(tp)
+    return config
+
+
 class CausalLM(nn.Module):
     """One stage of a causal language model, tensor-parallel over its group. A family subclasses it
     and implements forward, draft and checkpoint_key; the cache methods here find the stage's

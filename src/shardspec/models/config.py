@@ -40,6 +40,10 @@ DIMENSION_LIMITS: dict[str, tuple[int, int]] = {
     "linear_value_head_dim": (1, 2**14),
     "linear_conv_kernel_dim": (1, 1024),
     "mtp_num_hidden_layers": (0, 64),
+    "num_experts": (1, 2**16),
+    "num_experts_per_tok": (1, 2**16),
+    "moe_intermediate_size": (1, 2**19),
+    "shared_expert_intermediate_size": (1, 2**19),
     "max_position_embeddings": (1, 2**24),
 }
 

@@ -18,7 +18,7 @@ from shardspec import kernels
 from shardspec.layers.fp8 import FP8, prepare_kernels
 from shardspec.layers.parallel import TPGroup
 from shardspec.models import fp8, registry
-from shardspec.models.base import CausalLM, Stage, split_layers
+from shardspec.models.base import CausalLM, Stage, split_config, split_layers
 from shardspec.models.config import MAX_CONFIG_BYTES, ConfigError, check_regular, open_regular, read_config, read_json
 
 Progress = Callable[[int, int], None]
@@ -114,20 +114,23 @@ def load_model(
     progress: Progress | None = None,
     stage: Stage | None = None,
     fp8_native: bool | None = None,
+    expert_parallel: int = 1,
 ) -> CausalLM:
-    """This rank's shard of `stage` (default: the whole model), weights in `dtype` on `device`;
-    peak host memory ≈ the shard, not the model. The FP8 weights of an FP8 checkpoint stay FP8 where
-    fp8_native (default: on a GPU with FP8, compute capability 8.9 or later), else are dequantised."""
+    """This rank's shard of `stage` (default: the whole model), weights in `dtype` on `device`, its
+    experts (if any) split over `expert_parallel` groups of the ranks (layers.moe); peak host memory
+    ≈ the shard, not the model. The FP8 weights of an FP8 checkpoint stay FP8 where fp8_native
+    (default: on a GPU with FP8, compute capability 8.9 or later), else are dequantised."""
     folder = Path(folder)
     family, config = registry.read(folder)
-    config.check_tp(tp.size)
+    split_config(config, tp.size, expert_parallel)  # ConfigError naming the degrees that work
     stage = stage or Stage.whole(config.num_hidden_layers)
     files = checkpoint_files(folder)
     mtp_present = family.has_mtp(files)
     if with_mtp and not mtp_present:
         raise ConfigError(f"{folder} has no MTP weights ({family.draft_prefix or 'its family has no MTP'}*)")
     mtp = mtp_present if with_mtp is None else with_mtp
-    model, specs, plan = _plan(family, config, tp, stage, mtp, files)
+    model, specs, plan = _plan(family, config, tp, stage, mtp, files, expert_parallel)
+    experts = {name: param.experts for name, param in model.named_parameters() if hasattr(param, "experts")}
     entries = _entries(plan, files)
     quantized = fp8.quantized_keys(entries, fp8.read_format(read_config(folder)), folder)
     model = model.to(dtype)
@@ -138,6 +141,8 @@ def load_model(
     model = model.to_empty(device=device)  # new parameter objects: give them their specs back
     for name, param in model.named_parameters():
         param.shard, param.parts = specs.get(name, (None, None))  # type: ignore[attr-defined]
+        if name in experts:
+            param.experts = experts[name]  # type: ignore[attr-defined]
     raw = {key for name, (reads, _) in plan.items() if model.get_parameter(name).dtype == FP8
            for key, _, _ in reads}  # read as they are; other FP8 tensors are dequantised
 
@@ -163,6 +168,8 @@ def load_model(
         for done, (name, param) in enumerate(params, 1):
             reads, stacked = plan[name]
             tensor = torch.cat([read(key, spec) for key, spec, _ in reads]) if stacked else read(*reads[0][:2])
+            if name in experts:  # experts one after the other, read from either layout
+                tensor = tensor.view(param.shape)
             assert list(tensor.shape) == list(param.shape), (name, tensor.shape, param.shape)
             with torch.no_grad():
                 param.copy_(tensor)
@@ -195,10 +202,11 @@ def check_quantization(folder: str | Path, tp_size: int, fp8_native: bool) -> No
         _keep_fp8(model, plan, quantized, tp_size, (family, config, stage, mtp, files))
 
 
-def _plan(family, config, tp: TPGroup, stage: Stage, mtp: bool, files: dict[str, Path]):
-    """A rank's model on the meta device, its parameters' slice specs, and where each is read from."""
+def _plan(family, config, tp: TPGroup, stage: Stage, mtp: bool, files: dict[str, Path], ep: int = 1):
+    """A rank's model (its experts over ep groups of the ranks) on the meta device, its parameters'
+    slice specs, and where each is read from."""
     with torch.device("meta"):
-        model = family.build(config, tp, stage, mtp)
+        model = family.build(split_config(config, tp.size, ep) if ep != 1 else config, tp, stage, mtp)
         whole = family.build(config, TPGroup(), stage, mtp)  # one rank's view of every full tensor
     specs = {name: (getattr(param, "shard", None), getattr(param, "parts", None))
              for name, param in model.named_parameters()}
@@ -244,7 +252,8 @@ def _entries(plan: dict, files: dict[str, Path]) -> dict[str, tuple[list[int], s
     return entries
 
 
-Read = tuple[str, tuple | None, list[int]]  # a checkpoint tensor, this rank's slice of it, its full shape
+# a checkpoint tensor, this rank's slice of it ((dim, ranges), or a tuple of them), its full shape
+Read = tuple[str, tuple | None, list[int]]
 
 
 def _reads(model: CausalLM, whole: CausalLM, specs: dict, files: dict[str, Path]) -> dict[str, tuple[list[Read], bool]]:
@@ -258,9 +267,13 @@ def _reads(model: CausalLM, whole: CausalLM, specs: dict, files: dict[str, Path]
 
     plan = {}
     for name, (spec, parts) in specs.items():
-        keys = [in_file(key) for key in sources(model, name, parts)]
+        experts = getattr(model.get_parameter(name), "experts", None)
+        keys = [in_file(key) for key in sources(model, name, parts, experts)]
         shape = list(whole.get_parameter(name).shape)
-        if parts is None:
+        if experts is not None:
+            sizes = whole.get_submodule(name.rsplit(".", 1)[0]).sizes if parts else []
+            plan[name] = _expert_reads(keys[0], spec, parts, experts, shape, sizes, files)
+        elif parts is None:
             plan[name] = ([(keys[0], spec, shape)], False)
         else:
             sizes = whole.get_submodule(name.rsplit(".", 1)[0]).sizes
@@ -284,11 +297,30 @@ def _check_shapes(plan: dict[str, tuple[list[Read], bool]], entries: dict[str, t
                 raise ConfigError(f"tensor {key!r} has shape {found}, the config implies {shape}")
 
 
-def sources(model: CausalLM, name: str, parts: list | None) -> list[str]:
+def _expert_reads(key: str, spec: tuple | None, parts: list | None, experts: tuple[int, int], shape: list[int],
+                  sizes: list[int], files: dict[str, Path]) -> tuple[list[Read], bool]:
+    """The reads of a parameter holding experts [first, end) (layers.moe.Experts), whose spec and
+    parts slice one expert's matrix: one read of the fused 3-D tensor `key` [E, ...] where the
+    checkpoint has it, else one per expert of `{module}.{e}.{part}.weight`, stacked."""
+    if key in files:
+        if parts:  # the parts' rows lie one after the other in the fused tensor (gate rows first)
+            starts = [sum(sizes[:i]) for i in range(len(sizes))]
+            cut = (1, [(start + a, start + b) for start, (_, ranges) in zip(starts, parts) for a, b in ranges])
+        else:
+            cut = (spec[0] + 1, spec[1])
+        return [(key, ((0, [experts]), cut), shape)], False
+    module, leaf = key.rsplit(".", 1)
+    if parts:
+        return [(f"{module}.{e}.{part}.weight", (0, ranges), [rows, *shape[2:]])
+                for e in range(*experts) for (part, ranges), rows in zip(parts, sizes, strict=True)], True
+    return [(f"{module}.{e}.{leaf}.weight", spec, shape[1:]) for e in range(*experts)], True
+
+
+def sources(model: CausalLM, name: str, parts: list | None, experts: tuple | None = None) -> list[str]:
     """The checkpoint tensors (text layout) parameter `name` is read from: one, or one per part of
-    a stacked parameter (layers.parallel.stack)."""
+    a stacked parameter (layers.parallel.stack); for experts, their fused tensor's name."""
     key = model.checkpoint_key(name)
-    if parts is None:
+    if parts is None or experts is not None:
         return [key]
     module, leaf = key.rsplit(".", 2)[0], key.rsplit(".", 1)[1]
     return [f"{module}.{part}.{leaf}" for part, _ in parts]
@@ -297,21 +329,28 @@ def sources(model: CausalLM, name: str, parts: list | None) -> list[str]:
 def checkpoint_keys(model: CausalLM) -> set[str]:
     """Every checkpoint tensor (text layout) the model's parameters are read from."""
     return {key for name, param in model.named_parameters()
-            for key in sources(model, name, getattr(param, "parts", None))}
+            for key in sources(model, name, getattr(param, "parts", None), getattr(param, "experts", None))}
 
 
 def _read_shard(full, spec: tuple | None) -> torch.Tensor:
-    """Read the rows/columns of a checkpoint tensor a parameter holds; ranges past the end (only
-    the vocabulary's, padded up to a multiple of the group size) read as zeros."""
+    """Read the rows/columns of a checkpoint tensor a parameter holds: spec is (dim, ranges), or a
+    tuple of them for cuts along several dims; ranges past the end (only the vocabulary's, padded up
+    to a multiple of the group size) read as zeros."""
     if spec is None:
         return full[:]
-    dim, ranges = spec
+    cuts = spec if isinstance(spec[0], tuple) else (spec,)
+    return _read_cuts(full, list(cuts), [slice(None)] * len(full.get_shape()))
+
+
+def _read_cuts(full, cuts: list[tuple[int, list]], index: list[slice]) -> torch.Tensor:
+    if not cuts:
+        return full[tuple(index)]
+    (dim, ranges), rest = cuts[0], cuts[1:]
     size = full.get_shape()[dim]
     parts = []
     for start, end in ranges:
-        index = [slice(None)] * len(full.get_shape())
-        index[dim] = slice(min(start, size), min(end, size))
-        part = full[tuple(index)]
+        index = [*index[:dim], slice(min(start, size), min(end, size)), *index[dim + 1 :]]
+        part = _read_cuts(full, rest, index)
         missing = end - start - part.shape[dim]
         if missing:
             pad_shape = list(part.shape)

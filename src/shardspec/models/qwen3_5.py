@@ -1,23 +1,23 @@
-"""Qwen3.5 dense (Gated DeltaNet + gated attention) with its MTP module, tensor-parallel, one
-pipeline stage at a time; its config, read from a Hugging Face config.json; its registry entry."""
+"""Qwen3.5 (Gated DeltaNet + gated attention) with its MTP module, tensor-parallel, one pipeline
+stage at a time: the dense models and the mixture-of-experts ones, which differ in their MLP only;
+their configs, read from a Hugging Face config.json; their registry entries."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from shardspec import kernels
 from shardspec.layers.attention import GatedAttention
 from shardspec.layers.batch import Batch
 from shardspec.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shardspec.layers.gdn import GatedDeltaNet
-from shardspec.layers.invariant import pointwise
-from shardspec.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from shardspec.layers.linear import ReplicatedLinear
+from shardspec.layers.mlp import MLP
+from shardspec.layers.moe import SparseMoE
 from shardspec.layers.norm import RMSNorm
 from shardspec.layers.parallel import TPGroup
 from shardspec.models.base import CausalLM, Stage
@@ -28,10 +28,12 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 
 
 @dataclass(slots=True)
-class Qwen3_5Config:
+class HybridConfig:
+    """What the dense and the MoE models share: the stack of Gated DeltaNet and gated-attention
+    layers, the embedding, the head and the MTP module. Each subclass adds its MLP's fields."""
+
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
@@ -84,11 +86,14 @@ class Qwen3_5Config:
         kv = self.num_key_value_heads
         if kv % tp and tp % kv:  # tp > kv works by replicating each KV head tp/kv times
             raise ConfigError(f"tensor-parallel degree {tp} and num_key_value_heads={kv} must divide one another")
-        if self.intermediate_size % tp:
-            raise ConfigError(f"tensor-parallel degree {tp} does not divide intermediate_size={self.intermediate_size}")
+
+    @staticmethod
+    def mlp_fields(text: dict[str, Any]) -> dict[str, Any]:
+        """The subclass's MLP fields from config.json's text part (KeyError for a missing one)."""
+        raise NotImplementedError
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> Qwen3_5Config:
+    def from_dict(cls, raw: dict[str, Any]) -> Any:
         text = text_config(raw)
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
         if rope.get("rope_type", "default") not in ("default", "mrope"):
@@ -104,7 +109,6 @@ class Qwen3_5Config:
             return cls(
                 vocab_size=text["vocab_size"],
                 hidden_size=text["hidden_size"],
-                intermediate_size=text["intermediate_size"],
                 num_hidden_layers=n_layers,
                 num_attention_heads=text["num_attention_heads"],
                 num_key_value_heads=text["num_key_value_heads"],
@@ -124,31 +128,104 @@ class Qwen3_5Config:
                 mtp_num_hidden_layers=text.get("mtp_num_hidden_layers", 0),
                 eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
                 dtype=str(text.get("dtype") or text.get("torch_dtype") or raw.get("torch_dtype") or "bfloat16"),
+                **cls.mlp_fields(text),
             )
         except KeyError as exc:
             raise ConfigError(f"config.json lacks required field {exc.args[0]!r}") from None
 
     @classmethod
-    def from_folder(cls, path: str | Path) -> Qwen3_5Config:
+    def from_folder(cls, path: str | Path) -> Any:
         return cls.from_dict(read_config(path))
 
 
-class MLP(nn.Module):
-    def __init__(self, config: Qwen3_5Config, tp: TPGroup):
-        super().__init__()
-        rows = [tp.split(config.intermediate_size)]
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, {"gate_proj": rows, "up_proj": rows})
-        self.down_proj = RowParallelLinear(rows, config.hidden_size)
-        self.invariant = False  # batch-invariant mode (CausalLM.set_batch_invariant)
+@dataclass(slots=True, kw_only=True)
+class Qwen3_5Config(HybridConfig):
+    """A dense Qwen3.5: every layer's MLP is one SiLU-gated MLP."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x)
-        if kernels.enabled(x):
-            return self.down_proj(kernels.norm.silu_mul(gate, up))
-        return self.down_proj(pointwise(F.silu, gate, self.invariant) * up)
+    intermediate_size: int
+
+    def check_tp(self, tp: int) -> None:
+        HybridConfig.check_tp(self, tp)
+        if self.intermediate_size % tp:
+            raise ConfigError(f"tensor-parallel degree {tp} does not divide intermediate_size={self.intermediate_size}")
+
+    @staticmethod
+    def mlp_fields(text: dict[str, Any]) -> dict[str, Any]:
+        return {"intermediate_size": text["intermediate_size"]}
 
 
-def mixer(config: Qwen3_5Config, layer_type: str, tp: TPGroup) -> GatedDeltaNet | GatedAttention:
+@dataclass(slots=True, kw_only=True)
+class Qwen3_5MoeConfig(HybridConfig):
+    """A Qwen3.5 mixture of experts: every layer's MLP (the MTP layer's too) is a SparseMoE.
+    `expert_parallel` is how the engine splits it (layers.moe), not part of config.json."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    expert_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        HybridConfig.__post_init__(self)
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
+                              f"{self.num_experts}]")
+
+    def with_expert_parallel(self, ep: int) -> Qwen3_5MoeConfig:
+        return replace(self, expert_parallel=ep)
+
+    def check_tp(self, tp: int) -> None:
+        """ConfigError naming the degrees that work, unless tp ranks (in expert_parallel groups) can
+        split the model."""
+        ep = self.expert_parallel
+        problem = self._split_problem(tp, ep)
+        if problem is None:
+            return
+        if ep == 1 or self._split_problem(tp, 1) is not None:
+            works = [t for t in range(1, 2 * self.num_experts + 1) if self._split_problem(t, 1) is None]
+            raise ConfigError(f"tensor-parallel degree {tp} {problem}; degrees that work: {_listed(works)}")
+        works = [e for e in range(1, tp + 1) if self._split_problem(tp, e) is None]
+        raise ConfigError(f"expert-parallel degree {ep} {problem}; at tensor-parallel degree {tp} these work: "
+                          f"{_listed(works)}")
+
+    def _split_problem(self, tp: int, ep: int) -> str | None:
+        """Why tp ranks in ep expert groups cannot split the model, or None."""
+        try:
+            HybridConfig.check_tp(self, tp)
+        except ConfigError as exc:
+            return str(exc).removeprefix(f"tensor-parallel degree {tp} ")
+        if self.shared_expert_intermediate_size % tp:
+            return f"does not divide shared_expert_intermediate_size={self.shared_expert_intermediate_size}"
+        if tp % ep:
+            return f"does not divide the tensor-parallel degree {tp}"
+        if self.num_experts % ep:
+            return f"does not divide num_experts={self.num_experts}"
+        if self.moe_intermediate_size % (tp // ep):
+            return (f"leaves {tp // ep} ranks per expert, which do not divide moe_intermediate_size="
+                    f"{self.moe_intermediate_size}")
+        return None
+
+    @staticmethod
+    def mlp_fields(text: dict[str, Any]) -> dict[str, Any]:
+        return {"num_experts": text["num_experts"], "num_experts_per_tok": text["num_experts_per_tok"],
+                "moe_intermediate_size": text["moe_intermediate_size"],
+                "shared_expert_intermediate_size": text["shared_expert_intermediate_size"]}
+
+
+def _listed(degrees: list[int]) -> str:
+    return ", ".join(map(str, degrees)) or "none"
+
+
+def feed_forward(config: HybridConfig, tp: TPGroup) -> MLP | SparseMoE:
+    """A layer's MLP: the dense one, or the sparse mixture of experts."""
+    if isinstance(config, Qwen3_5MoeConfig):
+        return SparseMoE(config.hidden_size, config.num_experts, config.num_experts_per_tok,
+                         config.moe_intermediate_size, config.shared_expert_intermediate_size, tp,
+                         config.expert_parallel)
+    return MLP(config.hidden_size, config.intermediate_size, tp)
+
+
+def mixer(config: HybridConfig, layer_type: str, tp: TPGroup) -> GatedDeltaNet | GatedAttention:
     """A layer's token mixer: Gated DeltaNet ("linear_attention") or gated attention."""
     if layer_type == "linear_attention":
         return GatedDeltaNet(config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads,
@@ -159,12 +236,12 @@ def mixer(config: Qwen3_5Config, layer_type: str, tp: TPGroup) -> GatedDeltaNet 
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3_5Config, layer_type: str, tp: TPGroup):
+    def __init__(self, config: HybridConfig, layer_type: str, tp: TPGroup):
         super().__init__()
         # the checkpoint's module names: linear_attn or self_attn; `mixer` is the same module
         setattr(self, "linear_attn" if layer_type == "linear_attention" else "self_attn", mixer(config, layer_type, tp))
         self.mixer: GatedDeltaNet | GatedAttention = getattr(self, "linear_attn", None) or self.self_attn
-        self.mlp = MLP(config, tp)
+        self.mlp = feed_forward(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tp = tp
@@ -185,7 +262,7 @@ class DecoderLayer(nn.Module):
 class MTPHead(nn.Module):
     """Predicts token t+2 from the embedding of token t+1 and the target's final hidden state at t."""
 
-    def __init__(self, config: Qwen3_5Config, tp: TPGroup):
+    def __init__(self, config: HybridConfig, tp: TPGroup):
         super().__init__()
         self.fc = ReplicatedLinear(2 * config.hidden_size, config.hidden_size)
         self.pre_fc_norm_embedding = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -206,7 +283,7 @@ class Qwen3_5Model(CausalLM):
     """One stage of the text model. The last stage also holds the embedding when it has the MTP
     module, which embeds the token it drafts from."""
 
-    def __init__(self, config: Qwen3_5Config, tp: TPGroup, stage: Stage | None = None, with_mtp: bool = False):
+    def __init__(self, config: HybridConfig, tp: TPGroup, stage: Stage | None = None, with_mtp: bool = False):
         super().__init__()
         stage = stage or Stage.whole(config.num_hidden_layers)
         self.config, self.tp, self.stage = config, tp, stage
@@ -254,6 +331,15 @@ register(Family(
     architectures=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
     model_types=("qwen3_5", "qwen3_5_text"),
     parse_config=Qwen3_5Config.from_dict,
+    build=Qwen3_5Model,
+    draft_prefix="mtp.",
+))
+
+register(Family(
+    name="qwen3_5_moe",
+    architectures=("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
+    model_types=("qwen3_5_moe", "qwen3_5_moe_text"),
+    parse_config=Qwen3_5MoeConfig.from_dict,
     build=Qwen3_5Model,
     draft_prefix="mtp.",
 ))

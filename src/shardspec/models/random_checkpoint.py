@@ -1,4 +1,4 @@
-"""Random-weight Qwen3.5 (dense, text) checkpoints in Hugging Face folder format."""
+"""Random-weight Qwen3.5 (dense and mixture-of-experts, text) checkpoints in Hugging Face folder format."""
 
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ import torch
 from torch import Tensor
 
 LAYOUTS = ("model", "language_model")
+# routed experts: fused 3-D tensors, one tensor per expert, or fused in the layers and per expert in
+# the MTP layer (as Qwen3.5-35B-A3B is released)
+EXPERT_LAYOUTS = ("fused", "per_expert", "mixed")
 # lm_head std = LOGIT_GAIN / sqrt(hidden), so logits ~ N(0, LOGIT_GAIN²): peaked, not saturated
 LOGIT_GAIN = 3.0
 KEEP_LIMIT_BYTES = 1 << 30  # write_random_checkpoint keeps tensors by default only below this
@@ -136,7 +139,71 @@ def twenty_seven_b_config() -> dict:
     )
 
 
-def _decoder_layer_shapes(prefix: str, c: dict, layer_type: str) -> dict[str, tuple[int, ...]]:
+def tiny_moe_config(**overrides) -> dict:
+    """The tiny config with a mixture of experts in every MLP: 8 experts, top 3; widths that divide
+    by 1, 2 and 4 (and stay multiples of 8 per rank, as grouped matmuls need)."""
+    config = tiny_config(model_type="qwen3_5_moe_text", num_experts=8, num_experts_per_tok=3,
+                         moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    del config["intermediate_size"]
+    config.update(overrides)
+    return config
+
+
+def thirty_five_b_a3b_config() -> dict:
+    """Qwen3.5-35B-A3B text shapes (hidden 2048, 40 layers, 256 experts, top 8, widths 512)."""
+    return tiny_moe_config(
+        vocab_size=248320,
+        hidden_size=2048,
+        num_hidden_layers=40,
+        layer_types=_layer_types(40),
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+        },
+        max_position_embeddings=262144,
+        eos_token_id=248044,
+        dtype="bfloat16",
+    )
+
+
+def _mlp_shapes(prefix: str, c: dict, per_expert: bool) -> dict[str, tuple[int, ...]]:
+    """A layer's MLP under `prefix` ('model.layers.3.mlp.'): dense, or the sparse MoE block."""
+    h = c["hidden_size"]
+    if "num_experts" not in c:
+        i = c["intermediate_size"]
+        return {f"{prefix}gate_proj.weight": (i, h), f"{prefix}up_proj.weight": (i, h),
+                f"{prefix}down_proj.weight": (h, i)}
+    n, i, s = c["num_experts"], c["moe_intermediate_size"], c["shared_expert_intermediate_size"]
+    shapes: dict[str, tuple[int, ...]] = {f"{prefix}gate.weight": (n, h)}
+    if per_expert:
+        for e in range(n):
+            shapes |= {f"{prefix}experts.{e}.gate_proj.weight": (i, h), f"{prefix}experts.{e}.up_proj.weight": (i, h),
+                       f"{prefix}experts.{e}.down_proj.weight": (h, i)}
+    else:
+        shapes |= {f"{prefix}experts.gate_up_proj": (n, 2 * i, h), f"{prefix}experts.down_proj": (n, h, i)}
+    return shapes | {
+        f"{prefix}shared_expert.gate_proj.weight": (s, h),
+        f"{prefix}shared_expert.up_proj.weight": (s, h),
+        f"{prefix}shared_expert.down_proj.weight": (h, s),
+        f"{prefix}shared_expert_gate.weight": (1, h),
+    }
+
+
+def _decoder_layer_shapes(
+    prefix: str, c: dict, layer_type: str, per_expert: bool = False
+) -> dict[str, tuple[int, ...]]:
     """Parameter shapes of one decoder layer under `prefix` (e.g. 'model.layers.3.')."""
     h = c["hidden_size"]
     shapes: dict[str, tuple[int, ...]] = {f"{prefix}input_layernorm.weight": (h,)}
@@ -169,22 +236,19 @@ def _decoder_layer_shapes(prefix: str, c: dict, layer_type: str) -> dict[str, tu
         }
     else:
         raise ValueError(f"unknown layer type {layer_type!r}")
-    i = c["intermediate_size"]
-    shapes |= {
-        f"{prefix}post_attention_layernorm.weight": (h,),
-        f"{prefix}mlp.gate_proj.weight": (i, h),
-        f"{prefix}mlp.up_proj.weight": (i, h),
-        f"{prefix}mlp.down_proj.weight": (h, i),
-    }
-    return shapes
+    shapes[f"{prefix}post_attention_layernorm.weight"] = (h,)
+    return shapes | _mlp_shapes(f"{prefix}mlp.", c, per_expert)
 
 
-def parameter_shapes(config: dict, mtp: bool = True) -> dict[str, tuple[int, ...]]:
-    """Ordered text-layout parameter names and shapes of a Qwen3.5 text checkpoint."""
+def parameter_shapes(config: dict, mtp: bool = True, experts: str = "fused") -> dict[str, tuple[int, ...]]:
+    """Ordered text-layout parameter names and shapes of a Qwen3.5 text checkpoint; `experts`: the
+    routed experts' layout (EXPERT_LAYOUTS) of an MoE config."""
+    if experts not in EXPERT_LAYOUTS:
+        raise ValueError(f"experts must be one of {EXPERT_LAYOUTS}, got {experts!r}")
     h = config["hidden_size"]
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config["vocab_size"], h)}
     for i, layer_type in enumerate(config["layer_types"][: config["num_hidden_layers"]]):
-        shapes |= _decoder_layer_shapes(f"model.layers.{i}.", config, layer_type)
+        shapes |= _decoder_layer_shapes(f"model.layers.{i}.", config, layer_type, experts == "per_expert")
     shapes["model.norm.weight"] = (h,)
     if not config.get("tie_word_embeddings", False):
         shapes["lm_head.weight"] = (config["vocab_size"], h)
@@ -195,7 +259,7 @@ def parameter_shapes(config: dict, mtp: bool = True) -> dict[str, tuple[int, ...
             "mtp.pre_fc_norm_hidden.weight": (h,),
         }
         for j in range(config.get("mtp_num_hidden_layers", 1)):
-            shapes |= _decoder_layer_shapes(f"mtp.layers.{j}.", config, "full_attention")
+            shapes |= _decoder_layer_shapes(f"mtp.layers.{j}.", config, "full_attention", experts != "fused")
         shapes["mtp.norm.weight"] = (h,)
     return shapes
 
@@ -210,6 +274,8 @@ def random_tensor(
     config: dict, name: str, shape: tuple[int, ...], seed: int, dtype=torch.float32
 ) -> Tensor:
     """One randomly initialised parameter, chosen by its (text-layout) name."""
+    if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        return _fused_experts(config, name, shape, seed, dtype)
     g = _generator(seed, name)
     module = name.split(".")[-2]
 
@@ -238,13 +304,27 @@ def random_tensor(
     return t.to(dtype)
 
 
+def _fused_experts(config: dict, name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> Tensor:
+    """A fused 3-D expert tensor made of the per-expert tensors random_tensor gives: a checkpoint has
+    the same weights in either expert layout."""
+    module, leaf = name.rsplit(".", 1)
+    parts = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",)
+    out = torch.empty(shape, dtype=dtype)
+    rows = shape[1] // len(parts)
+    for e in range(shape[0]):
+        for j, part in enumerate(parts):
+            out[e, j * rows : (j + 1) * rows] = random_tensor(config, f"{module}.{e}.{part}.weight",
+                                                              (rows, shape[2]), seed, dtype)
+    return out
+
+
 def random_state_dict(
-    config: dict, seed: int, dtype=torch.float32, mtp: bool = True
+    config: dict, seed: int, dtype=torch.float32, mtp: bool = True, experts: str = "fused"
 ) -> dict[str, Tensor]:
     """Deterministic random text-layout state dict for `config`."""
     return {
         n: random_tensor(config, n, s, seed, dtype)
-        for n, s in parameter_shapes(config, mtp).items()
+        for n, s in parameter_shapes(config, mtp, experts).items()
     }
 
 
@@ -323,12 +403,13 @@ def checkpoint_config(config: dict, layout: str) -> dict:
     """The config.json contents for a text config written in `layout`."""
     text = {k: v for k, v in config.items() if k not in ("architectures", "quantization_config")}
     top = {"quantization_config": config["quantization_config"]} if "quantization_config" in config else {}
+    moe = "Moe" if "num_experts" in config else ""
     if layout == "model":
-        return {**text, "architectures": ["Qwen3_5ForCausalLM"], **top}
+        return {**text, "architectures": [f"Qwen3_5{moe}ForCausalLM"], **top}
     if layout == "language_model":
         return {
-            "model_type": "qwen3_5",
-            "architectures": ["Qwen3_5ForConditionalGeneration"],
+            "model_type": "qwen3_5_moe" if moe else "qwen3_5",
+            "architectures": [f"Qwen3_5{moe}ForConditionalGeneration"],
             "text_config": text,
             "tie_word_embeddings": text.get("tie_word_embeddings", False),
             **top,
@@ -353,10 +434,11 @@ def _split(sizes: list[int], shards: int) -> list[int]:
 def _write_safetensors(
     file: Path,
     entries: list[tuple[str, tuple[int, ...], torch.dtype]],
-    get: Callable[[], Iterator[Tensor]],
+    get: Callable[[], Iterator[Tensor | None]],
     progress: Callable[[int], None],
 ) -> None:
-    """Stream tensors into a safetensors file in the order `get` yields them."""
+    """Stream tensors into a safetensors file in the order `get` yields them; None leaves a hole (the
+    tensor reads as zeros and takes no disk space)."""
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape, dtype in entries:
@@ -372,19 +454,23 @@ def _write_safetensors(
     with open(file, "wb") as f:
         f.write(struct.pack("<Q", len(blob)) + blob)
         for (name, shape, dtype), tensor in zip(entries, get(), strict=True):
+            if tensor is None:
+                f.seek(math.prod(shape) * dtype.itemsize, os.SEEK_CUR)
+                continue
             if tuple(tensor.shape) != shape or tensor.dtype != dtype:
                 raise ValueError(
                     f"{name}: expected {shape} {dtype}, got {tuple(tensor.shape)} {tensor.dtype}"
                 )
             f.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
             progress(tensor.numel() * dtype.itemsize)
+        f.truncate()  # a hole at the end still counts in the file's length
 
 
 def _write(
     path: str | Path,
     config: dict,
     entries: list[tuple[str, tuple[int, ...], torch.dtype]],
-    tensor_of: Callable[[str], Tensor],
+    tensor_of: Callable[[str], Tensor | None],
     layout: str,
     shards: int,
 ) -> None:
@@ -427,7 +513,7 @@ def _write(
     (path / "config.json").write_text(json.dumps(checkpoint_config(config, layout), indent=2) + "\n")
 
 
-def _ahead(make: Callable[[str], Tensor], names: Iterable[str]) -> Iterator[Tensor]:
+def _ahead(make: Callable[[str], Tensor | None], names: Iterable[str]) -> Iterator[Tensor | None]:
     """make(name) for each name, in order, computed a few at a time on threads (torch's CPU ops
     release the GIL) while the caller writes the earlier ones: random 27B weights take minutes on
     one core."""
@@ -464,8 +550,14 @@ def write_random_checkpoint(
     mtp: bool = True,
     keep: bool | None = None,
     fp8: bool = False,
+    experts: str = "fused",
+    zero_experts: bool = False,
 ) -> dict[str, Tensor]:
     """Stream a random checkpoint to `path`; returns its text-layout state dict, or {} if not kept.
+    `experts`: the routed experts' layout of an MoE config (EXPERT_LAYOUTS). `zero_experts`: the
+    routed experts are zeros, written as holes (benchmarks on small disks: 35B-A3B's experts are
+    64 of its 70 GB; a step's speed does not depend on their values, and routing, which does,
+    stays random); every other tensor is random.
 
     Tensors are generated a few at a time while writing, so peak memory is a few tensors plus what
     is kept; `keep=None` keeps (and returns) the state dict only below KEEP_LIMIT_BYTES. fp8: in an
@@ -473,7 +565,7 @@ def write_random_checkpoint(
     """
     config = dict(tiny_config() if config is None else config)
     config["dtype"] = str(dtype).removeprefix("torch.")
-    shapes = parameter_shapes(config, mtp)
+    shapes = parameter_shapes(config, mtp, experts)
     entries = [(n, s, dtype) for n, s in shapes.items()]
     if fp8:
         config = fp8_config(config, layout)
@@ -483,7 +575,11 @@ def write_random_checkpoint(
     kept: dict[str, Tensor] = {}
     quantizer = _Quantizer(lambda name: random_tensor(config, name, shapes[name], seed, dtype))
 
-    def tensor_of(name: str) -> Tensor:
+    def tensor_of(name: str) -> Tensor | None:
+        if zero_experts and ".experts." in name:
+            if keep:
+                kept[name] = torch.zeros(shapes[name], dtype=dtype)
+            return None
         if name.endswith("_scale_inv"):
             t = quantizer.get(name.removesuffix("_scale_inv"), 1)
         elif fp8 and fp8_quantized(name, shapes[name]):
@@ -515,12 +611,13 @@ def main(argv: list[str] | None = None) -> None:
     """`python -m shardspec.models.random_checkpoint DIR`: write a random-weight checkpoint."""
     import argparse
 
-    sizes = {"tiny": tiny_config, "9b": nine_b_config, "27b": twenty_seven_b_config}
+    sizes = {"tiny": tiny_config, "9b": nine_b_config, "27b": twenty_seven_b_config, "tiny-moe": tiny_moe_config,
+             "35b-a3b": thirty_five_b_a3b_config}
     parser = argparse.ArgumentParser(description="Write a random-weight Qwen3.5 checkpoint folder.")
     parser.add_argument("path", type=Path)
     parser.add_argument("--size", choices=sizes, default="tiny")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                        help="default: float32 for tiny, bfloat16 otherwise")
+                        help="default: float32 for the tiny sizes, bfloat16 otherwise")
     parser.add_argument("--layout", choices=LAYOUTS, default="model")
     parser.add_argument("--shards", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
@@ -528,10 +625,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fp8", action="store_true",
                         help="block-wise FP8 (e4m3, 128 × 128 scales) as the FP8 releases, quantised from the "
                              "--dtype checkpoint of the same seed; unquantised tensors in --dtype")
+    parser.add_argument("--experts", choices=EXPERT_LAYOUTS, default="mixed",
+                        help="MoE sizes: routed experts as fused 3-D tensors, one tensor per expert, or mixed (fused "
+                             "in the layers, per expert in the MTP layer, as Qwen3.5-35B-A3B is released)")
+    parser.add_argument("--zero-experts", action="store_true",
+                        help="MoE sizes, for benchmarks on small disks: routed experts all zeros, written as holes of "
+                             "sparse files (35B-A3B: ~6 GB on disk instead of 70); every other tensor random")
     args = parser.parse_args(argv)
-    dtype = getattr(torch, args.dtype or ("float32" if args.size == "tiny" else "bfloat16"))
+    dtype = getattr(torch, args.dtype or ("float32" if args.size.startswith("tiny") else "bfloat16"))
     write_random_checkpoint(args.path, sizes[args.size](), seed=args.seed, dtype=dtype, layout=args.layout,
-                            shards=args.shards, mtp=not args.no_mtp, keep=False, fp8=args.fp8)
+                            shards=args.shards, mtp=not args.no_mtp, keep=False, fp8=args.fp8, experts=args.experts,
+                            zero_experts=args.zero_experts)
     kind = "FP8 " if args.fp8 else ""
     print(f"wrote a random {kind}{args.size} checkpoint to {args.path}", file=sys.stderr)
 

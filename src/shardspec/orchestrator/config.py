@@ -59,6 +59,11 @@ class EngineConfig:
     pp: int = 1
     """Pipeline stages: the workers, in rank order, are pp stages of tp ranks each (stage 0's first)."""
 
+    ep: int = 1
+    """Expert parallelism of mixture-of-experts models: each stage's tp ranks form ep groups, each holding
+    num_experts ÷ ep whole experts, each expert's width split over the tp ÷ ep ranks of its group (1: every rank
+    a slice of every expert; tp: whole experts per rank). It must divide tp and the expert count."""
+
     layer_split: list[int] | None = None
     """Decoder layers per stage, in stage order (they sum to the model's layers); None: as even as can be."""
 
@@ -163,6 +168,7 @@ class EngineConfig:
             forced_acceptance=-1.0 if self.forced_acceptance is None else self.forced_acceptance,
             layer_split=list(self.layer_split or []),
             deterministic=self.deterministic,
+            expert_parallel=self.ep,
         )
 
     # --- checks that read files --------------------------------------------------------------------
@@ -174,9 +180,8 @@ class EngineConfig:
             raise ValueError(f"{self.model} is not a model folder (no config.json)")
         if self.mtp and model_dir.is_dir() and not _has_mtp(model_dir):
             raise ValueError(f"MTP asked for, but {self.model} has no MTP weights (mtp.*); use mtp=False / --no-mtp")
-        if self.pp > 1 and (model_dir / "config.json").is_file():
-            _check_stages(model_dir, self.pp, self.layer_split)
         if (model_dir / "config.json").is_file():
+            _check_split(model_dir, self.pp, self.layer_split, self.tp_size, self.ep)
             _check_quantization(model_dir, self.tp_size, self.spawns_workers and self.device == "cuda")
 
     def curve_links(self) -> list[tuple[KeyPair | None, bytes | None]]:
@@ -224,6 +229,9 @@ class EngineConfig:
         if self.tp is not None and self.tp != self.tp_size:
             per = "the worker count" if self.pp == 1 else f"the worker count ÷ pp ({self.pp})"
             raise ValueError(f"tp={self.tp} but {given}; tp must equal {per}")
+        lo, hi = message_range(LoadRequest, "expert_parallel")
+        if type(self.ep) is not int or not lo <= self.ep <= hi:
+            raise ValueError(f"ep must be an expert-parallel degree in [{lo}, {hi}], got {self.ep!r}")
         if self.layer_split is not None:
             split = self.layer_split
             if not isinstance(split, list | tuple) or len(split) != self.pp or not all(
@@ -283,15 +291,17 @@ def _seconds(name: str, value: Any, lo: float, hi: float) -> float:
     return float(value)
 
 
-def _check_stages(model_dir: Path, pp: int, layer_split: list[int] | None) -> None:
-    """The model's layers can be split as asked (where this machine can read its config)."""
-    from shardspec.models.base import split_layers
+def _check_split(model_dir: Path, pp: int, layer_split: list[int] | None, tp: int, ep: int) -> None:
+    """The model's layers can be split into the stages asked for, and each stage's layers over its
+    tp ranks with ep expert groups (where this machine can read its config)."""
+    from shardspec.models.base import split_config, split_layers
     from shardspec.models.config import ConfigError
     from shardspec.models.registry import read
 
     try:
         _, model = read(model_dir)
         split_layers(model.num_hidden_layers, pp, layer_split)
+        split_config(model, tp, ep)
     except ConfigError as exc:
         raise ValueError(str(exc)) from None
 

@@ -156,6 +156,7 @@ class LoadRequest:
     forced_acceptance: float = bounded(-1.0, 1.0, -1.0)  # benchmarks only; < 0 = off
     layer_split: list[int] = field(default_factory=list)  # decoder layers per stage; []: as even as can be
     deterministic: bool = False  # batch-invariant decoding (ModelRunner's `deterministic`)
+    expert_parallel: int = bounded(1, 4096, 1)  # MoE: groups of a stage's ranks that hold whole experts (layers.moe)
 
     def __post_init__(self) -> None:
         if self.mtp not in ("auto", "on", "off"):

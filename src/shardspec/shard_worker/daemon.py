@@ -477,7 +477,7 @@ class ShardWorker:
             mtp = body.mtp == "on" or (body.mtp == "auto" and has_mtp(body.model))
         except (ConfigError, OSError) as exc:
             raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
-        key = (body.model, dtype, stage)
+        key = (body.model, dtype, stage, body.expert_parallel)
         if self.model is not None and self.model_key == key and (self.model_mtp or not mtp):
             log.info("keeping the loaded weights of %s; new caches", body.model)
         else:
@@ -526,7 +526,8 @@ class ShardWorker:
                 log.info("loaded %d/%d tensors", done, total)
 
         try:
-            return load_model(body.model, self.tp, dtype, self.device, with_mtp=mtp, progress=progress, stage=stage)
+            return load_model(body.model, self.tp, dtype, self.device, with_mtp=mtp, progress=progress, stage=stage,
+                              expert_parallel=body.expert_parallel)
         except (ConfigError, OSError) as exc:
             raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
 

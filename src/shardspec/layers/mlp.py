@@ -1,0 +1,34 @@
+"""The SiLU-gated MLP: gate and up column-split, down row-split."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardspec import kernels
+from shardspec.layers.invariant import pointwise
+from shardspec.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from shardspec.layers.parallel import TPGroup
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+    """silu(gate) · up: one kernel on CUDA; batch-invariant elementwise on a CPU with `invariant`."""
+    if kernels.enabled(gate):
+        return kernels.norm.silu_mul(gate, up)
+    return pointwise(F.silu, gate, invariant) * up
+
+
+class MLP(nn.Module):
+    """down(silu(gate(x)) · up(x)); returns this rank's partial sum (RowParallelLinear)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup):
+        super().__init__()
+        rows = [tp.split(intermediate_size)]
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, {"gate_proj": rows, "up_proj": rows})
+        self.down_proj = RowParallelLinear(rows, hidden_size)
+        self.invariant = False  # batch-invariant mode (CausalLM.set_batch_invariant)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x)
+        return self.down_proj(silu_mul(gate, up, self.invariant))

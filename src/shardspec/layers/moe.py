@@ -1,0 +1,175 @@
+"""The sparse mixture-of-experts block of Qwen3.5 MoE, tensor- and expert-parallel.
+
+    out = Σ_topk w_i · expert_i(x) + sigmoid(x · W_seg) · shared_expert(x)
+
+with p = softmax(x · W_gateᵀ) in fp32, its top k renormalised to sum to 1, and every expert a
+SiLU-gated MLP. The router and the shared expert's gate are replicated. The group's ranks form
+`ep` groups: each group holds num_experts / ep whole experts, and each expert's intermediate width
+is split over the tp / ep ranks of its group (ep = 1: every rank holds a slice of every expert;
+ep = tp: whole experts per rank). The shared expert is split over all tp ranks like a dense MLP.
+A rank returns its partial sum (its experts' and its shared-expert slice's), which the next RMSNorm
+sums across the group: one all-reduce per layer, as for the dense MLP.
+
+The routed experts run on one of three backends (`EXPERT_BACKENDS`), all on the same weights:
+- `reference`: a loop over the experts the tokens hit, as transformers computes it (CPU; its row
+  selection syncs with the host);
+- `grouped`: tokens sorted by expert and two `torch.nn.functional.grouped_mm` calls (bf16 on CUDA,
+  the GPU's default; no host sync, so CUDA graphs capture it);
+- `gathered`: each (token, expert) row times its expert's gathered weights, in fixed blocks of
+  rows: no host sync, any dtype, and batch-invariant (the GPU's path in deterministic mode and for
+  float32/float16).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardspec.layers.invariant import in_blocks, pointwise
+from shardspec.layers.linear import ReplicatedLinear, linear
+from shardspec.layers.mlp import MLP, silu_mul
+from shardspec.layers.parallel import TPGroup, shard, stack
+
+EXPERT_BACKEND = os.environ.get("SHARDSPEC_MOE_BACKEND", "auto")  # auto or one of EXPERT_BACKENDS (comparisons)
+GATHER_ROWS = 64  # (token, expert) rows per block of the gathered backend: fixed shapes, bounded gathers
+
+
+def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [N, k] in the logits' dtype, expert ids [N, k]): the top k of the fp32 softmax,
+    renormalised."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
+Range = tuple[int, int]
+
+
+def expert_split(tp: TPGroup, num_experts: int, intermediate_size: int, ep: int) -> tuple[Range, Range]:
+    """(this rank's experts [first, end), its rows [start, end) of each expert's width)."""
+    per_group = tp.size // ep  # ranks sharing each expert
+    group, member = divmod(tp.rank, per_group)
+    experts, width = num_experts // ep, intermediate_size // per_group
+    return (group * experts, (group + 1) * experts), (member * width, (member + 1) * width)
+
+
+class Experts(nn.Module):
+    """This rank's routed experts: `gate_up_proj` [E_rank, 2·I_rank, H] (each expert's gate rows, then
+    its up rows) and `down_proj` [E_rank, H, I_rank], the checkpoint's fused 3-D layout. Each
+    parameter's `experts` is the range of experts it holds; its `parts`/`shard` describe the slice
+    of one expert's matrix (models.loader reads either expert layout with them)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup, ep: int = 1):
+        super().__init__()
+        experts, rows = expert_split(tp, num_experts, intermediate_size, ep)
+        count, width = experts[1] - experts[0], rows[1] - rows[0]
+        self.first = experts[0]
+        self.sizes = [intermediate_size, intermediate_size]  # the gate and up rows of a whole expert
+        gate_up = nn.Parameter(torch.empty(count, 2 * width, hidden_size), requires_grad=False)
+        self.gate_up_proj = stack(gate_up, [("gate_proj", [rows]), ("up_proj", [rows])])
+        self.down_proj = shard(nn.Parameter(torch.empty(count, hidden_size, width), requires_grad=False), 1, [rows])
+        for param in (self.gate_up_proj, self.down_proj):
+            param.experts = experts  # type: ignore[attr-defined]
+        self.block_rows = 0  # batch-invariant mode (CausalLM.set_batch_invariant)
+        self.invariant = False
+        self.backend = EXPERT_BACKEND
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Σ over each row's k experts held here of weight · expert(row): x [N, H] -> [N, H]."""
+        local = ids - self.first  # ids of this rank's experts: [0, E_rank); others fall outside
+        return EXPERT_BACKENDS[self.pick(x)](self, x, weights, local)
+
+    def pick(self, x: torch.Tensor) -> str:
+        if self.backend != "auto":
+            if self.backend not in EXPERT_BACKENDS:
+                raise ValueError(f"SHARDSPEC_MOE_BACKEND must be auto or one of {sorted(EXPERT_BACKENDS)}, "
+                                 f"not {self.backend!r}")
+            return self.backend
+        if not x.is_cuda:
+            return "reference"
+        return "grouped" if x.dtype == torch.bfloat16 and not self.invariant else "gathered"
+
+    def expert(self, e: int | torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = linear(rows, self.gate_up_proj[e], self.block_rows).chunk(2, -1)
+        return linear(silu_mul(gate, up, self.invariant), self.down_proj[e], self.block_rows)
+
+
+def reference_experts(experts: Experts, x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A loop over the experts hit, each over its rows, added in expert order (transformers' order)."""
+    out = torch.zeros_like(x)
+    held = (local >= 0) & (local < experts.gate_up_proj.shape[0])
+    for e in torch.unique(local[held]).tolist():
+        token, slot = torch.where(local == e)
+        out.index_add_(0, token, experts.expert(e, x[token]) * weights[token, slot, None])
+    return out
+
+
+def grouped_experts(experts: Experts, x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """The (token, expert) rows sorted by expert, two grouped matmuls, the rows put back."""
+    count = experts.gate_up_proj.shape[0]
+    flat = local.flatten()
+    held = (flat >= 0) & (flat < count)
+    group = torch.where(held, flat, count)  # rows of other ranks' experts sort last, past every group
+    order = group.argsort(stable=True)
+    sizes = torch.zeros(count + 1, dtype=torch.int32, device=x.device)
+    sizes.scatter_add_(0, group, torch.ones_like(group, dtype=torch.int32))
+    offsets = sizes[:count].cumsum(0, dtype=torch.int32)  # on the device: no host sync
+    rows = x[order // local.shape[1]]
+    gate, up = F.grouped_mm(rows, experts.gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, -1)
+    down = F.grouped_mm(silu_mul(gate, up), experts.down_proj.transpose(1, 2), offs=offsets)
+    down = torch.where(held[order, None], down, 0)  # rows past the last group are not written: garbage
+    return _weighted_sum(torch.empty_like(down).index_copy_(0, order, down), weights)
+
+
+def gathered_experts(experts: Experts, x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """Each (token, expert) row times its expert's weights, gathered GATHER_ROWS rows at a time."""
+    count, k = experts.gate_up_proj.shape[0], local.shape[1]
+    flat = local.flatten()
+    held = (flat >= 0) & (flat < count)
+
+    def block(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        gate, up = torch.bmm(rows[:, None], experts.gate_up_proj[ids].transpose(1, 2))[:, 0].chunk(2, -1)
+        h = silu_mul(gate, up, experts.invariant)
+        return torch.bmm(h[:, None], experts.down_proj[ids].transpose(1, 2))[:, 0]
+
+    down = in_blocks(block, x.repeat_interleave(k, 0), flat.clamp(0, count - 1), rows=GATHER_ROWS)
+    return _weighted_sum(torch.where(held[:, None], down, 0), weights)
+
+
+def _weighted_sum(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Σ_j weights[:, j] · rows of slot j ([N·k, H] -> [N, H]), in slot order: the same arithmetic
+    for every token whatever the batch."""
+    rows = rows.view(*weights.shape, -1)
+    out = rows[:, 0] * weights[:, :1]
+    for j in range(1, weights.shape[1]):
+        out = out + rows[:, j] * weights[:, j : j + 1]
+    return out
+
+
+EXPERT_BACKENDS: dict[str, Callable[[Experts, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "reference": reference_experts, "grouped": grouped_experts, "gathered": gathered_experts}
+
+
+class SparseMoE(nn.Module):
+    """Router, routed experts and the gated shared expert; returns this rank's partial sum."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 shared_intermediate_size: int, tp: TPGroup, ep: int = 1):
+        super().__init__()
+        self.top_k = top_k
+        self.gate = ReplicatedLinear(hidden_size, num_experts)  # the router
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, tp, ep)
+        self.shared_expert = MLP(hidden_size, shared_intermediate_size, tp)
+        self.shared_expert_gate = ReplicatedLinear(hidden_size, 1)
+        self.invariant = False  # batch-invariant mode (CausalLM.set_batch_invariant)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        weights, ids = route(self.gate(rows), self.top_k)
+        shared = pointwise(torch.sigmoid, self.shared_expert_gate(rows), self.invariant) * self.shared_expert(rows)
+        return (self.experts(rows, weights, ids) + shared).view(x.shape)
