@@ -31,7 +31,9 @@ from shardspec.models.qwen3_5 import Qwen3_5Config, Qwen3_5Model, mixer
 from shardspec.models.random_checkpoint import tiny_config
 
 DEVICE = torch.device("cuda" if GPU else "cpu")
-DTYPES = [torch.float32, torch.bfloat16]
+# bf16 through the interpreter (which emulates it op by op) takes most of this file's time on a CPU:
+# there it runs with the slow tests; on a GPU it runs always
+DTYPES = [torch.float32, torch.bfloat16 if GPU else pytest.param(torch.bfloat16, marks=pytest.mark.slow)]
 
 
 @pytest.fixture(autouse=True)
