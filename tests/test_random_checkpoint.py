@@ -190,7 +190,9 @@ def test_transformers_model_from_folders(tmp_path: Path, config, state_dict, mod
     assert torch.isfinite(hf_logits(tied, PROMPT)).all()
 
 
-@pytest.mark.parametrize("prompt_len", [1, 12, 70])  # 70 crosses a 64-token GDN chunk boundary
+# 70 crosses a 64-token GDN chunk boundary; the short prompts (transformers' generate is slow on a CPU) run
+# with the slow tests
+@pytest.mark.parametrize("prompt_len", [*(pytest.param(n, marks=pytest.mark.slow) for n in (1, 12)), 70])
 def test_hf_greedy_matches_full_forward_argmax(model, prompt_len: int):
     prompt = [(7 * i + 3) % 512 for i in range(prompt_len)]
     steps = 6
