@@ -171,10 +171,16 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-@functools.cache
 def _counters(device: torch.device) -> torch.Tensor:
     """The split-K tile counters, zero between launches (the last split of a tile resets its own);
     one set per device: FP8 GEMVs of one process run on one stream at a time."""
+    if device.type == "cuda" and device.index is None:  # one key for "cuda" and "cuda:N"
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _device_counters(device)
+
+
+@functools.cache
+def _device_counters(device: torch.device) -> torch.Tensor:
     return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
 
 
@@ -184,7 +190,8 @@ def prepare(device: torch.device) -> None:
 
 
 def _capturing_without_counters(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing() and _counters.cache_info().currsize == 0
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing() and \
+        _device_counters.cache_info().currsize == 0
 
 
 def weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, invariant: bool = False,
