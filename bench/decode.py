@@ -28,7 +28,7 @@ batch size: its bytes, encode + send + receive through ZeroMQ, and the copies of
 
 With --fp8 every row runs again, in the same run, on the checkpoint's block-wise FP8 twin (the same
 seed quantised: `random_checkpoint --fp8`), its rows tagged "weights": "fp8" and set against the
-FP8 floor (FP8 weights, their block scales and the 16-bit parts).
+FP8 floor (FP8 weights, their block scales and the 16-bit parts); --fp8-only runs the twin alone.
 """
 
 from __future__ import annotations
@@ -207,7 +207,8 @@ async def run(args: argparse.Namespace, out: dict, save) -> None:
         out["link_cost"] = link_costs(registry.read(args.ckpt)[1], args.batch, sorted({0, *args.k}), device)
         save()
     out["decode"], out["prefill"] = [], []
-    for weights, ckpt in [("bf16", args.ckpt), *([("fp8", args.fp8_ckpt)] if args.fp8 else [])]:
+    runs = [*([] if args.fp8_only else [("bf16", args.ckpt)]), *([("fp8", args.fp8_ckpt)] if args.fp8 else [])]
+    for weights, ckpt in runs:
         await run_checkpoint(args, ckpt, weights, out, save)
 
 
@@ -300,15 +301,17 @@ def main() -> None:
                         help="then every row again on the block-wise FP8 twin of the checkpoint (same seed)")
     parser.add_argument("--fp8-ckpt", type=Path, default=None,
                         help="the FP8 twin (default: CKPT-fp8; written if missing)")
+    parser.add_argument("--fp8-only", action="store_true", help="with --fp8: the FP8 twin's rows alone")
     parser.add_argument("--out", type=Path, default=Path("decode-results.json"))
     args = parser.parse_args()
+    args.fp8 = args.fp8 or args.fp8_only
     os.environ[FORCED_ACCEPTANCE_ENV] = "1"  # a benchmark: forced acceptance is meant here
     args.ckpt = args.ckpt or Path(f"/tmp/shardspec-{args.size}")
     args.fp8_ckpt = args.fp8_ckpt or args.ckpt.with_name(args.ckpt.name + "-fp8")
     dtype = torch.float32 if args.size.startswith("tiny") else torch.bfloat16
     moe = "num_experts" in SIZES[args.size]()
     experts = {"experts": "mixed", "zero_experts": args.zero_experts} if moe else {}
-    if not (args.ckpt / "config.json").exists():
+    if not args.fp8_only and not (args.ckpt / "config.json").exists():
         write_random_checkpoint(args.ckpt, SIZES[args.size](), seed=0, dtype=dtype, keep=False, **experts)
     if args.fp8 and not (args.fp8_ckpt / "config.json").exists():  # quantised from the same seed: the twin
         write_random_checkpoint(args.fp8_ckpt, SIZES[args.size](), seed=0, dtype=dtype, keep=False, fp8=True,

@@ -31,10 +31,12 @@
 #   moe     one H200: the MoE tests of tests/test_cuda.py (the 35B-A3B-class checkpoint written meanwhile, its
 #           routed experts zeros in holes: ~6 GB of disk, not 70), then 35B-A3B-class TP = 1 batch 1/8/32, MTP
 #           off and k = 3 at 0.8, prefill 2k, transformers' generate in the same run
-#   fp8     one H200: the FP8 tests (tests/test_cuda.py -k fp8, tests/test_fp8.py, the FP8 floor's test; the 9B-class
-#           bf16 checkpoint and its FP8 twin written meanwhile), then the teacher-forced top-1 agreement of the FP8 twin
-#           with bf16 (16 prompts × 128 tokens), then 9B-class bf16 and FP8 in one bench/decode.py run: batch 1/8,
-#           MTP off and k = 3 at 0.8, prefill 2k, each against its floor; each part runs even if one before failed
+#   fp8     one H200, ~9 minutes: the FP8 GPU tests (tests/test_cuda.py + tests/test_kernels.py -k fp8, the FP8
+#           floor's test; the 9B-class bf16 checkpoint and its FP8 twin written meanwhile), the FP8 GEMMs at the 9B
+#           shapes (bench/fp8_gemm.py: decode GEMV at 1/8/32 rows against its floor and bf16 cuBLAS, prefill W8A8),
+#           the teacher-forced agreement (16 prompts × 128 tokens, against the exact FP8 reference and the bf16 twin),
+#           then 9B-class bf16 and FP8 in one bench/decode.py run: batch 1/8, MTP off and k = 3 at 0.8, each against
+#           its floor; each part runs even if one before failed (the exit status says)
 # Then, where matplotlib is: python bench/plot_decode.py OUT/decode-9b-tp1.json ... --out docs/decode.png
 set -euo pipefail
 if [ $# -lt 3 ]; then
@@ -149,18 +151,22 @@ for stage in "$@"; do
             | tee "$out/decode-35b-a3b.log" || failed=1
         ;;
     fp8)
-        {   # on the CPUs, while the tests take the GPU: the bf16 checkpoint, then its FP8 twin (same seed)
-            [ -f .bench/9b/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/9b --size 9b
+        {   # on the CPUs, while the tests take the GPU: the bf16 checkpoint and its FP8 twin (same seed) side by side
+            [ -f .bench/9b/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/9b --size 9b &
+            bf16=$!
             [ -f .bench/9b-fp8/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/9b-fp8 --size 9b --fp8
+            written=$?
+            wait $bf16 && exit $written
         } &
         writer=$!
-        timeout 200 python3 -m pytest -q tests/test_cuda.py tests/test_fp8.py tests/test_step_bytes.py -k "fp8" \
+        timeout 190 python3 -m pytest -q tests/test_cuda.py tests/test_kernels.py tests/test_step_bytes.py -k fp8 \
             --durations=10 --timeout 150 2>&1 | tee "$out/tests-fp8.log" || failed=1
+        timeout 70 python3 bench/fp8_gemm.py --out "$out/fp8-gemm.json" 2>&1 | tee "$out/fp8-gemm.log" || failed=1
         wait $writer || failed=1
-        timeout 120 python3 bench/fp8_agreement.py --bf16 .bench/9b --fp8 .bench/9b-fp8 --prompts 16 --tokens 128 \
+        timeout 110 python3 bench/fp8_agreement.py --bf16 .bench/9b --fp8 .bench/9b-fp8 --prompts 16 --tokens 128 \
             --out "$out/fp8-agreement-9b.json" 2>&1 | tee "$out/fp8-agreement-9b.log" || failed=1
-        timeout 260 python3 bench/decode.py --size 9b --ckpt .bench/9b --fp8 --fp8-ckpt .bench/9b-fp8 --tp 1 \
-            --batch 1 8 --k 3 --forced 0.8 --prefill 2048 --out "$out/decode-9b-fp8.json" 2>&1 \
+        timeout 170 python3 bench/decode.py --size 9b --ckpt .bench/9b --fp8 --fp8-ckpt .bench/9b-fp8 --tp 1 \
+            --batch 1 8 --k 3 --forced 0.8 --prefill --out "$out/decode-9b-fp8.json" 2>&1 \
             | tee "$out/decode-9b-fp8.log" || failed=1
         ;;
     esac

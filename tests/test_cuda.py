@@ -419,22 +419,16 @@ def _fp8_reference_inputs(M: int, N: int, K: int):
     return x, weight, scale
 
 
-def _quantised_groups(x: torch.Tensor) -> torch.Tensor:
-    """x with each token's 128-column groups through e4m3 at their own scale (the W8A8 path's input)."""
-    M, K = x.shape
-    padded = torch.zeros(M, -(-K // 128) * 128)
-    padded[:, :K] = x.float()
-    groups = padded.view(M, -1, 128)
-    scale = groups.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448
-    return ((groups / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale).view(M, -1)[:, :K]
-
-
-@pytest.mark.parametrize("M", [1, 7, 64, 65, 300])
-@pytest.mark.parametrize(("N", "K"), [(384, 512), (200, 320)])  # whole blocks; ragged last blocks
+@pytest.mark.parametrize("M", [1, 7, 64, 65, 77, 300])
+@pytest.mark.parametrize(("N", "K"), [(384, 512), (200, 320), (1024, 1536)])  # ragged last blocks: 200 × 320
 @pytest.mark.parametrize("prefill", ["triton", "cublas"])
 def test_the_fp8_gemms_match_the_dequantised_weight(M, N, K, prefill):
-    """Decode rows (≤ 64): bf16 activations times the FP8 weight · its block scales, to bf16 rounding;
-    prefill rows: activations through e4m3 per token and 128-group first, then the same."""
+    """Against x @ (W8 · scale)^T in fp32, each output within what its path can round (bf16 out:
+    2^-8 of it): decode rows (≤ 64, bf16 activations) to fp32 accumulation; prefill rows within
+    the e4m3 rounding bound of the activations (fp8_reference.rounding_bound), on cuBLAS (any row
+    count: padded to 16) or our kernel."""
+    from fp8_reference import rounding_bound
+
     from shardspec.kernels import fp8 as kernel_fp8
     from shardspec.layers.fp8 import dequantize
 
@@ -445,12 +439,33 @@ def test_the_fp8_gemms_match_the_dequantised_weight(M, N, K, prefill):
     if prefill == "cublas" and M > kernel_fp8.DECODE_ROWS and cublas is None:
         pytest.skip("no block-scaled FP8 in this cuBLAS, or not this shape")
     got = kernel_fp8.linear(x.to(cuda), weight.to(cuda), scale.to(cuda), cublas_scale=cublas).float().cpu()
-    rows = x.float() if M <= kernel_fp8.DECODE_ROWS else _quantised_groups(x)
-    expected = rows @ w.T
-    assert (got - expected).abs().max() <= 1e-2 * expected.abs().max()
+    expected = x.float() @ w.T
+    terms = x.float().abs() @ w.abs().T
+    rounding = 2**-12 * terms if M <= kernel_fp8.DECODE_ROWS else rounding_bound(x, w) + 2**-9 * terms
+    assert ((got - expected).abs() <= 2**-8 * expected.abs() + rounding).all()
     invariant = kernel_fp8.linear(x.to(cuda), weight.to(cuda), scale.to(cuda), invariant=True).float().cpu()
     one_row = kernel_fp8.linear(x[:1].to(cuda), weight.to(cuda), scale.to(cuda), invariant=True).float().cpu()
     assert torch.equal(invariant[:1], one_row)  # batch-invariant: a row's result depends on that row alone
+
+
+def test_the_fp8_decode_gemv_inside_a_cuda_graph_gives_the_eager_result():
+    """The split-K counters reset themselves: replays of a captured GEMV (down_proj's shape at
+    batch 1 and 8) give the eager result bit for bit."""
+    from shardspec.kernels import fp8 as kernel_fp8
+
+    cuda = torch.device("cuda")
+    kernel_fp8.prepare(cuda)
+    for M in (1, 8):
+        x, weight, scale = (t.to(cuda) for t in _fp8_reference_inputs(M, 4096, 12288))
+        assert kernel_fp8.plan(M, 4096, 12288, torch.cuda.get_device_properties(cuda).multi_processor_count).split > 1
+        eager = kernel_fp8.weight_only(x, weight, scale)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = kernel_fp8.weight_only(x, weight, scale)
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(captured, eager)
 
 
 @pytest.fixture(scope="module")
@@ -483,23 +498,41 @@ def test_an_fp8_checkpoint_kept_fp8_on_the_gpu_gives_the_cpu_logits_in_fp32(fp8_
     torch.testing.assert_close(model.lm_head.logits(hidden).cpu(), reference, rtol=1e-4, atol=1e-4)
 
 
+def _relative_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).pow(2).mean() / b.float().pow(2).mean()).sqrt().item()
+
+
 @torch.inference_mode()
-def test_an_fp8_checkpoint_in_bf16_on_the_gpu_agrees_with_the_fp32_dequantised_reference(fp8_model):
-    """Teacher-forced top-1 agreement over 256 positions: a prefill pass (W8A8: activations in e4m3)
-    and 256 one-token decode passes (weight-only: activations in bf16)."""
-    ids = torch.randint(0, 512, (1, 256), generator=torch.Generator().manual_seed(1))
-    cpu = load_model(fp8_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=False)
-    reference = cpu.lm_head.logits(cpu(ids, Batch.uncached(1, 256, ids.device)))[0].argmax(-1)
+def test_the_fp8_prefill_path_deviates_only_by_its_activation_rounding(fp8_model, monkeypatch):
+    """bf16 on the GPU against the fp32 logits of the same FP8 checkpoint on the CPU: one-token decode
+    passes (weight-only, bf16 activations) stay closer than the e4m3 rounding of the activations
+    moves the logits (measured on the CPU: every FP8 projection's input through the W8A8
+    quantisation, fp8_reference), and a prefill pass (W8A8) deviates no more than that rounding
+    and the bf16 noise together explain (their root sum of squares, 1.5×): its gap is the W8A8
+    scheme's, not our kernels'."""
+    import fp8_reference
+
+    from shardspec.layers import fp8 as layer_fp8
+
+    ids = torch.randint(0, 512, (2, 96), generator=torch.Generator().manual_seed(1))
+    cpu = load_model(fp8_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=False, fp8_native=True)
+    exact = cpu.lm_head.logits(cpu(ids, Batch.uncached(2, 96, ids.device)))
+    plain = layer_fp8.fp8_linear
+    monkeypatch.setattr(layer_fp8, "fp8_linear", lambda x, *args: plain(fp8_reference.quantised_activations(x), *args))
+    w8a8 = cpu.lm_head.logits(cpu(ids, Batch.uncached(2, 96, ids.device)))
+    monkeypatch.undo()
     model = load_model(fp8_model, TPGroup(), torch.bfloat16, torch.device("cuda"), with_mtp=False)
-    x, slots = ids.cuda(), torch.tensor([0], device="cuda")
-    positions = torch.arange(256, device="cuda")[None]
-    model.allocate_caches(1, 256, torch.bfloat16, x.device)
-    prefill = model(x, Batch(slots, positions, 256))
+    x, slots = ids.cuda(), torch.arange(2, device="cuda")
+    positions = torch.arange(96, device="cuda").expand(2, -1)
+    model.allocate_caches(2, 96, torch.bfloat16, x.device)
+    prefill = model.lm_head.logits(model(x, Batch(slots, positions, 96))).cpu()
     model.reset_slots(slots)
-    decode = torch.cat([model(x[:, t : t + 1], Batch(slots, positions[:, t : t + 1], t + 1)) for t in range(256)], 1)
-    agreement = {name: (model.lm_head.logits(hidden)[0].argmax(-1).cpu() == reference).float().mean().item()
-                 for name, hidden in (("prefill", prefill), ("decode", decode))}
-    assert min(agreement.values()) >= 0.95, agreement
+    decode = model.lm_head.logits(torch.cat([model(x[:, t : t + 1], Batch(slots, positions[:, t : t + 1], t + 1))
+                                             for t in range(96)], 1)).cpu()
+    rounding, noise = _relative_rms(w8a8, exact), _relative_rms(decode, exact)
+    assert noise < rounding, (noise, rounding)
+    deviation = _relative_rms(prefill, exact)
+    assert deviation <= 1.5 * (rounding**2 + noise**2) ** 0.5, (deviation, rounding, noise)
 
 
 def test_an_fp8_checkpoint_through_the_engine_on_the_gpu_gives_the_cpu_greedy_output(fp8_model):

@@ -345,3 +345,117 @@ print(triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_war
         assert lines[i].startswith("@%p"), lines[i]  # predicated: not every thread
         shared = next(line for line in lines[i + 1 :] if "st.shared" in line or "bar.sync" in line)
         assert shared.startswith("@%p") and "st.shared" in shared, shared  # the result, to shared memory
+
+
+# --- FP8 GEMMs (block-wise e4m3 weights, 128 × 128 scales) -------------------------------------------
+
+def _fp8_operands(M: int, N: int, K: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    weight = (torch.randn(N, K, generator=gen) * 3).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(-(-N // 128), -(-K // 128), generator=gen) * 0.01 + 0.001
+    return x, weight, scale
+
+
+def _dequantised(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    from fp8_reference import per_column
+
+    return weight.float() * per_column(scale, weight.shape[1]).repeat_interleave(128, 0)[: weight.shape[0]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("M", "N", "K"), [(1, 256, 512), (7, 200, 320), (20, 128, 1024)])  # ragged: 200 × 320
+@pytest.mark.parametrize("split", [1, 3, 8])  # 8 > the K blocks of 320 and 512: splits with nothing to add
+def test_the_fp8_weight_only_gemm_matches_the_dequantised_weight_at_every_split(dtype, M, N, K, split):
+    from shardspec.kernels import fp8
+
+    x, weight, scale = _fp8_operands(M, N, K, dtype)
+    launch = fp8.Plan(block_m=16 if M <= 16 else 32, block_n=64, split=split)
+    got = fp8.weight_only(x.to(DEVICE), weight.to(DEVICE), scale.to(DEVICE), launch=launch)
+    assert got.dtype == dtype
+    assert_agree(got, x.float() @ _dequantised(weight, scale).T, dtype)
+
+
+def test_the_fp8_weight_only_gemm_is_batch_invariant_and_deterministic():
+    """Invariant mode: a row's result is bit for bit the same alone and in a batch, and again."""
+    from shardspec.kernels import fp8
+
+    x, weight, scale = (t.to(DEVICE) for t in _fp8_operands(21, 256, 1024, torch.bfloat16, seed=1))
+    batch = fp8.weight_only(x, weight, scale, invariant=True)
+    assert fp8.plan(21, 256, 1024, 132, invariant=True) == fp8.plan(1, 256, 1024, 132, invariant=True)
+    for row in (0, 20):
+        assert torch.equal(fp8.weight_only(x[row : row + 1], weight, scale, invariant=True)[0], batch[row])
+    assert torch.equal(fp8.weight_only(x, weight, scale, invariant=True), batch)
+
+
+def test_the_weight_only_plan_fills_the_sms_with_k_splits_that_never_depend_on_the_rows():
+    from shardspec.kernels import fp8
+
+    down, gate_up = fp8.plan(1, 4096, 12288, 132), fp8.plan(1, 24576, 4096, 132)
+    assert 64 * down.split >= 4 * 132 and down.split <= 16 and 96 // down.split >= 4
+    assert gate_up.split * 384 >= 4 * 132
+    assert {fp8.plan(M, 4096, 12288, 132).split for M in (1, 8, 33, 64)} == {down.split}
+    assert fp8.plan(64, 4096, 12288, 132).block_m == 64 and fp8.plan(3, 4096, 12288, 132).block_m == 16
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("M", "K", "rows"), [(3, 512, 3), (5, 320, 16)])  # 16: padded with zero rows
+def test_the_fp8_activation_quantiser_rounds_each_group_to_the_nearest_e4m3_at_max_over_448(dtype, M, K, rows):
+    """Bit for bit the PyTorch rounding: scale = max |x| / 448 per token and 128 columns, q = the
+    e4m3 nearest x / scale (ties to even); rows past M hold zeros."""
+    from fp8_reference import quantised_groups
+
+    from shardspec.kernels import fp8
+
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(3)).to(dtype) * 3
+    x[0, :7] = torch.tensor([0.0, 1e-6, -1e-6, 2.0**-12, 448.0, 300.0, -0.01])  # zero, subnormals, the max
+    q, scale = fp8.quantize_groups(x.to(DEVICE), rows=rows)
+    expected_q, expected_scale = quantised_groups(x)
+    assert torch.equal(q[:M].cpu().view(torch.uint8), expected_q.view(torch.uint8))
+    assert torch.equal(scale[:M].cpu(), expected_scale)
+    assert not q[M:].float().any()
+
+
+@pytest.mark.parametrize(("M", "N", "K"), [(70, 256, 512), (65, 200, 320)])
+def test_the_w8a8_kernel_equals_the_fp32_product_of_its_quantised_operands(M, N, K):
+    """Our FP8 × FP8 kernel against (q · scale) @ (W8 · scale)^T in fp32: to fp32 rounding through the
+    interpreter; on the GPU within 2^-9 of the sum of |terms| (the FP8 tensor cores keep fewer
+    bits while they accumulate each 128-column block)."""
+    from fp8_reference import per_column
+
+    from shardspec.kernels import fp8
+
+    x, weight, scale = _fp8_operands(M, N, K, torch.bfloat16, seed=4)
+    q, x_scale = fp8.quantize_groups(x.to(DEVICE))
+    got = fp8.w8a8_triton(q, x_scale, weight.to(DEVICE), scale.to(DEVICE), torch.float32).cpu()
+    rows = q.cpu().float() * per_column(x_scale, K)
+    w = _dequantised(weight, scale)
+    terms = rows.abs() @ w.abs().T
+    assert ((got - rows @ w.T).abs() <= (2**-9 if GPU else 1e-6) * terms + 1e-30).all()
+
+
+def test_the_split_k_counter_is_taken_by_one_thread_and_the_partials_read_past_l1():
+    """The weight-only kernel's split-K protocol, in its compiled code for sm_90 (no GPU needed; a
+    process of its own, as the all-reduce's check below): one predicated acq_rel add per program
+    on the tile's counter, one predicated reset, and the other splits' partials loaded .cg (L2, where
+    they were stored; L1 may hold stale lines of the workspace)."""
+    compile_ptx = """
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import triton
+from shardspec.kernels.fp8 import _weight_only_kernel as kernel
+types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "y_ptr": "*bf16", "part_ptr": "*fp32",
+         "count_ptr": "*i32"}
+constants = {"SPLIT": 4, "EXACT": False, "EVEN": True, "BM": 16, "BN": 64, "BK": 128}
+signature = {a: "constexpr" if a in constants else types.get(a, "i32") for a in kernel.arg_names}
+source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+print(triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])
+"""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", compile_ptx], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line.strip() for line in done.stdout.splitlines()]
+    atomics = [line for line in lines if "atom." in line]
+    assert len(atomics) == 2 and all(line.startswith("@%p") and ".gpu.acq_rel." in line for line in atomics), atomics
+    assert ".add." in atomics[0] and ".exch." in atomics[1]
+    assert any(line.startswith(("ld.global.cg", "@%p")) and "ld.global.cg" in line for line in lines)

@@ -1,15 +1,18 @@
 """Block-wise FP8 GEMMs: y = x @ (W8 · scale)^T for a float8 e4m3 weight W8 [N, K] with one fp32
 scale per 128 × 128 block (layers.fp8), x in bf16/fp16/fp32.
 
-- Decode (at most DECODE_ROWS rows, and every pass in batch-invariant mode): weight-only. The
-  activations stay in their dtype; each FP8 tile is widened in registers (exact: e4m3 fits in
-  bf16) and its block's scale multiplies the tile's partial dot in fp32. One launch per
-  projection and no activation pass: a step at batch 1-32 is bound by the weight bytes, which
-  this reads once at one byte each.
+- Decode (at most DECODE_ROWS rows, and every pass in batch-invariant mode): weight-only, bound by
+  the weight bytes. Each program streams a 64-row strip of the weight over a slice of K (split-K:
+  enough programs to fill every SM even where N is only 4096), widens each FP8 tile in registers
+  (exact: e4m3 fits in bf16), multiplies it with the activations on the tensor cores (the weight as
+  the wide operand, "swap AB") and scales each 128-column partial by its block's scale in fp32.
+  The splits' partials meet in an fp32 workspace; the last split of a tile to finish (a counter per
+  tile) adds them in split order and writes y: one launch, and the same sum whichever split ends
+  last (deterministic, and batch-invariant: the plan depends on the weight's shape alone).
 - Prefill: W8A8. The activations are quantised per token and 128-column group (dynamic scales,
   `quantize_groups`), then multiplied on the FP8 tensor cores: by torch's scaled_mm with
-  (BlockWise1x128, BlockWise128x128) scales where cuBLAS has it (Hopper, cuBLASLt 12.9 or later:
-  `cublas_blockwise`), else by the same kernel as decode on FP8 tiles.
+  (BlockWise1x128, BlockWise128x128) scales where cuBLAS has it for this weight's shape (Hopper,
+  cuBLASLt 12.9 or later; probed per shape at load), else by our Triton kernel.
 No host synchronisation anywhere: all of it runs inside CUDA graphs.
 """
 
@@ -17,6 +20,8 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -25,84 +30,140 @@ import triton.language as tl
 BLOCK = 128  # the scales' block (layers.fp8.BLOCK); the kernels' K tile
 DECODE_ROWS = 64  # up to here weight-only: still bound by the weight bytes at 2·M flops a byte
 FP8_MAX = 448.0
+CUBLAS_ROWS = 16  # cuBLASLt refuses 1×128 scales whose leading dimension (the rows) is unaligned: pad rows to this
+COUNTERS = 1 << 20  # split-K tile counters per device (a GEMV with more tiles runs unsplit)
 PREFILL = os.environ.get("SHARDSPEC_FP8_PREFILL", "auto")  # auto: cuBLAS where it has blockwise FP8; triton: ours
 
 
 @triton.jit
-def _gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_x, stride_xs_m, stride_xs_k, stride_w,
-                 stride_ws, stride_y, FP8_X: tl.constexpr, EXACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr):
+def _weight_only_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_x, stride_w, stride_ws,
+                        stride_y, blocks_per_split, SPLIT: tl.constexpr, EXACT: tl.constexpr, EVEN: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid_n, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
+    m = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+    kk = tl.arange(0, BK)
+    n_block = (pid_n * BN) // BK  # BN divides the block: one weight scale per tile and K step
+    first = pid_s * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, tl.cdiv(K, BK))
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    for kb in range(first, last):
+        k = kb * BK + kk
+        if EVEN:  # whole tiles: unmasked 16-byte loads of the weight
+            w = tl.load(w_ptr + n[:, None] * stride_w + k[None, :])
+        else:
+            w = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
+                        other=0.0)
+        x = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+        if EXACT:  # fp32 activations, and Triton's CPU interpreter (its low-precision dots are wrong)
+            part = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+        else:
+            part = tl.dot(w.to(x.dtype), tl.trans(x))
+        acc += part * tl.load(ws_ptr + n_block * stride_ws + kb)
+    y_offsets = m[None, :] * stride_y + n[:, None]
+    y_mask = (m[None, :] < M) & (n[:, None] < N)
+    if SPLIT == 1:
+        tl.store(y_ptr + y_offsets, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    else:
+        part_offsets = m[None, :] * N + n[:, None]
+        tl.store(part_ptr + pid_s * M * N + part_offsets, acc, mask=y_mask)
+        tl.debug_barrier()  # every thread's partial stored before the release below
+        tile = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:  # the last split of this tile: add all of them, in split order
+            total = tl.zeros([BN, BM], dtype=tl.float32)
+            for s in range(SPLIT):
+                total += tl.load(part_ptr + s * M * N + part_offsets, mask=y_mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + y_offsets, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+            tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch (CUDA graph replays)
+
+
+@triton.jit
+def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_x, stride_xs_m, stride_xs_k, stride_w,
+                 stride_ws, stride_y, EXACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     m = pid_m * BM + tl.arange(0, BM)
     n = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
     kk = tl.arange(0, BK)
-    n_block = (pid_n * BN) // BK  # BN divides the block: one weight scale per tile and K step
+    n_block = (pid_n * BN) // BK
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BK)):
         k = kb * BK + kk
         x = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
         w = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
-        w_scale = tl.load(ws_ptr + n_block * stride_ws + kb)
-        if EXACT:  # fp32 activations, and Triton's CPU interpreter (its low-precision dots are wrong)
+        if EXACT:  # Triton's CPU interpreter
             part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        elif FP8_X:  # e4m3 × e4m3 on the tensor cores
+        else:  # e4m3 × e4m3 on the tensor cores
             part = tl.dot(x, tl.trans(w))
-        else:
-            part = tl.dot(x, tl.trans(w.to(x.dtype)))
-        if FP8_X:
-            x_scale = tl.load(xs_ptr + m * stride_xs_m + kb * stride_xs_k, mask=m < M, other=0.0)
-            acc += part * (x_scale[:, None] * w_scale)
-        else:
-            acc += part * w_scale
+        x_scale = tl.load(xs_ptr + m * stride_xs_m + kb * stride_xs_k, mask=m < M, other=0.0)
+        acc += part * (x_scale[:, None] * tl.load(ws_ptr + n_block * stride_ws + kb))
     tl.store(y_ptr + m[:, None] * stride_y + n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=(m[:, None] < M) & (n[None, :] < N))
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s_m, stride_s_k, BK: tl.constexpr):
+def _round_to_e4m3(v):
+    """v (|v| ≤ 448, fp32) rounded to nearest-even on the e4m3 grid, in fp32 arithmetic: spacing
+    2^(e-3) in [2^e, 2^(e+1)), 2^-9 below 2^-6; the cast to e4m3 after it is then exact whatever
+    path the compiler takes for it."""
+    exponent = (v.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    spacing = ((tl.maximum(exponent, 127 - 6) - 3) << 23).to(tl.float32, bitcast=True)
+    magic = spacing * 12582912.0  # 1.5 · 2^23 spacings: |v| + magic keeps no bit below the spacing
+    rounded = (tl.abs(v) + magic) - magic
+    return tl.where(v < 0, -rounded, rounded)  # (-0 stays -0, as torch rounds it)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s_m, stride_s_k, BK: tl.constexpr):
     row, group = tl.program_id(0), tl.program_id(1)
     k = group * BK + tl.arange(0, BK)
-    x = tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / 448.0
-    q = tl.clamp(x / scale, -448.0, 448.0)
+    columns = K * (row < M).to(tl.int32)  # a padding row (row ≥ M) reads nothing: q 0
+    x = tl.load(x_ptr + row * stride_x + k, mask=k < columns, other=0.0).to(tl.float32)
+    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12), 448.0)  # IEEE division: torch's rounding
+    q = _round_to_e4m3(tl.clamp(tl.div_rn(x, scale), -448.0, 448.0))
     tl.store(q_ptr + row * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
     tl.store(s_ptr + row * stride_s_m + group * stride_s_k, scale)
 
 
-def quantize_groups(x: torch.Tensor, column_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 [M, K], fp32 scales [M, ⌈K/128⌉]) with x ≈ q · scale per token and group of
-    128 columns; column_major: the scales stored K-group-major (what cuBLAS's blockwise mode reads)."""
+def quantize_groups(x: torch.Tensor, column_major: bool = False, rows: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [rows, K], fp32 scales [rows, ⌈K/128⌉]) with x ≈ q · scale per token and
+    group of 128 columns, each group's scale its max |x| / 448 (rounded to nearest, as is q);
+    rows ≥ M: padded with zero rows; column_major: the scales stored K-group-major (what cuBLAS's
+    blockwise mode reads)."""
     M, K = x.shape
+    rows = M if rows is None else rows
     groups = triton.cdiv(K, BLOCK)
-    q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty(groups, M, dtype=torch.float32, device=x.device).t() if column_major else \
-        torch.empty(M, groups, dtype=torch.float32, device=x.device)
-    _quantize_kernel[(M, groups)](x, q, scales, K, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
-                                  BK=BLOCK, num_warps=1)
+    q = torch.empty(rows, K, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(groups, rows, dtype=torch.float32, device=x.device).t() if column_major else \
+        torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    _quantize_kernel[(rows, groups)](x, q, scales, M, K, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
+                                     BK=BLOCK, num_warps=1)
     return q, scales
 
 
-def _gemm(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, scale: torch.Tensor,
-          out_dtype: torch.dtype, block_m: int, block_n: int) -> torch.Tensor:
-    M, K = x.shape
-    N = weight.shape[0]
-    y = torch.empty(M, N, dtype=out_dtype, device=x.device)
-    xs = x_scale if x_scale is not None else scale  # (unread without FP8_X)
-    exact = not x.is_cuda or x.dtype == torch.float32
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    _gemm_kernel[grid](x, xs, weight, scale, y, M, N, K, x.stride(0), xs.stride(0), xs.stride(1), weight.stride(0),
-                       scale.stride(0), y.stride(0), FP8_X=x_scale is not None, EXACT=exact, BM=block_m,
-                       BN=block_n, BK=BLOCK, num_warps=4, num_stages=3)
-    return y
+@dataclass(frozen=True)
+class Plan:
+    """A weight-only launch: rows per program (block_m), weight rows per program (block_n), and
+    the K slices (split) that fill the SMs."""
+
+    block_m: int
+    block_n: int
+    split: int
 
 
-def _decode_block_n(N: int, device: torch.device) -> int:
-    """Output rows per program: the widest tile that still gives every SM two programs or more."""
-    sms = _sm_count(device)
-    for block_n in (64, 32):
-        if triton.cdiv(N, block_n) >= 2 * sms:
-            return block_n
-    return 16
+def plan(M: int, N: int, K: int, sms: int, invariant: bool = False) -> Plan:
+    """The launch for x [M, K] @ W[N, K]^T: 64-row strips of the weight (16 or 32 for a narrower
+    N), split along K until there are two programs per SM, each keeping at least 4 K blocks to
+    stream (the split depends on the weight's shape, never on M). All rows in one program up to
+    64 (the weight read once); 16 per program in batch-invariant mode (a row's arithmetic then
+    never depends on the batch)."""
+    block_n = 64 if N > 32 else (32 if N > 16 else 16)
+    tiles, blocks, split = triton.cdiv(N, block_n), triton.cdiv(K, BLOCK), 1
+    while tiles * split < 4 * sms and blocks // (2 * split) >= 4 and split < 16:
+        split *= 2
+    block_m = 16 if invariant else min(64, max(16, triton.next_power_of_2(M)))
+    return Plan(block_m, block_n, split)
 
 
 @functools.cache
@@ -110,21 +171,92 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ (weight · scale)^T with x as it is (the decode path); tiles of 16 rows."""
-    return _gemm(x, None, weight, scale, x.dtype, 16, _decode_block_n(weight.shape[0], x.device))
+def _counters(device: torch.device) -> torch.Tensor:
+    """The split-K tile counters, zero between launches (the last split of a tile resets its own);
+    one set per device: FP8 GEMVs of one process run on one stream at a time."""
+    if device.type == "cuda" and device.index is None:  # one key for "cuda" and "cuda:N"
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _device_counters(device)
+
+
+@functools.cache
+def _device_counters(device: torch.device) -> torch.Tensor:
+    return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+
+
+def prepare(device: torch.device) -> None:
+    """Allocate the device's counters now, before any CUDA graph is captured."""
+    _counters(device)
+
+
+def _capturing_without_counters(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing() and \
+        _device_counters.cache_info().currsize == 0
+
+
+def weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, invariant: bool = False,
+                launch: Plan | None = None) -> torch.Tensor:
+    """x [M, K] @ (weight · scale)^T with x as it is (the decode path); launch: the plan (default:
+    `plan` for this shape and device)."""
+    M, K = x.shape
+    N = weight.shape[0]
+    launch = launch or plan(M, N, K, _sm_count(x.device), invariant)
+    tiles_n, tiles_m = triton.cdiv(N, launch.block_n), triton.cdiv(M, launch.block_m)
+    split = launch.split
+    if split > 1 and (tiles_n * tiles_m > COUNTERS or _capturing_without_counters(x.device)):
+        split = 1  # (no counters to share, or none allocated before this capture: unsplit, still correct)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
+    count = _counters(x.device) if split > 1 else y
+    blocks = triton.cdiv(K, BLOCK)
+    even = N % launch.block_n == 0 and K % BLOCK == 0
+    exact = not x.is_cuda or x.dtype == torch.float32
+    _weight_only_kernel[(tiles_n, split, tiles_m)](
+        x, weight, scale, y, part, count, M, N, K, x.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
+        triton.cdiv(blocks, split), SPLIT=split, EXACT=exact, EVEN=even, BM=launch.block_m, BN=launch.block_n,
+        BK=BLOCK, num_warps=4, num_stages=4)
+    return y
+
+
+def w8a8_triton(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """q [M, K] (e4m3) · x_scale [M, ⌈K/128⌉] @ (weight · scale)^T on our FP8 kernel."""
+    M, K = q.shape
+    N = weight.shape[0]
+    y = torch.empty(M, N, dtype=out_dtype, device=q.device)
+    grid = (triton.cdiv(M, 64), triton.cdiv(N, 128))
+    _w8a8_kernel[grid](q, x_scale, weight, scale, y, M, N, K, q.stride(0), x_scale.stride(0), x_scale.stride(1),
+                       weight.stride(0), scale.stride(0), y.stride(0), EXACT=not q.is_cuda, BM=64, BN=128, BK=BLOCK,
+                       num_warps=4, num_stages=3)
+    return y
+
+
+def w8a8_cublas(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, cublas_scale: torch.Tensor,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """The same through torch's scaled_mm: q's rows a multiple of CUBLAS_ROWS, x_scale column-major."""
+    return torch.nn.functional.scaled_mm(
+        q, weight.t(), x_scale, torch.nn.functional.ScalingType.BlockWise1x128, cublas_scale.t(),
+        torch.nn.functional.ScalingType.BlockWise128x128, output_dtype=out_dtype)
+
+
+_CUBLAS_REFUSED: set[tuple[int, int]] = set()  # weight shapes cuBLAS refused at run time
 
 
 def w8a8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, cublas_scale: torch.Tensor | None = None):
     """x [M, K] @ (weight · scale)^T with x quantised per token and 128-group (the prefill path);
-    cublas_scale: the weight's scales laid out for torch's scaled_mm (cublas_layout), None: our kernel."""
-    if cublas_scale is not None:
-        q, x_scale = quantize_groups(x, column_major=True)
-        return torch.nn.functional.scaled_mm(
-            q, weight.t(), x_scale, torch.nn.functional.ScalingType.BlockWise1x128, cublas_scale.t(),
-            torch.nn.functional.ScalingType.BlockWise128x128, output_dtype=x.dtype)
+    cublas_scale: the weight's scales laid out for torch's scaled_mm (cublas_layout), None: our kernel.
+    A shape cuBLAS refuses after all (it fails before launching anything) takes our kernel from then on."""
+    M = x.shape[0]
+    if cublas_scale is not None and tuple(weight.shape) not in _CUBLAS_REFUSED:
+        q, x_scale = quantize_groups(x, column_major=True, rows=triton.cdiv(M, CUBLAS_ROWS) * CUBLAS_ROWS)
+        try:
+            return w8a8_cublas(q, x_scale, weight, cublas_scale, x.dtype)[:M]
+        except RuntimeError as exc:
+            _CUBLAS_REFUSED.add(tuple(weight.shape))
+            warnings.warn(f"cuBLAS block-scaled FP8 refused {M} × {tuple(weight.shape)} ({exc}); "
+                          "the Triton kernel takes this shape from now on", RuntimeWarning, stacklevel=2)
     q, x_scale = quantize_groups(x)
-    return _gemm(q, x_scale, weight, scale, x.dtype, 64, 128)
+    return w8a8_triton(q, x_scale, weight, scale, x.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, invariant: bool = False,
@@ -134,7 +266,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, invariant
     rows = x.reshape(-1, x.shape[-1])
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     if invariant or rows.shape[0] <= DECODE_ROWS or x.dtype == torch.float32:
-        y = weight_only(rows, weight, scale)
+        y = weight_only(rows, weight, scale, invariant)
     else:
         y = w8a8(rows, weight, scale, cublas_scale)
     return y.view(*x.shape[:-1], weight.shape[0])
@@ -143,25 +275,34 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, invariant
 def cublas_layout(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
     """A weight's block scales [⌈N/128⌉, ⌈K/128⌉] for torch's scaled_mm (which reads their transpose
     as BlockWise128x128), or None where the prefill takes our kernel: no blockwise FP8 in cuBLAS
-    here, shapes it does not take (K groups not a multiple of 4, N not of 16), or
-    SHARDSPEC_FP8_PREFILL=triton (comparisons)."""
-    if PREFILL == "triton" or weight.shape[0] % 16 or scale.shape[1] % 4 or not cublas_blockwise(scale.device):
+    here or not for this shape (K groups not a multiple of 4, N not of 16, or the probe of this
+    (N, K) failed), or SHARDSPEC_FP8_PREFILL=triton (comparisons)."""
+    N, K = weight.shape
+    if PREFILL == "triton" or N % 16 or scale.shape[1] % 4 or not cublas_blockwise(scale.device, N, K):
         return None
     return scale.contiguous()
 
 
 @functools.cache
-def cublas_blockwise(device: torch.device) -> bool:
-    """Whether torch's scaled_mm runs (1×128, 128×128) block-scaled FP8 here, and agrees with our
-    kernel: tried once on a small GEMM (it needs Hopper and cuBLASLt 12.9 or later)."""
+def cublas_blockwise(device: torch.device, N: int = 256, K: int = 512) -> bool:
+    """Whether torch's scaled_mm runs (1×128, 128×128) block-scaled FP8 for an [N, K] weight here,
+    and agrees with our kernel: tried once per shape at load, at two padded row counts (it needs
+    Hopper and cuBLASLt 12.9 or later). Any failure means our kernel for this shape."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return False
     gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(256, 512, device=device, generator=gen, dtype=torch.bfloat16)
-    weight = torch.randn(256, 512, device=device, generator=gen).clamp(-4, 4).to(torch.float8_e4m3fn)
-    scale = torch.rand(2, 4, device=device, generator=gen) + 0.5
-    try:
-        ours, theirs = w8a8(x, weight, scale), w8a8(x, weight, scale, scale.contiguous())
-    except (RuntimeError, NotImplementedError, ValueError, AttributeError):
-        return False
-    return bool(torch.allclose(ours.float(), theirs.float(), rtol=2e-2, atol=2e-2 * ours.float().abs().max().item()))
+    weight = torch.randn(N, K, device=device, generator=gen).clamp(-4, 4).to(torch.float8_e4m3fn)
+    scale = torch.rand(triton.cdiv(N, BLOCK), triton.cdiv(K, BLOCK), device=device, generator=gen) + 0.5
+    cublas_scale = scale.contiguous()
+    for M in (DECODE_ROWS + 1, 3 * BLOCK + 7):  # padded to 80 and 400 rows, as w8a8 pads
+        x = torch.randn(M, K, device=device, generator=gen, dtype=torch.bfloat16)
+        ours = w8a8(x, weight, scale)
+        q, x_scale = quantize_groups(x, column_major=True, rows=triton.cdiv(M, CUBLAS_ROWS) * CUBLAS_ROWS)
+        try:
+            theirs = w8a8_cublas(q, x_scale, weight, cublas_scale, x.dtype)[:M]
+        except (RuntimeError, NotImplementedError, ValueError, AttributeError):
+            return False
+        tolerance = 2e-2 * ours.float().abs().max().item()
+        if not torch.allclose(ours.float(), theirs.float(), rtol=2e-2, atol=tolerance):
+            return False
+    return True

@@ -40,9 +40,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
 
 def prepare_kernels(model: nn.Module) -> None:
     """Once loaded on CUDA: each Fp8Linear's scales also in the layout of torch's scaled_mm, for
-    the prefill GEMMs, where cuBLAS has block-scaled FP8 (kernels.fp8.cublas_layout)."""
+    the prefill GEMMs, where cuBLAS has block-scaled FP8 for its shape (kernels.fp8.cublas_layout),
+    and the decode kernel's split-K counters allocated before any CUDA graph is captured."""
     for module in model.modules():
         if isinstance(module, Fp8Linear) and kernels.enabled(module.weight):
+            kernels.fp8.prepare(module.weight.device)
             module.cublas_scale = kernels.fp8.cublas_layout(module.weight, module.weight_scale_inv)
 
 
