@@ -87,56 +87,32 @@ def tiny_config(**overrides) -> dict:
     return config
 
 
-# Shapes from the text_config of the public Hugging Face config.json files of Qwen/Qwen3.5-9B and
-# Qwen/Qwen3.5-27B; the 9B values are also transformers 5.24's Qwen3_5TextConfig defaults.
+# Shapes from the text_config of the public Hugging Face config.json files of Qwen/Qwen3.5-9B,
+# Qwen/Qwen3.5-27B and Qwen/Qwen3.5-35B-A3B; the 9B values are also transformers 5.24's
+# Qwen3_5TextConfig defaults. What the released sizes share:
+RELEASE_SHAPES = dict(
+    vocab_size=248320,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    max_position_embeddings=262144,
+    eos_token_id=248044,
+    dtype="bfloat16",
+)
+
+
 def nine_b_config() -> dict:
     """Qwen3.5-9B text shapes."""
-    return tiny_config(
-        vocab_size=248320,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=32,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=32,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10000000.0,
-            "partial_rotary_factor": 0.25,
-        },
-        max_position_embeddings=262144,
-        eos_token_id=248044,
-        dtype="bfloat16",
-    )
+    return tiny_config(**RELEASE_SHAPES, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+                       num_attention_heads=16, num_key_value_heads=4, linear_num_value_heads=32)
 
 
 def twenty_seven_b_config() -> dict:
     """Qwen3.5-27B text shapes."""
-    return tiny_config(
-        vocab_size=248320,
-        hidden_size=5120,
-        intermediate_size=17408,
-        num_hidden_layers=64,
-        num_attention_heads=24,
-        num_key_value_heads=4,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=48,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10000000.0,
-            "partial_rotary_factor": 0.25,
-        },
-        max_position_embeddings=262144,
-        eos_token_id=248044,
-        dtype="bfloat16",
-    )
+    return tiny_config(**RELEASE_SHAPES, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                       num_attention_heads=24, num_key_value_heads=4, linear_num_value_heads=48)
 
 
 def tiny_moe_config(**overrides) -> dict:
@@ -151,31 +127,10 @@ def tiny_moe_config(**overrides) -> dict:
 
 def thirty_five_b_a3b_config() -> dict:
     """Qwen3.5-35B-A3B text shapes (hidden 2048, 40 layers, 256 experts, top 8, widths 512)."""
-    return tiny_moe_config(
-        vocab_size=248320,
-        hidden_size=2048,
-        num_hidden_layers=40,
-        layer_types=_layer_types(40),
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=32,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        num_experts=256,
-        num_experts_per_tok=8,
-        moe_intermediate_size=512,
-        shared_expert_intermediate_size=512,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10000000.0,
-            "partial_rotary_factor": 0.25,
-        },
-        max_position_embeddings=262144,
-        eos_token_id=248044,
-        dtype="bfloat16",
-    )
+    return tiny_moe_config(**RELEASE_SHAPES, hidden_size=2048, num_hidden_layers=40, layer_types=_layer_types(40),
+                           num_attention_heads=16, num_key_value_heads=2, linear_num_value_heads=32,
+                           num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                           shared_expert_intermediate_size=512)
 
 
 def _mlp_shapes(prefix: str, c: dict, per_expert: bool) -> dict[str, tuple[int, ...]]:
