@@ -43,6 +43,7 @@ from shardspec.models.loader import load_model
 from shardspec.orchestrator.tokenizer import Tokenizer
 
 BUNDLED = Path(shardspec.__file__).parent / "bundled"
+FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 STATEMENT_END = (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)  # what a statement's first token follows
 
 
@@ -96,21 +97,44 @@ async def acceptance(model_dir: Path, texts: list[str], k: int, prompts: int, pr
 
 
 def held_out_signatures(texts: list[str], count: int, seed: int) -> list[str]:
-    """`count` distinct function signatures (the def line(s), dedented, decorators left out) drawn
-    with a seeded generator from the held-out files."""
+    """`count` distinct prompts drawn with a seeded generator from the held-out files' functions and
+    methods (see signatures)."""
     found = {}
     for text in texts:
-        try:
-            tree = ast.parse(text)
-        except SyntaxError:
-            continue
-        lines = text.splitlines(keepends=True)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.body[0].lineno > node.lineno:
-                signature = textwrap.dedent("".join(lines[node.lineno - 1 : node.body[0].lineno - 1]))
-                if signature.rstrip().endswith(":") and parses(signature + "    pass\n"):
-                    found[signature.rstrip() + "\n"] = None
+        for prompt in signatures(text):
+            if prompt.endswith(":\n") and parses(prompt + indentation(prompt.splitlines()[-1]) + "    pass\n"):
+                found[prompt] = None
     return random.Random(seed).sample(sorted(found), count)
+
+
+def signatures(text: str) -> list[str]:
+    """A module's top-level functions as their def line(s), its classes' methods as the class's
+    header line(s) then the method's; dedented, no decorators; none for a file that does not parse."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return []
+    lines = text.splitlines(keepends=True)
+
+    def header(node: ast.stmt) -> str:  # the node's line(s) up to its body
+        return "".join(lines[node.lineno - 1 : first_line(node.body[0]) - 1])
+
+    found = []
+    for node in tree.body:
+        if isinstance(node, FUNCTIONS):
+            found.append(header(node))
+        elif isinstance(node, ast.ClassDef):
+            found += [header(node) + header(m) for m in node.body if isinstance(m, FUNCTIONS)]
+    return [textwrap.dedent(prompt) for prompt in found]
+
+
+def first_line(node: ast.stmt) -> int:
+    """A statement's first line: its first decorator's, if it has any."""
+    return min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+
+
+def indentation(line: str) -> str:
+    return line[: len(line) - len(line.lstrip())]
 
 
 def parses(source: str) -> bool:
@@ -123,12 +147,13 @@ def parses(source: str) -> bool:
 
 def cut_at_last_statement(signature: str, body: str, finished: bool) -> str:
     """signature + body up to the end of its last complete statement: where the function ends (a
-    line back at the signature's indentation); else, when the token limit stopped it, its complete
+    line back at the def's indentation or less); else, when the token limit stopped it, its complete
     lines, less a last statement that is unfinished (an open bracket or string) or a block header
-    with no block, cut where a statement starts after a complete one. A body whose indentation
-    is broken is kept whole, and fails to parse."""
+    with no block, cut where a statement starts after a complete one. A body whose indentation is
+    broken is kept whole, and fails to parse."""
     text = signature + (body if finished else body[: body.rfind("\n") + 1])  # less the unfinished line
     lines = text.splitlines(keepends=True)
+    def_line, def_depth = len(signature.splitlines()), None
     depth, starts, header, previous = 0, [], False, None
     try:
         for token in tokenize.generate_tokens(io.StringIO(text).readline):
@@ -138,11 +163,13 @@ def cut_at_last_statement(signature: str, body: str, finished: bool) -> str:
                 depth += 1
             elif token.type == tokenize.DEDENT:
                 depth -= 1
-                if depth == 0 and token.start[0] <= len(lines):
+                if def_depth is not None and depth <= def_depth and token.start[0] <= len(lines):
                     return "".join(lines[: token.start[0] - 1])  # the function is over
             elif token.type == tokenize.NEWLINE:
                 header = previous.string == ":"
-            elif previous is not None and previous.type in STATEMENT_END and depth > 0 and not header:
+                def_depth = depth if token.start[0] == def_line else def_depth
+            elif previous is not None and previous.type in STATEMENT_END and not header \
+                    and def_depth is not None and depth > def_depth:
                 starts.append(token.start[0] - 1)  # a statement begins on this line, after a complete one
             previous = token
     except IndentationError:
