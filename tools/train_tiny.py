@@ -336,29 +336,34 @@ def fla_delta_rule(qkv, a, b, A_log, dt_bias, state, slots, k_heads, dk, **_):
     return kernels.gdn.delta_rule(qkv, a, b, A_log, dt_bias, zeros, torch.arange(B, device=qkv.device), k_heads, dk)
 
 
+def gradients(model: Qwen3_5Model, ids: torch.Tensor, autocast: torch.autocast) -> tuple[float, list[torch.Tensor]]:
+    """The loss on one batch and the gradient of every weight matrix; fails naming any parameter
+    that gets none (a layer that ran an inference kernel, which has no backward pass)."""
+    model.zero_grad(set_to_none=True)
+    with autocast:
+        main, mtp = losses(model, ids)
+    (main + mtp).backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum().item()]
+    if missing:
+        raise RuntimeError(f"no gradient reaches {', '.join(missing)}")
+    grads = [p.grad.float().flatten() for p in model.parameters() if p.dim() >= 2]
+    model.zero_grad(set_to_none=True)
+    return (main + mtp).item(), grads
+
+
 def choose_gdn(model: Qwen3_5Model, ids: torch.Tensor, autocast: torch.autocast, wanted: str) -> dict:
     """Train through fla when it is installed and its loss and gradients match the reference's on
     the first batch; else through the reference."""
     from shardspec.layers import gdn
 
     reference = gdn.delta_rule
+    torch_loss, torch_grads = gradients(model, ids, autocast)
     fla = getattr(getattr(kernels, "gdn", None), "chunk_gated_delta_rule", None)  # kernels.gdn needs Triton
     if wanted == "torch" or ids.device.type != "cuda" or fla is None:
         return {"gdn": "torch"}
-
-    def loss_and_grads():
-        model.zero_grad(set_to_none=True)
-        with autocast:
-            main, mtp = losses(model, ids)
-        (main + mtp).backward()
-        grads = [p.grad.float().flatten() for p in model.parameters() if p.dim() >= 2]
-        model.zero_grad(set_to_none=True)
-        return (main + mtp).item(), grads
-
-    torch_loss, torch_grads = loss_and_grads()
     gdn.delta_rule = fla_delta_rule
     try:
-        fla_loss, fla_grads = loss_and_grads()
+        fla_loss, fla_grads = gradients(model, ids, autocast)
     except Exception as exc:  # any failure of the optional kernel: train on the reference
         gdn.delta_rule = reference
         return {"gdn": "torch", "fla_check": {"error": repr(exc)}}
@@ -381,6 +386,7 @@ def learning_rate_factor(step: int, warmup: int, plan: dict) -> float:
 def train(out: Path, device: torch.device, steps: int, minutes: float | None, max_epochs: float | None, batch: int,
           length: int, lr: float, warmup: int, mtp_weight: float, eval_every: int, gdn: str, seed: int) -> None:
     deadline = time.perf_counter() + (minutes or 0) * 60
+    kernels.ENABLED = False  # the inference kernels (norms, SiLU·mul) have no backward pass
     torch.manual_seed(seed)
     train_tokens, held_out = load_tokens(out / "train.tokens.xz"), load_tokens(out / "held_out.tokens.xz")
     model = build_model(device, seed)
