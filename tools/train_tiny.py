@@ -383,6 +383,14 @@ def learning_rate_factor(step: int, warmup: int, plan: dict) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, plan["steps"] - warmup))))
 
 
+def steps_that_fit(timed: dict[int, float], deadline: float, most: float) -> int:
+    """The steps done by the deadline at the rate of the steps timed (warmed up: kernels compiled
+    and tuned), less the time the final losses and the export take; at most `most`."""
+    (first, start), (last, end) = sorted(timed.items())
+    left = (deadline - end - FINAL_RESERVE_S) * (1 - EVAL_SHARE)
+    return max(last, min(int(most), last + int(left / ((end - start) / (last - first)))))
+
+
 def train(out: Path, device: torch.device, steps: int, minutes: float | None, max_epochs: float | None, batch: int,
           length: int, lr: float, warmup: int, mtp_weight: float, eval_every: int, gdn: str, seed: int) -> None:
     deadline = time.perf_counter() + (minutes or 0) * 60
@@ -420,15 +428,13 @@ def train(out: Path, device: torch.device, steps: int, minutes: float | None, ma
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
-        if minutes and step in TIMED_STEPS:  # the steps that fit the budget at the rate of warmed-up steps
+        if minutes and step in TIMED_STEPS:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # the GPU's time, not the time to queue the work
             timed[step] = time.perf_counter()
-            if len(timed) == 2:
-                per_step = (timed[step] - timed[TIMED_STEPS[0]]) / (TIMED_STEPS[1] - TIMED_STEPS[0])
-                left = deadline - timed[step] - FINAL_RESERVE_S
-                fit = step + int(left * (1 - EVAL_SHARE) / per_step)
-                plan["steps"] = max(warmup + 1, step, min(fit, int(max_epochs * epoch_steps)) if max_epochs else fit)
+            if len(timed) == len(TIMED_STEPS):
+                fit = steps_that_fit(timed, deadline, max_epochs * epoch_steps if max_epochs else math.inf)
+                plan["steps"] = max(warmup + 1, fit)
         if step % 100 == 0 or step == plan["steps"]:
             elapsed = time.perf_counter() - started
             entry = {"step": step, "loss": main.item(), "mtp_loss": mtp.item(),
