@@ -98,12 +98,13 @@ async def acceptance(model_dir: Path, texts: list[str], k: int, prompts: int, pr
 
 def held_out_signatures(texts: list[str], count: int, seed: int) -> list[str]:
     """`count` distinct prompts drawn with a seeded generator from the held-out files' functions and
-    methods (see signatures)."""
+    methods (see signatures), each ending at the def's colon (a byte-level BPE writes the newline
+    and the body's indentation as one token: a prompt ending in a bare newline is one it never saw)."""
     found = {}
     for text in texts:
         for prompt in signatures(text):
             if prompt.endswith(":\n") and parses(prompt + indentation(prompt.splitlines()[-1]) + "    pass\n"):
-                found[prompt] = None
+                found[prompt[:-1]] = None  # as the main job's prompts: the newline is the model's to write
     return random.Random(seed).sample(sorted(found), count)
 
 
