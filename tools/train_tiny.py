@@ -383,6 +383,18 @@ def learning_rate_factor(step: int, warmup: int, plan: dict) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, plan["steps"] - warmup))))
 
 
+def train_step(model: Qwen3_5Model, optimizer: torch.optim.Optimizer, ids: torch.Tensor, autocast: torch.autocast,
+               mtp_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step on a batch; returns its next-token and MTP losses."""
+    with autocast:
+        main, mtp = losses(model, ids)
+    optimizer.zero_grad(set_to_none=True)
+    (main + mtp_weight * mtp).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return main, mtp
+
+
 def steps_that_fit(timed: dict[int, float], deadline: float, most: float) -> int:
     """The steps done by the deadline at the rate of the steps timed (warmed up: kernels compiled
     and tuned), less the time the final losses and the export take; at most `most`."""
@@ -419,14 +431,7 @@ def train(out: Path, device: torch.device, steps: int, minutes: float | None, ma
     step = 0
     while step < plan["steps"]:
         step += 1
-        ids = next(source)
-        with autocast:
-            main, mtp = losses(model, ids)
-        loss = main + mtp_weight * mtp
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        main, mtp = train_step(model, optimizer, next(source), autocast, mtp_weight)
         schedule.step()
         if minutes and step in TIMED_STEPS:
             if device.type == "cuda":
