@@ -1,16 +1,22 @@
-"""Train the bundled model: a byte-level BPE tokenizer and a tiny Qwen3.5 (Gated DeltaNet + gated
-attention + one MTP layer) on the Python standard library's own source files.
+"""Train the bundled model: a tiny Qwen3.5 (Gated DeltaNet + gated attention + one MTP layer) on
+the Python standard library's own source files and the .py files of the sdists pinned in
+tools/tiny_corpus.json, with the bundled model's byte-level BPE tokenizer.
 
-    python tools/train_tiny.py prepare --out build/tiny        # CPU: split, tokenizer, token arrays
-    python tools/train_tiny.py train --out build/tiny --device cuda --steps 6000
+    python tools/train_tiny.py pin NAME==VERSION ...           # add sdists to the manifest
+    python tools/train_tiny.py prepare --out build/tiny        # CPU: download, check, split, tokens
+    python tools/train_tiny.py train --out build/tiny --minutes 7 --max-epochs 6   # on a GPU
     python tools/train_tiny.py all --out build/tiny            # both
 
-Deterministic given --seed: the file split is by a hash of each file's path, documents are shuffled
-and batches drawn from seeded generators, and the weights are initialised from a seeded generator
-(CUDA kernels may still differ in the last bits between GPUs). The model is trained with the next-
-token loss plus the MTP loss (the MTP head predicts token t+2 from the embedding of token t+1 and
-the final hidden state at t), and exported as a Hugging Face folder in bf16 that loads through the
-same code path as any Qwen3.5 checkpoint.
+The held-out files are the stdlib's whose path hashes below HELD_OUT_PERCENT (the same files on
+every machine with the same Python); training drops exact copies of them, and package files that
+share LEAK_FRACTION of their line windows with them. `prepare` downloads each sdist once into
+--cache and refuses one whose sha256 is not the manifest's. Deterministic given --seed (and
+--steps; train.json records the steps --minutes chose): documents are shuffled and batches drawn
+from seeded generators, and the weights are initialised from a seeded generator (CUDA kernels may
+still differ in the last bits between GPUs). The model is trained with the next-token loss plus the
+MTP loss (the MTP head predicts token t+2 from the embedding of token t+1 and the final hidden
+state at t), and exported as a Hugging Face folder in bf16 that loads through the same code path as
+any Qwen3.5 checkpoint.
 """
 
 from __future__ import annotations
