@@ -1,16 +1,22 @@
-"""Train the bundled model: a byte-level BPE tokenizer and a tiny Qwen3.5 (Gated DeltaNet + gated
-attention + one MTP layer) on the Python standard library's own source files.
+"""Train the bundled model: a tiny Qwen3.5 (Gated DeltaNet + gated attention + one MTP layer) on
+the Python standard library's own source files and the .py files of the sdists pinned in
+tools/tiny_corpus.json, with the bundled model's byte-level BPE tokenizer.
 
-    python tools/train_tiny.py prepare --out build/tiny        # CPU: split, tokenizer, token arrays
-    python tools/train_tiny.py train --out build/tiny --device cuda --steps 6000
+    python tools/train_tiny.py pin NAME==VERSION ...           # add sdists to the manifest
+    python tools/train_tiny.py prepare --out build/tiny        # CPU: download, check, split, tokens
+    python tools/train_tiny.py train --out build/tiny --minutes 7 --max-epochs 6   # on a GPU
     python tools/train_tiny.py all --out build/tiny            # both
 
-Deterministic given --seed: the file split is by a hash of each file's path, documents are shuffled
-and batches drawn from seeded generators, and the weights are initialised from a seeded generator
-(CUDA kernels may still differ in the last bits between GPUs). The model is trained with the next-
-token loss plus the MTP loss (the MTP head predicts token t+2 from the embedding of token t+1 and
-the final hidden state at t), and exported as a Hugging Face folder in bf16 that loads through the
-same code path as any Qwen3.5 checkpoint.
+The held-out files are the stdlib's whose path hashes below HELD_OUT_PERCENT (the same files on
+every machine with the same Python); training drops exact copies of them, and package files that
+share LEAK_FRACTION of their line windows with them. `prepare` downloads each sdist once into
+--cache and refuses one whose sha256 is not the manifest's. Deterministic given --seed (and
+--steps; train.json records the steps --minutes chose): documents are shuffled and batches drawn
+from seeded generators, and the weights are initialised from a seeded generator (CUDA kernels may
+still differ in the last bits between GPUs). The model is trained with the next-token loss plus the
+MTP loss (the MTP head predicts token t+2 from the embedding of token t+1 and the final hidden
+state at t), and exported as a Hugging Face folder in bf16 that loads through the same code path as
+any Qwen3.5 checkpoint.
 """
 
 from __future__ import annotations
@@ -18,35 +24,51 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import lzma
 import math
+import re
 import sys
 import sysconfig
+import tarfile
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from shardspec import kernels
 from shardspec.layers.batch import Batch
 from shardspec.layers.parallel import TPGroup
+from shardspec.models.loader import sources
 from shardspec.models.qwen3_5 import Qwen3_5Config, Qwen3_5Model
 
 EOS = "<|endoftext|>"
 HELD_OUT_PERCENT = 2
+CORPUS = Path(__file__).with_name("tiny_corpus.json")  # the pinned packages trained on besides the stdlib
+INDEX = "https://pypi.org/simple"
+BUNDLED = Path(__file__).resolve().parents[1] / "src" / "shardspec" / "bundled"
+MAX_FILE_BYTES = 1 << 20
+MAX_DIGIT_FRACTION = 0.3
+SHINGLE_LINES = 4
+TIMED_STEPS = (10, 30)  # --minutes: the rate is timed between these steps (kernels compiled and tuned)
+FINAL_RESERVE_S = 30.0  # --minutes: left for the final losses and the export
+EVAL_SHARE = 0.03  # --minutes: the share of the time the held-out losses take on the way
+LEAK_FRACTION = 0.2  # a training file sharing this much of its line windows with held-out files is dropped
 CONFIG = {
     "model_type": "qwen3_5_text",
     "architectures": ["Qwen3_5ForCausalLM"],
     "vocab_size": 4096,
-    "hidden_size": 256,
-    "intermediate_size": 768,
+    "hidden_size": 384,
+    "intermediate_size": 1152,
     "num_hidden_layers": 8,
     "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 2,
-    "num_attention_heads": 4,
+    "num_attention_heads": 6,
     "num_key_value_heads": 2,
     "head_dim": 64,
-    "linear_num_key_heads": 4,
-    "linear_num_value_heads": 8,
+    "linear_num_key_heads": 6,
+    "linear_num_value_heads": 12,
     "linear_key_head_dim": 32,
     "linear_value_head_dim": 32,
     "linear_conv_kernel_dim": 4,
@@ -90,6 +112,68 @@ def read_split() -> tuple[list[str], list[str]]:
     return train, held_out
 
 
+def fetch(entry: dict, cache: Path) -> Path:
+    """The manifest's file of one package, downloaded from the index once and checked against its sha256."""
+    path = cache / entry["file"]
+    if not path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        with urllib.request.urlopen(entry["url"], timeout=300) as response:
+            path.with_suffix(".part").write_bytes(response.read())
+        path.with_suffix(".part").rename(path)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != entry["sha256"]:
+        raise SystemExit(f"{path}: sha256 {digest}, the manifest {CORPUS.name} says {entry['sha256']}; "
+                         f"delete the file to download it again")
+    return path
+
+
+def package_sources(archive: Path) -> list[str]:
+    """The .py files of an sdist (a .tar.gz) in member order, less numeric tables (files over
+    MAX_FILE_BYTES or with more than MAX_DIGIT_FRACTION of digits: test results, generated data)."""
+    texts = []
+    with tarfile.open(archive) as tar:
+        for member in sorted(tar.getmembers(), key=lambda m: m.name):
+            if member.isfile() and member.name.endswith(".py") and member.size <= MAX_FILE_BYTES:
+                text = tar.extractfile(member).read().decode("utf-8", errors="replace")
+                if sum(c.isdigit() for c in text) <= MAX_DIGIT_FRACTION * len(text):
+                    texts.append(text)
+    return texts
+
+
+def shingles(text: str) -> set[int]:
+    """Hashes of every SHINGLE_LINES consecutive non-blank lines (stripped): a file's fingerprint."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    windows = ("\n".join(lines[i : i + SHINGLE_LINES]) for i in range(max(1, len(lines) - SHINGLE_LINES + 1)))
+    return {hash(window) for window in windows}
+
+
+def training_documents(train: list[str], held_out: list[str], cache: Path) -> tuple[list[str], list[dict]]:
+    """The stdlib training files and the manifest's packages' .py files, less exact duplicates (of a
+    held-out file or of one kept before) and any package file that shares LEAK_FRACTION of its line
+    windows with the held-out files (vendored copies of the stdlib; the stdlib's own training files
+    stay as the split makes them)."""
+    held_out_shingles = set().union(*(shingles(t) for t in held_out))
+    seen = {hashlib.sha256(t.encode()).digest() for t in held_out}
+    documents, sources = [], []
+    packages = json.loads(CORPUS.read_text())["packages"]
+    for name, version, texts in [("stdlib", sys.version.split()[0], train)] + [
+            (p["name"], p["version"], package_sources(fetch(p, cache))) for p in packages]:
+        kept = duplicates = leaks = 0
+        for text in texts:
+            digest = hashlib.sha256(text.encode()).digest()
+            if digest in seen:
+                duplicates += 1
+            elif name != "stdlib" and len((own := shingles(text)) & held_out_shingles) >= LEAK_FRACTION * len(own):
+                leaks += 1
+            else:
+                documents.append(text)
+                kept += 1
+            seen.add(digest)
+        sources.append({"name": name, "version": version, "files": kept, "duplicates_dropped": duplicates,
+                        "held_out_overlaps_dropped": leaks, "documents": range(len(documents) - kept, len(documents))})
+    return documents, sources
+
+
 def train_tokenizer(texts: list[str], vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -104,35 +188,79 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     return tokenizer
 
 
-def encode(tokenizer, texts: list[str]) -> np.ndarray:
-    """All documents as one stream, each followed by EOS."""
+def encode(tokenizer, texts: list[str], batch: int = 512) -> list[np.ndarray]:
+    """Each document's tokens followed by EOS (a batch of documents at a time: an Encoding holds
+    far more than its ids)."""
     eos = tokenizer.token_to_id(EOS)
-    ids = []
-    for encoding in tokenizer.encode_batch(texts, add_special_tokens=False):
-        ids.extend(encoding.ids)
-        ids.append(eos)
-    return np.asarray(ids, dtype=np.uint16)
+    return [np.asarray([*e.ids, eos], dtype=np.uint16) for start in range(0, len(texts), batch)
+            for e in tokenizer.encode_batch(texts[start : start + batch], add_special_tokens=False)]
 
 
-def prepare(out: Path, seed: int) -> None:
+def save_tokens(path: Path, ids: np.ndarray) -> None:
+    """A token stream as xz-compressed little-endian uint16 (small enough to carry to a GPU machine)."""
+    path.write_bytes(lzma.compress(ids.astype("<u2").tobytes(), preset=9 | lzma.PRESET_EXTREME))
+
+
+def load_tokens(path: Path) -> np.ndarray:
+    return np.frombuffer(lzma.decompress(path.read_bytes()), dtype="<u2")
+
+
+def prepare(out: Path, seed: int, cache: Path, new_tokenizer: bool) -> None:
+    from tokenizers import Tokenizer
+
     out.mkdir(parents=True, exist_ok=True)
     train, held_out = read_split()
-    order = np.random.default_rng(seed).permutation(len(train))
-    train = [train[i] for i in order]
-    tokenizer = train_tokenizer(train, CONFIG["vocab_size"])
+    documents, sources = training_documents(train, held_out, cache)
+    if new_tokenizer:
+        tokenizer = train_tokenizer(train, CONFIG["vocab_size"])
+    else:  # the bundled model's tokenizer, trained on the stdlib: losses stay comparable per token
+        tokenizer = Tokenizer.from_file(str(BUNDLED / "tokenizer.json"))
     tokenizer.save(str(out / "tokenizer.json"))
-    train_ids, held_out_ids = encode(tokenizer, train), encode(tokenizer, held_out)
-    np.savez(out / "tokens.npz", train=train_ids, held_out=held_out_ids)
+    encoded = encode(tokenizer, documents)
+    order = np.random.default_rng(seed).permutation(len(documents))
+    train_ids = np.concatenate([encoded[i] for i in order])
+    held_out_ids = np.concatenate(encode(tokenizer, held_out))
+    save_tokens(out / "train.tokens.xz", train_ids)
+    save_tokens(out / "held_out.tokens.xz", held_out_ids)
+    for source in sources:
+        docs = source.pop("documents")
+        source["tokens"] = int(sum(encoded[i].size for i in docs))
+        source["bytes"] = sum(len(documents[i].encode()) for i in docs)
     info = {
         "python": sys.version.split()[0],
-        "train_files": len(train),
         "held_out_files": len(held_out),
-        "train_tokens": int(train_ids.size),
         "held_out_tokens": int(held_out_ids.size),
-        "train_bytes": sum(len(t.encode()) for t in train),
+        "held_out_bytes": sum(len(t.encode()) for t in held_out),
+        "train_files": len(documents),
+        "train_tokens": int(train_ids.size),
+        "train_bytes": sum(s["bytes"] for s in sources),
+        "sources": sources,
     }
     (out / "data.json").write_text(json.dumps(info, indent=1))
-    print(f"prepared {info}", file=sys.stderr)
+    print(f"prepared {json.dumps({k: v for k, v in info.items() if k != 'sources'})}", file=sys.stderr)
+
+
+def pin(specs: list[str]) -> None:
+    """Add NAME==VERSION sdists to the manifest: file, URL and sha256 as PyPI's simple index lists them."""
+    manifest = json.loads(CORPUS.read_text()) if CORPUS.exists() else {"packages": []}
+    for spec in specs:
+        name, _, version = spec.partition("==")
+        request = urllib.request.Request(f"{INDEX}/{name}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            files = json.load(response)["files"]
+        wanted = f"{name}-{version}.tar.gz"
+        match = [f for f in files if normalise(f["filename"]) == normalise(wanted)]
+        if not match:
+            raise SystemExit(f"{spec}: no sdist {wanted} on {INDEX}")
+        entry = {"name": name, "version": version, "file": match[0]["filename"], "url": match[0]["url"],
+                 "sha256": match[0]["hashes"]["sha256"], "bytes": match[0]["size"]}
+        manifest["packages"] = [p for p in manifest["packages"] if p["name"] != name] + [entry]
+    CORPUS.write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def normalise(name: str) -> str:
+    """A distribution's file name compared as PEP 503 compares names (case and runs of -_. folded)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 # --- model ------------------------------------------------------------------------------------
@@ -180,11 +308,12 @@ def losses(model: Qwen3_5Model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.
     return main, mtp
 
 
-def batches(tokens: np.ndarray, batch: int, length: int, generator: np.random.Generator, device: torch.device):
-    stream = torch.from_numpy(tokens.astype(np.int64))
+def batches(stream: torch.Tensor, batch: int, length: int, generator: np.random.Generator):
+    """Random windows of `length` tokens from the token stream (already on the training device)."""
+    offsets = torch.arange(length, device=stream.device)
     while True:
-        starts = generator.integers(0, len(stream) - length - 1, size=batch)
-        yield torch.stack([stream[s : s + length] for s in starts]).to(device, non_blocking=True)
+        starts = torch.from_numpy(generator.integers(0, len(stream) - length - 1, size=batch)).to(stream.device)
+        yield stream[starts[:, None] + offsets]
 
 
 @torch.no_grad()
@@ -204,52 +333,138 @@ def evaluate(model: Qwen3_5Model, tokens: np.ndarray, length: int, device: torch
     return {k: v / len(windows) for k, v in totals.items()}
 
 
-def train(out: Path, device: torch.device, steps: int, batch: int, length: int, lr: float, mtp_weight: float,
-          seed: int) -> None:
+def fla_delta_rule(qkv, a, b, A_log, dt_bias, state, slots, k_heads, dk, **_):
+    """The gated delta rule through fla-core's chunked kernel, which has a backward pass (the
+    PyTorch reference's is several times slower); training has no per-slot state, so it starts
+    from zeros."""
+    B, HV = qkv.shape[0], A_log.shape[0]
+    zeros = torch.zeros(B, HV, dk, (qkv.shape[-1] - 2 * k_heads * dk) // HV, device=qkv.device)
+    return kernels.gdn.delta_rule(qkv, a, b, A_log, dt_bias, zeros, torch.arange(B, device=qkv.device), k_heads, dk)
+
+
+def gradients(model: Qwen3_5Model, ids: torch.Tensor, autocast: torch.autocast) -> tuple[float, list[torch.Tensor]]:
+    """The loss on one batch and the gradient of every weight matrix; fails naming any parameter
+    that gets none (a layer that ran an inference kernel, which has no backward pass)."""
+    model.zero_grad(set_to_none=True)
+    with autocast:
+        main, mtp = losses(model, ids)
+    (main + mtp).backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum().item()]
+    if missing:
+        raise RuntimeError(f"no gradient reaches {', '.join(missing)}")
+    grads = [p.grad.float().flatten() for p in model.parameters() if p.dim() >= 2]
+    model.zero_grad(set_to_none=True)
+    return (main + mtp).item(), grads
+
+
+def choose_gdn(model: Qwen3_5Model, ids: torch.Tensor, autocast: torch.autocast, wanted: str) -> dict:
+    """Train through fla when it is installed and its loss and gradients match the reference's on
+    the first batch; else through the reference."""
+    from shardspec.layers import gdn
+
+    reference = gdn.delta_rule
+    torch_loss, torch_grads = gradients(model, ids, autocast)
+    fla = getattr(getattr(kernels, "gdn", None), "chunk_gated_delta_rule", None)  # kernels.gdn needs Triton
+    if wanted == "torch" or ids.device.type != "cuda" or fla is None:
+        return {"gdn": "torch"}
+    gdn.delta_rule = fla_delta_rule
+    try:
+        fla_loss, fla_grads = gradients(model, ids, autocast)
+    except Exception as exc:  # any failure of the optional kernel: train on the reference
+        gdn.delta_rule = reference
+        return {"gdn": "torch", "fla_check": {"error": repr(exc)}}
+    cosines = [F.cosine_similarity(r, f, dim=0).item() for r, f in zip(torch_grads, fla_grads, strict=True)]
+    check = {"reference_loss": torch_loss, "fla_loss": fla_loss, "min_weight_grad_cosine": min(cosines)}
+    if abs(fla_loss - torch_loss) > 0.01 * torch_loss or min(cosines) < 0.95:
+        gdn.delta_rule = reference
+        return {"gdn": "torch", "fla_check": check}
+    return {"gdn": "fla", "fla_check": check}
+
+
+def learning_rate_factor(step: int, warmup: int, plan: dict) -> float:
+    """Linear warm-up over `warmup` steps, then a cosine to 0 at plan["steps"] (set once the
+    warm-up's first steps have been timed, when training to a time budget)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, plan["steps"] - warmup))))
+
+
+def train_step(model: Qwen3_5Model, optimizer: torch.optim.Optimizer, ids: torch.Tensor, autocast: torch.autocast,
+               mtp_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step on a batch; returns its next-token and MTP losses."""
+    with autocast:
+        main, mtp = losses(model, ids)
+    optimizer.zero_grad(set_to_none=True)
+    (main + mtp_weight * mtp).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return main, mtp
+
+
+def steps_that_fit(timed: dict[int, float], deadline: float, most: float) -> int:
+    """The steps done by the deadline at the rate of the steps timed (warmed up: kernels compiled
+    and tuned), less the time the final losses and the export take; at most `most`."""
+    (first, start), (last, end) = sorted(timed.items())
+    left = (deadline - end - FINAL_RESERVE_S) * (1 - EVAL_SHARE)
+    return max(last, min(int(most), last + int(left / ((end - start) / (last - first)))))
+
+
+def train(out: Path, device: torch.device, steps: int, minutes: float | None, max_epochs: float | None, batch: int,
+          length: int, lr: float, warmup: int, mtp_weight: float, eval_every: int, gdn: str, seed: int) -> None:
+    deadline = time.perf_counter() + (minutes or 0) * 60
+    kernels.ENABLED = False  # the inference kernels (norms, SiLU·mul) have no backward pass
     torch.manual_seed(seed)
-    data = np.load(out / "tokens.npz")
+    train_tokens, held_out = load_tokens(out / "train.tokens.xz"), load_tokens(out / "held_out.tokens.xz")
     model = build_model(device, seed)
     params = sum(p.numel() for p in model.parameters())
-    print(f"{params / 1e6:.2f}M parameters; {data['train'].size / 1e6:.1f}M train tokens", file=sys.stderr)
+    print(f"{params / 1e6:.2f}M parameters; {train_tokens.size / 1e6:.1f}M train tokens", file=sys.stderr)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
         lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda",
     )
-    warmup = max(1, steps // 50)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps)))
-    )
+    plan = {"steps": steps}
+    epoch_steps = train_tokens.size / (batch * length)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: learning_rate_factor(s, warmup, plan))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    source = batches(data["train"], batch, length, np.random.default_rng(seed), device)
+    source = batches(torch.from_numpy(train_tokens.astype(np.int64)).to(device), batch, length,
+                     np.random.default_rng(seed))
+    info = choose_gdn(model, next(source), autocast, gdn)
+    print(f"gated delta rule: {json.dumps(info)}", file=sys.stderr, flush=True)
     started = time.perf_counter()
-    log = []
-    for step in range(1, steps + 1):
-        ids = next(source)
-        with autocast:
-            main, mtp = losses(model, ids)
-        loss = main + mtp_weight * mtp
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+    log, timed = [], {}
+    step = 0
+    while step < plan["steps"]:
+        step += 1
+        main, mtp = train_step(model, optimizer, next(source), autocast, mtp_weight)
         schedule.step()
-        if step % 100 == 0 or step == steps:
+        if minutes and step in TIMED_STEPS:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the GPU's time, not the time to queue the work
+            timed[step] = time.perf_counter()
+            if len(timed) == len(TIMED_STEPS):
+                fit = steps_that_fit(timed, deadline, max_epochs * epoch_steps if max_epochs else math.inf)
+                plan["steps"] = max(warmup + 1, fit)
+        if step % 100 == 0 or step == plan["steps"]:
             elapsed = time.perf_counter() - started
-            tokens_per_s = step * batch * length / elapsed
-            entry = {"step": step, "loss": main.item(), "mtp_loss": mtp.item(), "tokens_per_s": tokens_per_s}
+            entry = {"step": step, "loss": main.item(), "mtp_loss": mtp.item(),
+                     "tokens_per_s": step * batch * length / elapsed, "seconds": elapsed}
+            if step % eval_every == 0 or step == plan["steps"]:
+                entry["held_out"] = evaluate(model, held_out, length, device, autocast)
             log.append(entry)
-            print(f"step {step}/{steps} loss {main.item():.3f} mtp {mtp.item():.3f} "
-                  f"{tokens_per_s / 1e3:.0f}k tok/s {elapsed:.0f}s", file=sys.stderr, flush=True)
-    final = {"train": evaluate(model, data["train"][: data["held_out"].size], length, device, autocast),
-             "held_out": evaluate(model, data["held_out"], length, device, autocast),
-             "steps": steps, "batch": batch, "length": length, "lr": lr, "mtp_weight": mtp_weight,
-             "seed": seed, "parameters": params, "train_seconds": time.perf_counter() - started,
+            print(f"step {step}/{plan['steps']} {json.dumps(entry)}", file=sys.stderr, flush=True)
+    final = {"train": evaluate(model, train_tokens[: held_out.size], length, device, autocast),
+             "held_out": evaluate(model, held_out, length, device, autocast),
+             "steps": plan["steps"], "batch": batch, "length": length, "lr": lr, "warmup": warmup,
+             "mtp_weight": mtp_weight, "seed": seed, "parameters": params,
+             "train_tokens": int(train_tokens.size), "tokens_seen": plan["steps"] * batch * length,
+             "epochs": plan["steps"] / epoch_steps, **info,
+             "train_seconds": time.perf_counter() - started,
              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "log": log}
     (out / "train.json").write_text(json.dumps(final, indent=1))
     export(model, out)
-    print(f"final {json.dumps({k: final[k] for k in ('train', 'held_out')})}", file=sys.stderr)
+    print(f"final {json.dumps({k: final[k] for k in ('train', 'held_out', 'steps', 'epochs')})}", file=sys.stderr)
 
 
 def export(model: Qwen3_5Model, out: Path) -> None:
@@ -258,7 +473,10 @@ def export(model: Qwen3_5Model, out: Path) -> None:
 
     tensors = {}
     for name, param in model.named_parameters():
-        tensors[model.checkpoint_key(name)] = param.detach().to("cpu", torch.bfloat16).contiguous()
+        parts = getattr(param, "parts", None)  # a stacked weight: one checkpoint tensor per part
+        sizes = model.get_submodule(name.rsplit(".", 1)[0]).sizes if parts else [param.shape[0]]
+        for key, rows in zip(sources(model, name, parts), param.detach().split(sizes), strict=True):
+            tensors[key] = rows.to("cpu", torch.bfloat16).contiguous()
     model_dir = out / "model"
     model_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
@@ -272,21 +490,34 @@ def export(model: Qwen3_5Model, out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("stage", choices=["prepare", "train", "all"])
+    parser.add_argument("stage", choices=["pin", "prepare", "train", "all"])
+    parser.add_argument("packages", nargs="*", metavar="NAME==VERSION", help="pin: the sdists to add to the manifest")
     parser.add_argument("--out", type=Path, default=Path("build/tiny"))
+    parser.add_argument("--cache", type=Path, default=Path("build/tiny-sources"), help="downloaded sdists")
+    parser.add_argument("--new-tokenizer", action="store_true",
+                        help="train a new tokenizer on the stdlib (default: the bundled model's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=6000)
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--minutes", type=float, help="instead of --steps: the steps that fit in about this long, "
+                        "all included, at the rate of the first steps (train.json records them for --steps)")
+    parser.add_argument("--max-epochs", type=float, help="with --minutes: at most this many passes over the data")
+    parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup", type=int, default=100, help="warm-up steps")
     parser.add_argument("--mtp-weight", type=float, default=0.5)
+    parser.add_argument("--eval-every", type=int, default=500, help="held-out loss every N steps")
+    parser.add_argument("--gdn", choices=["auto", "torch"], default="auto",
+                        help="auto: fla-core's kernel where installed and checked against the reference on CUDA")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.stage == "pin":
+        pin(args.packages)
     if args.stage in ("prepare", "all"):
-        prepare(args.out, args.seed)
+        prepare(args.out, args.seed, args.cache, args.new_tokenizer)
     if args.stage in ("train", "all"):
-        train(args.out, torch.device(args.device), args.steps, args.batch, args.length, args.lr, args.mtp_weight,
-              args.seed)
+        train(args.out, torch.device(args.device), args.steps, args.minutes, args.max_epochs, args.batch, args.length,
+              args.lr, args.warmup, args.mtp_weight, args.eval_every, args.gdn, args.seed)
 
 
 if __name__ == "__main__":
