@@ -13,13 +13,8 @@ passes (the weight-only GEMMs). References:
   FP8 path should compute; a gap here is ours (the bf16 activations, the W8A8 rounding, kernels);
 - bf16: the bf16 twin the FP8 checkpoint was quantised from (the issue's agreement criterion), as
   served (prefill and decode, bf16).
-Random weights give nearly flat logits (the top-1 margin of the 9B-class random model is mostly
-smaller than what any quantisation moves a logit), so the overall agreement measures that
-flatness more than the quantisation. Per position, the noise σ is the standard deviation over the
-vocabulary of (logits − reference logits); a top-1 flip needs two perturbations to differ by more
-than the margin, so where the reference's top-1 margin exceeds 3·√2·σ a flip is a ≥ 3-sigma event
-(about 0.1 % per close competitor): the "confident" positions, whose agreement is reported apart
-with their share. Printed and written to --out as JSON.
+Agreement is reported overall and at the reference's confident positions (shardspec.models.agreement).
+Printed and written to --out as JSON.
 """
 
 from __future__ import annotations
@@ -32,10 +27,10 @@ import torch
 
 from shardspec.layers.batch import Batch
 from shardspec.layers.parallel import TPGroup
+from shardspec.models.agreement import CONFIDENT_SIGMAS, top1_agreement
 from shardspec.models.loader import load_model
 
 PROMPT = 16
-CONFIDENT = 3 * 2**0.5  # margins past this many σ: a flip is a 3-sigma event
 
 
 def load(folder: Path, dtype: torch.dtype = torch.bfloat16):
@@ -59,22 +54,10 @@ def prefill_logits(model, ids: torch.Tensor, span: slice) -> torch.Tensor:
     return model.lm_head.logits(model(ids, Batch.uncached(B, T, ids.device))[:, span]).float()
 
 
-def compare(logits: torch.Tensor, reference: torch.Tensor) -> dict:
-    """Top-1 agreement, overall and at the reference's confident positions, and the noise."""
-    same = logits.argmax(-1) == reference.argmax(-1)
-    sigma = (logits - reference).std(-1)
-    top2 = reference.topk(2, -1).values
-    confident = (top2[..., 0] - top2[..., 1]) > CONFIDENT * sigma
-    return {"top1_agreement": same.float().mean().item(),
-            "confident_share": confident.float().mean().item(),
-            "confident_top1_agreement": same[confident].float().mean().item() if confident.any() else None,
-            "noise_over_logit_std": (sigma.mean() / reference.std(-1).mean()).item()}
-
-
 def report(name: str, result: dict) -> None:
     confident = result["confident_top1_agreement"]
     print(f"{name}: top-1 agreement {result['top1_agreement']:.2%}; at the {result['confident_share']:.1%} of "
-          f"positions with margin > {CONFIDENT:.2f} σ: {'-' if confident is None else f'{confident:.2%}'}; "
+          f"positions with margin > {CONFIDENT_SIGMAS:.2f} σ: {'-' if confident is None else f'{confident:.2%}'}; "
           f"noise σ = {result['noise_over_logit_std']:.3f} of the logits' std", flush=True)
 
 
@@ -115,12 +98,12 @@ def main() -> None:
     free(model)
 
     result = {"bf16": str(args.bf16), "fp8": str(args.fp8), "prompts": args.prompts, "tokens": args.tokens,
-              "device": torch.cuda.get_device_name(), "confident_sigmas": CONFIDENT}
+              "device": torch.cuda.get_device_name(), "confident_sigmas": CONFIDENT_SIGMAS}
     for path in ("prefill", "decode"):
         for reference_name, reference in (("exact", exact), ("bf16", bf16[path])):
-            result[f"{path}_vs_{reference_name}"] = compare(fp8[path], reference)
+            result[f"{path}_vs_{reference_name}"] = top1_agreement(fp8[path], reference)
             report(f"FP8 {path} vs {reference_name}", result[f"{path}_vs_{reference_name}"])
-    result["bf16_decode_vs_bf16_prefill"] = compare(bf16["decode"], bf16["prefill"])  # the bf16 paths' own noise
+    result["bf16_decode_vs_bf16_prefill"] = top1_agreement(bf16["decode"], bf16["prefill"])  # the bf16 paths' own noise
     report("bf16 decode vs bf16 prefill", result["bf16_decode_vs_bf16_prefill"])
     args.out.write_text(json.dumps(result, indent=1))
 

@@ -18,6 +18,7 @@ import shardspec
 from shardspec.cli import BUNDLED_MODEL
 from shardspec.layers.batch import Batch
 from shardspec.layers.parallel import SymmetricReducer, TPGroup, use_symmetric_memory
+from shardspec.models.agreement import top1_agreement
 from shardspec.models.loader import load_model
 from shardspec.models.random_checkpoint import tiny_config, write_random_checkpoint
 from shardspec.orchestrator.tokenizer import Tokenizer
@@ -355,13 +356,16 @@ def test_moe_fp32_on_the_gpu_gives_the_cpu_logits(moe_model):
 
 @torch.inference_mode()
 def test_moe_bf16_logits_agree_with_the_fp32_reference_teacher_forced(moe_model):
-    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
+    # at the positions where the reference's top-1 margin is beyond bf16's noise: elsewhere a random
+    # model's near-ties flip under any rounding (shardspec.models.agreement)
+    ids = torch.randint(0, 512, (4, 48), generator=torch.Generator().manual_seed(1))
     cpu = load_model(moe_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=False)
-    reference = cpu.lm_head.logits(cpu(ids, Batch.uncached(2, 24, ids.device))).argmax(-1)
+    reference = cpu.lm_head.logits(cpu(ids, Batch.uncached(4, 48, ids.device)))
     gpu = load_model(moe_model, TPGroup(), torch.bfloat16, torch.device("cuda"), with_mtp=False)
     assert gpu.layers["0"].mlp.experts.pick(torch.empty(1, device="cuda", dtype=torch.bfloat16)) == "grouped"
-    agreement = (moe_logits(gpu, ids).argmax(-1) == reference).float().mean().item()
-    assert agreement >= 0.98, agreement
+    agreement = top1_agreement(moe_logits(gpu, ids).cpu(), reference)
+    assert agreement["confident_share"] >= 0.25, agreement  # enough positions for the check to mean something
+    assert agreement["confident_top1_agreement"] >= 0.98, agreement
 
 
 @torch.inference_mode()
