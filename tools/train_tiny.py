@@ -357,6 +357,22 @@ def gradients(model: Qwen3_5Model, ids: torch.Tensor, autocast: torch.autocast) 
     return (main + mtp).item(), grads
 
 
+def lift_fla_hopper_guard(key_head_dim: int) -> bool:
+    """fla-core refuses its gated backward on Hopper under Triton 3.4.0–3.7.0 (fla issue #640). The
+    miscompile bisected there is of the 64-wide key block alone (32 and 128 come out right), and a
+    key head of dk takes a block of next_power_of_2(dk) clamped to [16, 128]: lift the guard for the
+    other widths. The gradient check against the reference decides all the same. -> lifted?"""
+    try:
+        from fla.ops.common import chunk_o
+    except ImportError:
+        return False
+    block = min(max(1 << (key_head_dim - 1).bit_length(), 16), 128)
+    if block == 64 or chunk_o.TRITON_ABOVE_3_7_1:
+        return False
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+    return True
+
+
 def choose_gdn(model: Qwen3_5Model, ids: torch.Tensor, autocast: torch.autocast, wanted: str) -> dict:
     """Train through fla when it is installed and its loss and gradients match the reference's on
     the first batch; else through the reference."""
@@ -368,14 +384,16 @@ def choose_gdn(model: Qwen3_5Model, ids: torch.Tensor, autocast: torch.autocast,
     if wanted == "torch" or ids.device.type != "cuda" or fla is None:
         return {"gdn": "torch"}
     gdn.delta_rule = fla_delta_rule
+    lifted = lift_fla_hopper_guard(CONFIG["linear_key_head_dim"])
     try:
         fla_loss, fla_grads = gradients(model, ids, autocast)
     except Exception as exc:  # any failure of the optional kernel: train on the reference
         gdn.delta_rule = reference
-        return {"gdn": "torch", "fla_check": {"error": repr(exc)}}
+        return {"gdn": "torch", "fla_check": {"error": repr(exc), "hopper_guard_lifted": lifted}}
     cosines = [F.cosine_similarity(r, f, dim=0).item() for r, f in zip(torch_grads, fla_grads, strict=True)]
-    check = {"reference_loss": torch_loss, "fla_loss": fla_loss, "min_weight_grad_cosine": min(cosines)}
-    if abs(fla_loss - torch_loss) > 0.01 * torch_loss or min(cosines) < 0.95:
+    check = {"reference_loss": torch_loss, "fla_loss": fla_loss, "min_weight_grad_cosine": min(cosines),
+             "hopper_guard_lifted": lifted}
+    if abs(fla_loss - torch_loss) > 0.01 * torch_loss or min(cosines) < 0.99:
         gdn.delta_rule = reference
         return {"gdn": "torch", "fla_check": check}
     return {"gdn": "fla", "fla_check": check}
