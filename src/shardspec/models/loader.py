@@ -185,17 +185,17 @@ def fp8_native_default(device: torch.device) -> bool:
     return device.type == "cuda" and kernels.HAVE_TRITON and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def check_quantization(folder: str | Path, tp_size: int, fp8_native: bool) -> None:
+def check_quantization(folder: str | Path, tp_size: int, fp8_native: bool, expert_parallel: int = 1) -> None:
     """The checks load_model makes of an FP8 checkpoint, for every rank, without reading a tensor:
     a supported quantization, and (kept FP8) slices of whole blocks. ConfigError otherwise."""
     folder = Path(folder)
     family, config = registry.read(folder)
-    config.check_tp(tp_size)
+    split_config(config, tp_size, expert_parallel)
     files = checkpoint_files(folder)
     stage, mtp = Stage.whole(config.num_hidden_layers), family.has_mtp(files)
     fmt = fp8.read_format(read_config(folder))
     for rank in range(tp_size if fp8_native else 1):
-        model, _, plan = _plan(family, config, TPGroup(rank, tp_size), stage, mtp, files)
+        model, _, plan = _plan(family, config, TPGroup(rank, tp_size), stage, mtp, files, expert_parallel)
         quantized = fp8.quantized_keys(_entries(plan, files), fmt, folder)
         if not quantized or not fp8_native:
             return
