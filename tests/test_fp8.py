@@ -23,8 +23,10 @@ from shardspec.models.config import ConfigError
 from shardspec.models.loader import check_quantization, load_model
 from shardspec.models.random_checkpoint import (
     fp8_quantized,
+    parameter_shapes,
     random_state_dict,
     tiny_config,
+    tiny_moe_config,
     write_checkpoint,
     write_random_checkpoint,
 )
@@ -85,6 +87,16 @@ def test_the_release_layout_quantises_what_the_releases_quantise(fp8_model):
     for name in quantised:
         n, k = state[name].shape
         assert state[name + "_scale_inv"].shape == (-(-n // 128), -(-k // 128))
+
+
+def test_an_moe_release_quantises_its_experts_and_keeps_the_router_and_the_shared_gate_in_16_bits():
+    shapes = parameter_shapes(tiny_moe_config(), experts="mixed")
+    quantised = {name for name, shape in shapes.items() if fp8_quantized(name, shape)}
+    for name in ("model.layers.0.mlp.gate.weight", "model.layers.0.mlp.shared_expert_gate.weight",
+                 "mtp.layers.0.mlp.gate.weight"):
+        assert name in shapes and name not in quantised
+    assert {"mtp.layers.0.mlp.experts.7.down_proj.weight", "model.layers.0.mlp.shared_expert.gate_proj.weight",
+            "mtp.layers.0.mlp.shared_expert.down_proj.weight"} <= quantised
 
 
 def test_quantising_keeps_each_weight_within_e4m3_rounding_of_its_twin_of_the_same_seed(fp8_model):

@@ -284,7 +284,7 @@ def random_state_dict(
 
 
 # What the FP8 releases leave unquantised among the 2-D weights (docs/architecture.md, "FP8 checkpoints")
-FP8_KEEP = ("embed_tokens", "lm_head", "in_proj_a", "in_proj_b", "mtp.fc")
+FP8_KEEP = ("embed_tokens", "lm_head", "in_proj_a", "in_proj_b", "mtp.fc", "mlp.gate.", "shared_expert_gate")
 FP8_BLOCK, FP8_MAX = 128, 448.0
 
 
