@@ -588,9 +588,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="MoE sizes, for benchmarks on small disks: routed experts all zeros, written as holes of "
                              "sparse files (35B-A3B: ~6 GB on disk instead of 70); every other tensor random")
     args = parser.parse_args(argv)
+    config = sizes[args.size]()
+    if args.zero_experts and "num_experts" not in config:
+        moe = ", ".join(size for size, make in sizes.items() if "num_experts" in make())
+        parser.error(f"--zero-experts applies to the MoE sizes ({moe}), not {args.size}")
     dtype = getattr(torch, args.dtype or ("float32" if args.size.startswith("tiny") else "bfloat16"))
     try:
-        write_random_checkpoint(args.path, sizes[args.size](), seed=args.seed, dtype=dtype, layout=args.layout,
+        write_random_checkpoint(args.path, config, seed=args.seed, dtype=dtype, layout=args.layout,
                                 shards=args.shards, mtp=not args.no_mtp, keep=False, fp8=args.fp8,
                                 experts=args.experts, zero_experts=args.zero_experts)
     except ValueError as exc:  # a --shards count the checkpoint's tensors cannot fill
