@@ -19,15 +19,16 @@ from transformers import (
 from shardspec.models.random_checkpoint import text_layout_name
 
 
-def read_checkpoint(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Text config and text-layout state dict of a checkpoint folder in either layout."""
+def read_checkpoint(path: str | Path, fuse: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Text config and text-layout state dict of a checkpoint folder in either layout; `fuse`:
+    per-expert tensors stacked as transformers holds them (fuse_experts)."""
     path = Path(path)
     raw = json.loads((path / "config.json").read_text())
     config = raw.get("text_config", raw)
     state_dict = {}
     for file in sorted(path.glob("*.safetensors")):
         state_dict |= {text_layout_name(n): t for n, t in load_file(file).items()}
-    return config, fuse_experts(state_dict)
+    return config, fuse_experts(state_dict) if fuse else state_dict
 
 
 def fuse_experts(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

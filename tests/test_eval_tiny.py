@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 
 import pytest
-from eval_tiny import cut_at_last_statement, parses, repeats_a_line, signatures
+from eval_tiny import cut_at_last_statement, held_out_signatures, parses, repeats_a_line, signatures
 
 SIGNATURE = "def f(x):"
 NESTED = "\n    for i in x:\n        if i:\n            yield i\n"
@@ -50,3 +50,10 @@ def test_a_module_gives_its_functions_and_its_methods_under_their_class_line():
     assert found == ["def top(a,\n        b):\n", "class K(Base):\n    def m(self):\n"]
     assert all(ast.parse(s + "    " * (1 + s.count("class")) + "pass\n") for s in found)
     assert signatures("def broken(:\n") == []
+
+
+def test_asking_for_more_signatures_than_the_files_hold_is_refused_naming_both_counts():
+    texts = ["def f(x):\n    return x\n", "def g():\n    pass\n"]
+    assert sorted(held_out_signatures(texts, 2, seed=0)) == ["def f(x):", "def g():"]
+    with pytest.raises(SystemExit, match=r"--signatures 3: the held-out files have 2 distinct signatures"):
+        held_out_signatures(texts, 3, seed=0)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import pooled
-from reference import hf_logits, hf_model, read_checkpoint
+from reference import fuse_experts, hf_logits, hf_model, read_checkpoint
 from test_spec_decode import greedy_outputs
 
 import shardspec
@@ -23,8 +23,10 @@ from shardspec.models.config import ConfigError
 from shardspec.models.loader import check_quantization, load_model
 from shardspec.models.random_checkpoint import (
     fp8_quantized,
+    parameter_shapes,
     random_state_dict,
     tiny_config,
+    tiny_moe_config,
     write_checkpoint,
     write_random_checkpoint,
 )
@@ -52,8 +54,9 @@ def aligned_fp8_model(tmp_path_factory) -> Path:
 
 def dequantised_twin(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """The checkpoint's text config and state dict with every FP8 weight times its block scales in
-    fp32 (written out here, apart from the code under test) and the scales dropped."""
-    config, state = read_checkpoint(folder)
+    fp32 (written out here, apart from the code under test) and the scales dropped; per-expert
+    weights then fused as transformers holds them."""
+    config, state = read_checkpoint(folder, fuse=False)
     twin = {}
     for name, tensor in state.items():
         if name.endswith("_scale_inv"):
@@ -63,7 +66,7 @@ def dequantised_twin(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
             n, k = tensor.shape
             tensor = tensor.float() * scale.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
         twin[name] = tensor.float()
-    return config, twin
+    return config, fuse_experts(twin)
 
 
 def logits_of(model, ids: list[int]) -> torch.Tensor:
@@ -87,6 +90,16 @@ def test_the_release_layout_quantises_what_the_releases_quantise(fp8_model):
         assert state[name + "_scale_inv"].shape == (-(-n // 128), -(-k // 128))
 
 
+def test_an_moe_release_quantises_its_experts_and_keeps_the_router_and_the_shared_gate_in_16_bits():
+    shapes = parameter_shapes(tiny_moe_config(), experts="mixed")
+    quantised = {name for name, shape in shapes.items() if fp8_quantized(name, shape)}
+    for name in ("model.layers.0.mlp.gate.weight", "model.layers.0.mlp.shared_expert_gate.weight",
+                 "mtp.layers.0.mlp.gate.weight"):
+        assert name in shapes and name not in quantised
+    assert {"mtp.layers.0.mlp.experts.7.down_proj.weight", "model.layers.0.mlp.shared_expert.gate_proj.weight",
+            "mtp.layers.0.mlp.shared_expert.down_proj.weight"} <= quantised
+
+
 def test_quantising_keeps_each_weight_within_e4m3_rounding_of_its_twin_of_the_same_seed(fp8_model):
     # the unquantised checkpoint of the same seed: random_state_dict draws what --fp8 quantises
     twin = random_state_dict(tiny_config(), seed=1)
@@ -106,6 +119,26 @@ def test_fp8_logits_on_the_cpu_equal_transformers_on_the_checkpoint_dequantised_
     logits = logits_of(model, ids)
     # both multiply the same fp32 weights (e4m3 · fp32 scale is exact in fp32): fp32 rounding apart
     assert (logits - reference).abs().max() <= 1e-4 * reference.abs().max()
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(1, 1), (4, 2)])
+def test_fp8_moe_logits_equal_transformers_on_the_dequantised_checkpoint_at_each_split(tmp_path, tp, ep):
+    """Per-expert FP8 experts (the releases' layout) dequantised at load: the logits at TP 1; split
+    over ranks and expert groups, the ranks' MoE blocks sum to transformers' block."""
+    write_random_checkpoint(tmp_path, tiny_moe_config(), seed=5, fp8=True, experts="per_expert")
+    reference = hf_model(dequantised_twin(tmp_path))
+    ids = random.Random(5).choices(range(512), k=30)
+    if tp == 1:
+        model = load_model(tmp_path, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=False)
+        expected = hf_logits(reference, ids)
+        assert (logits_of(model, ids) - expected).abs().max() <= 1e-4 * expected.abs().max()
+        return
+    x = torch.randn(37, 64, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = reference.model.layers[0].mlp(x[None])[0]
+    total = sum(load_model(tmp_path, TPGroup(rank, tp), torch.float32, torch.device("cpu"), with_mtp=False,
+                           expert_parallel=ep).layers["0"].mlp(x) for rank in range(tp))
+    assert (total - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
 def test_fp8_logits_through_workers_at_tp_2_equal_transformers_on_the_dequantised_checkpoint(fp8_model):

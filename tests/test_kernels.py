@@ -8,6 +8,7 @@ the GPU to nearest).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -316,6 +317,30 @@ def test_the_draft_head_mode_falls_back_where_the_kernel_cannot_run(monkeypatch)
     with pytest.raises(ValueError, match="SHARDSPEC_DRAFT_HEAD"):
         runner.draft_head_mode(model, torch.bfloat16, cpu)
 
+SM90_PTX = """
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+kernel = getattr(importlib.import_module(sys.argv[1]), sys.argv[2])
+types, constants, other = json.loads(sys.argv[3]), json.loads(sys.argv[4]), sys.argv[5]
+signature = {a: "constexpr" if a in constants else types.get(a, other) for a in kernel.arg_names}
+source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+print(triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])
+"""
+
+
+def sm90_ptx(module: str, kernel: str, types: dict[str, str], constants: dict, other: str) -> list[str]:
+    """The stripped PTX lines of a Triton kernel compiled for sm_90 (no GPU needed), in a process of
+    its own without TRITON_INTERPRET (the interpreter compiles nothing); `other`: the type of every
+    argument neither `types` nor `constants` names."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    argv = [module, kernel, json.dumps(types), json.dumps(constants), other]
+    done = subprocess.run([sys.executable, "-c", SM90_PTX, *argv], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return [line.strip() for line in done.stdout.splitlines()]
+
 
 def test_the_fused_all_reduce_swaps_each_flag_from_one_thread_and_shares_the_result():
     """The fused all-reduce's protocol needs each program's flag compare-and-swaps to run once (if
@@ -323,22 +348,10 @@ def test_the_fused_all_reduce_swaps_each_flag_from_one_thread_and_shares_the_res
     atomic in one thread and broadcasts its result through shared memory; this checks that in the
     kernel's compiled code for an H100/H200 (sm_90), with no GPU needed (in a process of its own:
     this module may run the kernels through the interpreter, which compiles nothing)."""
-    compile_ptx = """
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import triton
-from shardspec.kernels.norm import _all_reduce_rms_norm_kernel as kernel
-types = {"D": "i32", "eps": "fp32", "stride_x": "i32", "stride_r": "i32", "SLOT_ROWS": "i32",
-         "buffers": "*i64", "pads": "*i64", "epochs": "*i64"}
-constants = {"RANK": 0, "WORLD": 2, "HAS_RES": True, "BLOCK": 4096}
-signature = {a: "constexpr" if a in constants else types.get(a, "*bf16") for a in kernel.arg_names}
-source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
-print(triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])
-"""
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", compile_ptx], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    lines = [line.strip() for line in done.stdout.splitlines()]
+    lines = sm90_ptx("shardspec.kernels.norm", "_all_reduce_rms_norm_kernel",
+                     {"D": "i32", "eps": "fp32", "stride_x": "i32", "stride_r": "i32", "SLOT_ROWS": "i32",
+                      "buffers": "*i64", "pads": "*i64", "epochs": "*i64"},
+                     {"RANK": 0, "WORLD": 2, "HAS_RES": True, "BLOCK": 4096}, other="*bf16")
     swaps = [i for i, line in enumerate(lines) if ".sys.cas." in line]
     assert [("release" in lines[i], "acquire" in lines[i]) for i in swaps] == [(True, False), (False, True)]
     for i in swaps:
@@ -439,22 +452,10 @@ def test_the_split_k_counter_is_taken_by_one_thread_and_the_partials_read_past_l
     process of its own, as the all-reduce's check below): one predicated acq_rel add per program
     on the tile's counter, one predicated reset, and the other splits' partials loaded .cg (L2, where
     they were stored; L1 may hold stale lines of the workspace)."""
-    compile_ptx = """
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import triton
-from shardspec.kernels.fp8 import _weight_only_kernel as kernel
-types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "y_ptr": "*bf16", "part_ptr": "*fp32",
-         "count_ptr": "*i32"}
-constants = {"SPLIT": 4, "EXACT": False, "EVEN": True, "BM": 16, "BN": 64, "BK": 128}
-signature = {a: "constexpr" if a in constants else types.get(a, "i32") for a in kernel.arg_names}
-source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
-print(triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])
-"""
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", compile_ptx], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    lines = [line.strip() for line in done.stdout.splitlines()]
+    lines = sm90_ptx("shardspec.kernels.fp8", "_weight_only_kernel",
+                     {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "y_ptr": "*bf16", "part_ptr": "*fp32",
+                      "count_ptr": "*i32"},
+                     {"SPLIT": 4, "EXACT": False, "EVEN": True, "BM": 16, "BN": 64, "BK": 128}, other="i32")
     atomics = [line for line in lines if "atom." in line]
     assert len(atomics) == 2 and all(line.startswith("@%p") and ".gpu.acq_rel." in line for line in atomics), atomics
     assert ".add." in atomics[0] and ".exch." in atomics[1]

@@ -258,3 +258,11 @@ def test_a_checkpoint_with_zero_experts_holds_them_as_holes_and_every_other_tens
     file = (tmp_path / "model.safetensors").stat()
     expert_bytes = sum(t.nbytes for n, t in state.items() if n in experts)
     assert file.st_blocks * 512 < file.st_size - expert_bytes // 2  # most of the experts' bytes take no disk
+
+
+def test_an_fp8_moe_checkpoint_is_checked_at_the_expert_parallel_degree_asked_for(tmp_path):
+    # width 6: 4 ranks per expert cannot split it, 2 groups of 2 can (3 rows each)
+    write_random_checkpoint(tmp_path, tiny_moe_config(moe_intermediate_size=6), seed=4, fp8=True, experts="per_expert")
+    EngineConfig(model=str(tmp_path), local=4, ep=2).check_model_folder()
+    with pytest.raises(ValueError, match="tensor-parallel degree 4 leaves 4 ranks per expert"):
+        EngineConfig(model=str(tmp_path), local=4).check_model_folder()

@@ -10,6 +10,7 @@ import pytest
 import torch
 from reference import hf_greedy, hf_greedy_with_logits, hf_logits, hf_model, read_checkpoint
 from safetensors import safe_open
+from safetensors.torch import load_file
 from transformers import Qwen3_5TextConfig
 
 from shardspec.models import random_checkpoint as rc
@@ -204,3 +205,23 @@ def test_hf_greedy_matches_full_forward_argmax(model, prompt_len: int):
         torch.testing.assert_close(step_logits[i], full, atol=1e-4, rtol=1e-4)
         assert tokens[i] == int(full.argmax())
         sequence.append(tokens[i])
+
+
+def test_zero_fp8_experts_are_kept_as_written_weights_and_scales_alike(tmp_path: Path):
+    kept = write_random_checkpoint(tmp_path, rc.tiny_moe_config(), fp8=True, experts="per_expert", zero_experts=True)
+    written = load_file(tmp_path / "model.safetensors")
+    assert any(name.endswith("experts.0.gate_proj.weight_scale_inv") for name in kept)
+    assert_same(kept, written)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--shards", "0"], "shards must be in [1, 71], got 0"),
+    (["--shards", "1000"], "shards must be in [1, 71], got 1000"),
+    (["--zero-experts"], "--zero-experts applies to the MoE sizes (tiny-moe, 35b-a3b), not tiny"),
+])
+def test_the_command_refuses_bad_options_in_one_line(tmp_path: Path, argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        rc.main([str(tmp_path / "ckpt"), *argv])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(message)
+    assert not (tmp_path / "ckpt" / "config.json").exists()

@@ -8,7 +8,9 @@ import math
 
 import torch
 
+from shardspec.layers.parallel import TPGroup
 from shardspec.models.base import split_config
+from shardspec.models.loader import load_model
 from shardspec.models.qwen3_5 import Qwen3_5Config, Qwen3_5MoeConfig
 from shardspec.models.random_checkpoint import parameter_shapes, tiny_config, tiny_moe_config, write_random_checkpoint
 from shardspec.models.step_bytes import step_bytes
@@ -107,3 +109,20 @@ def test_many_tokens_read_nearly_every_expert_and_the_mtp_layer_counts_its_passe
     hit = [8 * (1 - (5 / 8) ** n) for n in (3, 1)]  # the prefix pass over 3 tokens, one chained pass of 1
     mtp_layer = [MOE_ATTENTION + MOE_FIXED + h * EXPERT + 2 * 64 for h in hit]
     assert got.mtp == round(2 * sum(2 * 64 * 64 + 3 * 64 + m for m in mtp_layer))
+
+
+def test_the_fp8_floor_of_a_moe_model_counts_its_routed_experts_in_16_bits_as_the_loader_holds_them(tmp_path):
+    """FP8 experts are dequantised at load (they are not Linear layers): the floor's expert bytes are
+    those of the bf16 model, only the other projections are FP8."""
+    write_random_checkpoint(tmp_path, tiny_moe_config(), dtype=torch.bfloat16, fp8=True, experts="per_expert")
+    model = load_model(tmp_path, TPGroup(), torch.bfloat16, torch.device("cpu"), fp8_native=True, with_mtp=False)
+    assert model.layers["0"].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+    assert model.layers["0"].mlp.shared_expert.down_proj.weight.dtype == torch.float8_e4m3fn
+
+    def experts_read(fp8: bool) -> float:  # every expert hit less exactly the top 3: 5 experts a layer
+        return (step_bytes(MOE, tp=1, batch=512, context=10, k=0, fp8=fp8).weights
+                - step_bytes(MOE, tp=1, batch=1, context=10, k=0, fp8=fp8).weights)
+
+    assert experts_read(fp8=True) == experts_read(fp8=False) == 2 * 4 * 5 * EXPERT
+    assert step_bytes(MOE, tp=1, batch=1, context=10, k=0, fp8=True).weights < step_bytes(
+        MOE, tp=1, batch=1, context=10, k=0).weights

@@ -207,13 +207,18 @@ def test_unhashable_header_fields_are_bad_messages_not_internal_errors(spawn_wor
         assert (reply.op, reply.id, reply.meta["code"]) == ("error", 3, "bad_message")
 
 
-def test_a_worker_with_an_unknown_allreduce_setting_refuses_init_naming_the_choices(
-        spawn_worker, sync_client, monkeypatch):
-    monkeypatch.setenv("SHARDSPEC_ALLREDUCE", "symmetric")  # the worker inherits it
+@pytest.mark.parametrize(("variable", "value", "message"), [
+    ("SHARDSPEC_ALLREDUCE", "symmetric", "SHARDSPEC_ALLREDUCE must be auto, symm or nccl, not 'symmetric'"),
+    ("SHARDSPEC_MOE_BACKEND", "loop", "SHARDSPEC_MOE_BACKEND must be auto or one of ['gathered', 'grouped', "
+                                      "'reference'], not 'loop'"),
+])
+def test_a_worker_with_an_unknown_setting_refuses_init_naming_the_choices(
+        spawn_worker, sync_client, monkeypatch, variable, value, message):
+    monkeypatch.setenv(variable, value)  # the worker inherits it
     worker = spawn_worker()
     client = sync_client(worker.address)
     assert decode(client.exchange(encode(Message("hello", 1, {})))).op == "hello"
     reply = decode(client.exchange(encode(Message("init", 2, VALID_META["init"]))))
     assert reply.op == "error" and reply.meta["code"] == ErrorCode.BAD_STATE.value
-    assert "SHARDSPEC_ALLREDUCE must be auto, symm or nccl, not 'symmetric'" in reply.meta["message"]
+    assert message in reply.meta["message"]
     assert decode(client.exchange(encode(Message("stats", 3, {})))).op == "stats"  # and it keeps serving

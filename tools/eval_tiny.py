@@ -105,6 +105,8 @@ def held_out_signatures(texts: list[str], count: int, seed: int) -> list[str]:
         for prompt in signatures(text):
             if prompt.endswith(":\n") and parses(prompt + indentation(prompt.splitlines()[-1]) + "    pass\n"):
                 found[prompt[:-1]] = None  # as the main job's prompts: the newline is the model's to write
+    if count > len(found):
+        raise SystemExit(f"--signatures {count}: the held-out files have {len(found)} distinct signatures")
     return random.Random(seed).sample(sorted(found), count)
 
 

@@ -86,9 +86,7 @@ class Experts(nn.Module):
 
     def pick(self, x: torch.Tensor) -> str:
         if self.backend != "auto":
-            if self.backend not in EXPERT_BACKENDS:
-                raise ValueError(f"SHARDSPEC_MOE_BACKEND must be auto or one of {sorted(EXPERT_BACKENDS)}, "
-                                 f"not {self.backend!r}")
+            check_backend_setting(self.backend)
             return self.backend
         if not x.is_cuda:
             return "reference"
@@ -153,6 +151,12 @@ def _weighted_sum(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 EXPERT_BACKENDS: dict[str, Callable[[Experts, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "reference": reference_experts, "grouped": grouped_experts, "gathered": gathered_experts}
+
+
+def check_backend_setting(backend: str = EXPERT_BACKEND) -> None:
+    """ValueError naming the choices unless `backend` (default: SHARDSPEC_MOE_BACKEND's) is one."""
+    if backend != "auto" and backend not in EXPERT_BACKENDS:
+        raise ValueError(f"SHARDSPEC_MOE_BACKEND must be auto or one of {sorted(EXPERT_BACKENDS)}, not {backend!r}")
 
 
 class SparseMoE(nn.Module):

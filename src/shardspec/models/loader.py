@@ -10,6 +10,7 @@ import struct
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -148,23 +149,7 @@ def load_model(
 
     params = list(model.named_parameters())
     with ExitStack() as stack:
-        handles: dict[Path, object] = {}
-
-        def handle(key: str):
-            if files[key] not in handles:
-                check_regular(files[key])  # safetensors opens it by name
-                handles[files[key]] = stack.enter_context(safe_open(files[key], framework="pt"))
-            return handles[files[key]]
-
-        def read(key: str, spec: tuple | None) -> torch.Tensor:
-            """This rank's slice of checkpoint tensor `key`."""
-            full = handle(key).get_slice(key)
-            tensor = _read_shard(full, spec)
-            if key in quantized and key not in raw:
-                scale = handle(fp8.scale_key(key)).get_tensor(fp8.scale_key(key))
-                tensor = fp8.dequantize_slice(tensor, scale, spec, full.get_shape(), dtype)
-            return tensor
-
+        read = _CheckpointReader(files, stack, quantized - raw, dtype).read
         for done, (name, param) in enumerate(params, 1):
             reads, stacked = plan[name]
             tensor = torch.cat([read(key, spec) for key, spec, _ in reads]) if stacked else read(*reads[0][:2])
@@ -180,22 +165,47 @@ def load_model(
     return model
 
 
+class _CheckpointReader:
+    """Slices of a checkpoint's tensors, each file opened once (and closed with `stack`); the FP8
+    weights in `dequantize` times their block scales, in `dtype`."""
+
+    def __init__(self, files: dict[str, Path], stack: ExitStack, dequantize: set[str], dtype: torch.dtype):
+        self.files, self.stack, self.dequantize, self.dtype = files, stack, dequantize, dtype
+        self.handles: dict[Path, Any] = {}
+
+    def read(self, key: str, spec: tuple | None) -> torch.Tensor:
+        """This rank's slice `spec` of checkpoint tensor `key` (_read_shard)."""
+        full = self._handle(key).get_slice(key)
+        tensor = _read_shard(full, spec)
+        if key in self.dequantize:
+            scale = self._handle(fp8.scale_key(key)).get_tensor(fp8.scale_key(key))
+            tensor = fp8.dequantize_slice(tensor, scale, spec, full.get_shape(), self.dtype)
+        return tensor
+
+    def _handle(self, key: str) -> Any:
+        file = self.files[key]
+        if file not in self.handles:
+            check_regular(file)  # safetensors opens it by name
+            self.handles[file] = self.stack.enter_context(safe_open(file, framework="pt"))
+        return self.handles[file]
+
+
 def fp8_native_default(device: torch.device) -> bool:
     """Whether FP8 weights stay FP8 on `device`: a GPU whose kernels read FP8 (8.9 or later)."""
     return device.type == "cuda" and kernels.HAVE_TRITON and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def check_quantization(folder: str | Path, tp_size: int, fp8_native: bool) -> None:
+def check_quantization(folder: str | Path, tp_size: int, fp8_native: bool, expert_parallel: int = 1) -> None:
     """The checks load_model makes of an FP8 checkpoint, for every rank, without reading a tensor:
     a supported quantization, and (kept FP8) slices of whole blocks. ConfigError otherwise."""
     folder = Path(folder)
     family, config = registry.read(folder)
-    config.check_tp(tp_size)
+    split_config(config, tp_size, expert_parallel)
     files = checkpoint_files(folder)
     stage, mtp = Stage.whole(config.num_hidden_layers), family.has_mtp(files)
     fmt = fp8.read_format(read_config(folder))
     for rank in range(tp_size if fp8_native else 1):
-        model, _, plan = _plan(family, config, TPGroup(rank, tp_size), stage, mtp, files)
+        model, _, plan = _plan(family, config, TPGroup(rank, tp_size), stage, mtp, files, expert_parallel)
         quantized = fp8.quantized_keys(_entries(plan, files), fmt, folder)
         if not quantized or not fp8_native:
             return

@@ -284,7 +284,7 @@ def random_state_dict(
 
 
 # What the FP8 releases leave unquantised among the 2-D weights (docs/architecture.md, "FP8 checkpoints")
-FP8_KEEP = ("embed_tokens", "lm_head", "in_proj_a", "in_proj_b", "mtp.fc")
+FP8_KEEP = ("embed_tokens", "lm_head", "in_proj_a", "in_proj_b", "mtp.fc", "mlp.gate.", "shared_expert_gate")
 FP8_BLOCK, FP8_MAX = 128, 448.0
 
 
@@ -528,12 +528,13 @@ def write_random_checkpoint(
     if keep is None:
         keep = sum(math.prod(s) * d.itemsize for _, s, d in entries) < KEEP_LIMIT_BYTES
     kept: dict[str, Tensor] = {}
+    written = {n: (s, d) for n, s, d in entries}  # FP8 weights and their scales included
     quantizer = _Quantizer(lambda name: random_tensor(config, name, shapes[name], seed, dtype))
 
     def tensor_of(name: str) -> Tensor | None:
         if zero_experts and ".experts." in name:
             if keep:
-                kept[name] = torch.zeros(shapes[name], dtype=dtype)
+                kept[name] = torch.zeros(written[name][0], dtype=written[name][1])
             return None
         if name.endswith("_scale_inv"):
             t = quantizer.get(name.removesuffix("_scale_inv"), 1)
@@ -587,10 +588,17 @@ def main(argv: list[str] | None = None) -> None:
                         help="MoE sizes, for benchmarks on small disks: routed experts all zeros, written as holes of "
                              "sparse files (35B-A3B: ~6 GB on disk instead of 70); every other tensor random")
     args = parser.parse_args(argv)
+    config = sizes[args.size]()
+    if args.zero_experts and "num_experts" not in config:
+        moe = ", ".join(size for size, make in sizes.items() if "num_experts" in make())
+        parser.error(f"--zero-experts applies to the MoE sizes ({moe}), not {args.size}")
     dtype = getattr(torch, args.dtype or ("float32" if args.size.startswith("tiny") else "bfloat16"))
-    write_random_checkpoint(args.path, sizes[args.size](), seed=args.seed, dtype=dtype, layout=args.layout,
-                            shards=args.shards, mtp=not args.no_mtp, keep=False, fp8=args.fp8, experts=args.experts,
-                            zero_experts=args.zero_experts)
+    try:
+        write_random_checkpoint(args.path, config, seed=args.seed, dtype=dtype, layout=args.layout,
+                                shards=args.shards, mtp=not args.no_mtp, keep=False, fp8=args.fp8,
+                                experts=args.experts, zero_experts=args.zero_experts)
+    except ValueError as exc:  # a --shards count the checkpoint's tensors cannot fill
+        parser.error(str(exc))
     kind = "FP8 " if args.fp8 else ""
     print(f"wrote a random {kind}{args.size} checkpoint to {args.path}", file=sys.stderr)
 

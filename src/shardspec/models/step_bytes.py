@@ -52,9 +52,9 @@ def _kv_heads(config: HybridConfig, tp: int) -> int:
     return max(1, config.num_key_value_heads // tp)
 
 
-# a layer on a rank as a pass of some tokens reads it: its projections' [N, K] and how many of each
-# it reads (1; routed experts: the expected number hit), and its other elements
-Layer = tuple[list[tuple[int, int, float]], int]
+# a layer on a rank as a pass of some tokens reads it: its projections' [N, K] (FP8 in FP8 releases)
+# and its other elements (of the routed experts, those the tokens are expected to hit)
+Layer = tuple[list[tuple[int, int]], float]
 
 
 def _attention_layer(config: HybridConfig, tp: int, tokens: int) -> Layer:
@@ -62,7 +62,7 @@ def _attention_layer(config: HybridConfig, tp: int, tokens: int) -> Layer:
     h, d = config.hidden_size, config.head_dim
     q, kv = config.num_attention_heads // tp * d, _kv_heads(config, tp) * d
     projections, other = _mlp_and_norms(config, tp, tokens)
-    mixer = [(2 * q, h, 1), (kv, h, 1), (kv, h, 1), (h, q, 1)]  # q|gate, k, v, o
+    mixer = [(2 * q, h), (kv, h), (kv, h), (h, q)]  # q|gate, k, v, o
     return [*mixer, *projections], 2 * d + other  # q and k norms
 
 
@@ -77,7 +77,7 @@ def _linear_attention_layer(config: HybridConfig, tp: int, tokens: int) -> Layer
     other += (2 * nv * h  # in_proj b, a: 16-bit in FP8 releases
               + conv_dim * config.linear_conv_kernel_dim + 2 * nv  # conv1d; dt_bias, A_log
               + config.linear_value_head_dim)  # gated norm
-    mixer = [(conv_dim, h, 1), (value_dim, h, 1), (h, value_dim, 1)]  # in_proj qkv, z; out_proj
+    mixer = [(conv_dim, h), (value_dim, h), (h, value_dim)]  # in_proj qkv, z; out_proj
     return [*mixer, *projections], other
 
 
@@ -86,7 +86,7 @@ def _mlp_and_norms(config: HybridConfig, tp: int, tokens: int) -> Layer:
     if isinstance(config, Qwen3_5MoeConfig):
         return _moe(config, tp, tokens)
     i = config.intermediate_size // tp
-    return [(i, h, 1), (i, h, 1), (h, i, 1)], 2 * h  # gate, up, down; the two layer norms
+    return [(i, h), (i, h), (h, i)], 2 * h  # gate, up, down; the two layer norms
 
 
 def _moe(config: Qwen3_5MoeConfig, tp: int, tokens: int) -> Layer:
@@ -95,19 +95,19 @@ def _moe(config: Qwen3_5MoeConfig, tp: int, tokens: int) -> Layer:
     hit = experts // ep * (1 - (1 - config.num_experts_per_tok / experts) ** tokens)  # expected distinct experts
     i = config.moe_intermediate_size // (tp // ep)  # each held expert's rows on this rank
     s = config.shared_expert_intermediate_size // tp
-    routed = [(i, h, hit), (i, h, hit), (h, i, hit)]  # gate, up, down of the experts hit
+    routed = 3 * i * h * hit  # gate, up, down of the experts hit: 16-bit even from FP8 (the loader dequantises them)
     # the shared expert; the router, the shared gate and the two layer norms (16-bit in FP8 releases)
-    return [*routed, (s, h, 1), (s, h, 1), (h, s, 1)], experts * h + h + 2 * h
+    return [(s, h), (s, h), (h, s)], routed + experts * h + h + 2 * h
 
 
 def _layer_bytes(layer: Layer, dtype_bytes: int, fp8: bool) -> float:
     """A layer's bytes: with fp8 its projections as FP8 checkpoints hold them, one byte an element and
     an fp32 scale a 128 × 128 block (exact where a rank's slices are whole blocks)."""
     projections, other = layer
-    elements = sum(count * n * k for n, k, count in projections)
+    elements = sum(n * k for n, k in projections)
     if not fp8:
         return (elements + other) * dtype_bytes
-    blocks = sum(count * -(-n // FP8_BLOCK) * -(-k // FP8_BLOCK) for n, k, count in projections)
+    blocks = sum(-(-n // FP8_BLOCK) * -(-k // FP8_BLOCK) for n, k in projections)
     return elements + FP8_SCALE_BYTES * blocks + other * dtype_bytes
 
 
@@ -119,7 +119,8 @@ def step_bytes(config: HybridConfig, tp: int, batch: int, context: int, k: int =
     dtype_bytes: of the weights and the caches; draft_head: the drafts' LM head (runner.DRAFT_HEAD):
     "fp8" reads a float8 copy (one byte an element, an fp32 scale a row), "bf16" and "cublas" the head.
     fp8: a block-wise FP8 checkpoint, its projections FP8 (the embeddings, LM head, norms, GDN's
-    in_proj_a/b, conv and gates and the MTP module's fc in dtype_bytes, as the releases keep them)."""
+    in_proj_a/b, conv and gates and the MTP module's fc in dtype_bytes, as the releases keep them; the
+    routed experts too, which the loader dequantises)."""
     layers = config.layer_types
     tokens = batch * (k + 1)  # the target's pass
     per_layer = {"full_attention": _layer_bytes(_attention_layer(config, tp, tokens), dtype_bytes, fp8),

@@ -182,7 +182,7 @@ class EngineConfig:
             raise ValueError(f"MTP asked for, but {self.model} has no MTP weights (mtp.*); use mtp=False / --no-mtp")
         if (model_dir / "config.json").is_file():
             _check_split(model_dir, self.pp, self.layer_split, self.tp_size, self.ep)
-            _check_quantization(model_dir, self.tp_size, self.spawns_workers and self.device == "cuda")
+            _check_quantization(model_dir, self.tp_size, self.ep, self.spawns_workers and self.device == "cuda")
 
     def curve_links(self) -> list[tuple[KeyPair | None, bytes | None]]:
         """Per rank: (this side's key pair, that worker's public key); (None, None) without CURVE."""
@@ -306,7 +306,7 @@ def _check_split(model_dir: Path, pp: int, layer_split: list[int] | None, tp: in
         raise ValueError(str(exc)) from None
 
 
-def _check_quantization(model_dir: Path, tp: int, gpu: bool) -> None:
+def _check_quantization(model_dir: Path, tp: int, ep: int, gpu: bool) -> None:
     """A quantised checkpoint is one the workers run, split as asked (FP8 weights stay FP8 on a GPU,
     whose TP degree must keep their 128 × 128 blocks whole)."""
     from shardspec.models.config import ConfigError, read_config
@@ -315,7 +315,7 @@ def _check_quantization(model_dir: Path, tp: int, gpu: bool) -> None:
 
     try:
         if read_format(read_config(model_dir)) is not None:
-            check_quantization(model_dir, tp, fp8_native=gpu)
+            check_quantization(model_dir, tp, fp8_native=gpu, expert_parallel=ep)
     except ConfigError as exc:
         raise ValueError(str(exc)) from None
 

@@ -30,6 +30,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from shardspec import __version__, security
+from shardspec.layers.moe import check_backend_setting
 from shardspec.layers.parallel import TPGroup, check_allreduce_setting, use_symmetric_memory
 from shardspec.models.base import CausalLM, Stage
 from shardspec.models.config import ConfigError
@@ -342,6 +343,7 @@ class ShardWorker:
         self._share_cores(body.host_ranks)
         try:
             check_allreduce_setting()
+            check_backend_setting()
         except ValueError as exc:
             raise ProtocolError(ErrorCode.BAD_STATE, f"this worker's {exc}") from None
         if body.tp_size > 1:  # stages of one rank each share no collective (nor could ranks on one GPU: NCCL)
