@@ -93,20 +93,34 @@ def odd_heads_model(tmp_path_factory) -> Path:
     return path
 
 
+def cached_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """Logits over ids [B, T ≤ 64] on the model's device: a cached prefill of 2/3 of the tokens, five
+    one-token decode passes, then verify-sized passes of three; the rows in slots B..1 (not in order)."""
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    (B, T), prefill = ids.shape, ids.shape[1] * 2 // 3
+    model.allocate_caches(B + 1, 64, dtype, device)
+    x, slots = ids.to(device), torch.arange(B, 0, -1, device=device)
+    positions = torch.arange(T, device=device).expand(B, -1)
+    spans = [(0, prefill), *((t, t + 1) for t in range(prefill, prefill + 5)),
+             *((t, min(t + 3, T)) for t in range(prefill + 5, T, 3))]
+    hidden = torch.cat([model(x[:, a:b], Batch(slots, positions[:, a:b], b)) for a, b in spans], 1)
+    return model.lm_head.logits(hidden).float().cpu()
+
+
+def cpu_logits(model_dir, ids: torch.Tensor) -> torch.Tensor:
+    """The fp32 CPU model's logits over ids in one uncached pass: the reference of the GPU paths."""
+    cpu = load_model(model_dir, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=False)
+    return cpu.lm_head.logits(cpu(ids, Batch.uncached(*ids.shape, ids.device)))
+
+
 @torch.inference_mode()
 def test_head_dims_that_are_not_powers_of_two_give_the_cpu_logits_through_the_kernels(odd_heads_model):
     """fp32, head dim 48, linear key dim 24, value dim 40: a cached prefill, one-token decode passes
     and a three-token (verify-sized) pass through the GPU kernels give the CPU's whole-sequence logits."""
     ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
-    cpu = load_model(odd_heads_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=False)
-    reference = cpu.lm_head.logits(cpu(ids, Batch.uncached(2, 24, ids.device)))
     model = load_model(odd_heads_model, TPGroup(), torch.float32, torch.device("cuda"), with_mtp=False)
-    model.allocate_caches(3, 64, torch.float32, torch.device("cuda"))
-    x, slots = ids.cuda(), torch.tensor([2, 0], device="cuda")
-    positions = torch.arange(24, device="cuda").expand(2, -1)
-    spans = [(0, 16), *((t, t + 1) for t in range(16, 21)), (21, 24)]
-    hidden = torch.cat([model(x[:, a:b], Batch(slots, positions[:, a:b], b)) for a, b in spans], 1)
-    torch.testing.assert_close(model.lm_head.logits(hidden).cpu(), reference, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cached_logits(model, ids), cpu_logits(odd_heads_model, ids), rtol=1e-4, atol=1e-4)
 
 
 def test_head_dims_that_are_not_powers_of_two_give_the_same_greedy_tokens_with_and_without_kernels(
@@ -323,31 +337,17 @@ def moe_model(tmp_path_factory) -> Path:
     return path
 
 
-def moe_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    """Logits of a cached prefill of 16 tokens, five one-token decode passes and a three-token (verify-sized)
-    pass over ids [2, 24] on the model's device."""
-    device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
-    model.allocate_caches(3, 64, dtype, device)
-    x, slots = ids.to(device), torch.tensor([2, 0], device=device)
-    positions = torch.arange(24, device=device).expand(2, -1)
-    spans = [(0, 16), *((t, t + 1) for t in range(16, 21)), (21, 24)]
-    hidden = torch.cat([model(x[:, a:b], Batch(slots, positions[:, a:b], b)) for a, b in spans], 1)
-    return model.lm_head.logits(hidden).float().cpu()
-
-
 @torch.inference_mode()
 def test_moe_fp32_on_the_gpu_gives_the_cpu_logits(moe_model):
     ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
-    cpu = load_model(moe_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=False)
-    reference = cpu.lm_head.logits(cpu(ids, Batch.uncached(2, 24, ids.device)))
+    reference = cpu_logits(moe_model, ids)
     gpu = load_model(moe_model, TPGroup(), torch.float32, torch.device("cuda"), with_mtp=False)
     for backend in ("gathered", "grouped"):  # gathered: the fp32 default; grouped: where the GPU's kernel takes fp32
         for module in gpu.modules():
             if hasattr(module, "backend"):
                 module.backend = backend
         try:
-            logits = moe_logits(gpu, ids)
+            logits = cached_logits(gpu, ids)
         except RuntimeError as exc:  # torch's grouped_mm takes bf16 only on some builds
             assert backend == "grouped", exc
             continue
@@ -359,11 +359,10 @@ def test_moe_bf16_logits_agree_with_the_fp32_reference_teacher_forced(moe_model)
     # at the positions where the reference's top-1 margin is beyond bf16's noise: elsewhere a random
     # model's near-ties flip under any rounding (shardspec.models.agreement)
     ids = torch.randint(0, 512, (4, 48), generator=torch.Generator().manual_seed(1))
-    cpu = load_model(moe_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=False)
-    reference = cpu.lm_head.logits(cpu(ids, Batch.uncached(4, 48, ids.device)))
+    reference = cpu_logits(moe_model, ids)
     gpu = load_model(moe_model, TPGroup(), torch.bfloat16, torch.device("cuda"), with_mtp=False)
     assert gpu.layers["0"].mlp.experts.pick(torch.empty(1, device="cuda", dtype=torch.bfloat16)) == "grouped"
-    agreement = top1_agreement(moe_logits(gpu, ids).cpu(), reference)
+    agreement = top1_agreement(cached_logits(gpu, ids).cpu(), reference)
     assert agreement["confident_share"] >= 0.25, agreement  # enough positions for the check to mean something
     assert agreement["confident_top1_agreement"] >= 0.98, agreement
 
