@@ -22,17 +22,26 @@ import torch.multiprocessing as mp
 from gpu_timing import sync
 
 from shardspec.layers.parallel import TPGroup, use_symmetric_memory
-from shardspec.models.qwen3_5 import Qwen3_5Config, Qwen3_5Model
-from shardspec.models.random_checkpoint import nine_b_config, tiny_config, twenty_seven_b_config
+from shardspec.models.qwen3_5 import Qwen3_5Config, Qwen3_5Model, Qwen3_5MoeConfig
+from shardspec.models.random_checkpoint import (
+    nine_b_config,
+    thirty_five_b_a3b_config,
+    tiny_config,
+    tiny_moe_config,
+    twenty_seven_b_config,
+)
 from shardspec.orchestrator.workers import free_port
 from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepRequest
 from shardspec.shard_worker.runner import ModelRunner
 
-SIZES = {"tiny": tiny_config, "9b": nine_b_config, "27b": twenty_seven_b_config}
+SIZES = {"tiny": tiny_config, "9b": nine_b_config, "27b": twenty_seven_b_config, "tiny-moe": tiny_moe_config,
+         "35b-a3b": thirty_five_b_a3b_config}
 
 
 def random_model(size: str, device: torch.device, dtype: torch.dtype, tp: TPGroup | None = None) -> Qwen3_5Model:
-    config = Qwen3_5Config.from_dict(SIZES[size]())
+    """Normal random weights (a mixture of experts then routes each token to random-looking experts)."""
+    raw = SIZES[size]()
+    config = (Qwen3_5MoeConfig if "num_experts" in raw else Qwen3_5Config).from_dict(raw)
     with torch.device("meta"):
         model = Qwen3_5Model(config, tp or TPGroup(), with_mtp=True)
     model = model.to(dtype).to_empty(device=device)

@@ -52,6 +52,7 @@ BUNDLED = Path(__file__).resolve().parents[1] / "src" / "shardspec" / "bundled"
 MAX_FILE_BYTES = 1 << 20
 MAX_DIGIT_FRACTION = 0.3
 SHINGLE_LINES = 4
+WARMUP_STEPS = 8  # rate: steps before the timing (kernels compiled and tuned)
 TIMED_STEPS = (10, 30)  # --minutes: the rate is timed between these steps (kernels compiled and tuned)
 FINAL_RESERVE_S = 30.0  # --minutes: left for the final losses and the export
 EVAL_SHARE = 0.03  # --minutes: the share of the time the held-out losses take on the way
@@ -408,10 +409,10 @@ def learning_rate_factor(step: int, warmup: int, plan: dict) -> float:
 
 
 def train_step(model: Qwen3_5Model, optimizer: torch.optim.Optimizer, ids: torch.Tensor, autocast: torch.autocast,
-               mtp_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+               mtp_weight: float, loss_fn=losses) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step on a batch; returns its next-token and MTP losses."""
     with autocast:
-        main, mtp = losses(model, ids)
+        main, mtp = loss_fn(model, ids)
     optimizer.zero_grad(set_to_none=True)
     (main + mtp_weight * mtp).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -427,8 +428,86 @@ def steps_that_fit(timed: dict[int, float], deadline: float, most: float) -> int
     return max(last, min(int(most), last + int(left / ((end - start) / (last - first)))))
 
 
+def make_optimizer(model: Qwen3_5Model, lr: float, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW, weight decay 0.1 on the matrices only."""
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda",
+    )
+
+
+def training_losses(compile_: bool):
+    """The loss function a training step calls: `losses`, or the same compiled by torch.compile (one
+    graph per batch shape; the held-out losses stay eager, their batches differ)."""
+    return torch.compile(losses) if compile_ else losses
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the GPU's time, not the time to queue the work
+
+
+def rate(out: Path, device: torch.device, batch: int, length: int, steps: int, seed: int) -> None:
+    """Tokens/s of a training step on each path (gated delta rule: the PyTorch reference and fla-core's
+    kernel where it passes the gradient check, eager; the faster of them through torch.compile), timed
+    over `steps` steps after warm-up, and the heaviest kernels of the fastest path's step. Writes
+    OUT/rate.json."""
+    from shardspec.layers import gdn as gdn_layer
+
+    kernels.ENABLED = False
+    reference = gdn_layer.delta_rule
+    train_tokens = load_tokens(out / "train.tokens.xz")
+    source = batches(torch.from_numpy(train_tokens.astype(np.int64)).to(device), batch, length,
+                     np.random.default_rng(seed))
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    results, fastest = [], None
+    for path, compile_ in (("torch", False), ("fla", False), (None, True)):  # compiled: the faster eager path
+        path = path or fastest[0]["gdn"]
+        gdn_layer.delta_rule = reference
+        model = build_model(device, seed)
+        info = choose_gdn(model, next(source), autocast, path)
+        entry = {"path": path, "compile": compile_, **info}
+        if info["gdn"] != path:
+            why = "fla-core failed the gradient check" if "fla_check" in info else "no fla-core on CUDA here"
+            results.append({**entry, "skipped": why})
+            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+            continue
+        optimizer, loss_fn = make_optimizer(model, 1e-4, device), training_losses(compile_)
+        started = time.perf_counter()
+        for _ in range(WARMUP_STEPS):
+            train_step(model, optimizer, next(source), autocast, 0.5, loss_fn)
+        synchronize(device)
+        warm = time.perf_counter()
+        for _ in range(steps):
+            train_step(model, optimizer, next(source), autocast, 0.5, loss_fn)
+        synchronize(device)
+        elapsed = time.perf_counter() - warm
+        entry.update(warmup_s=warm - started, step_ms=1e3 * elapsed / steps,
+                     tokens_per_s=steps * batch * length / elapsed)
+        results.append(entry)
+        print(json.dumps(entry), file=sys.stderr, flush=True)
+        if fastest is None or entry["tokens_per_s"] > fastest[0]["tokens_per_s"]:
+            fastest = (entry, model, optimizer, loss_fn)
+    entry, model, optimizer, loss_fn = fastest
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(3):
+            train_step(model, optimizer, next(source), autocast, 0.5, loss_fn)
+        synchronize(device)
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=25)
+    print(f"fastest: {entry['gdn']}, compile={entry['compile']} (3 steps profiled)\n{table}", file=sys.stderr)
+    (out / "rate.json").write_text(json.dumps({"batch": batch, "length": length, "steps": steps, "paths": results,
+                                               "profile_fastest": table}, indent=1))
+
+
 def train(out: Path, device: torch.device, steps: int, minutes: float | None, max_epochs: float | None, batch: int,
-          length: int, lr: float, warmup: int, mtp_weight: float, eval_every: int, gdn: str, seed: int) -> None:
+          length: int, lr: float, warmup: int, mtp_weight: float, eval_every: int, gdn: str, seed: int,
+          compile_: bool = False) -> None:
     deadline = time.perf_counter() + (minutes or 0) * 60
     kernels.ENABLED = False  # the inference kernels (norms, SiLU·mul) have no backward pass
     torch.manual_seed(seed)
@@ -436,12 +515,7 @@ def train(out: Path, device: torch.device, steps: int, minutes: float | None, ma
     model = build_model(device, seed)
     params = sum(p.numel() for p in model.parameters())
     print(f"{params / 1e6:.2f}M parameters; {train_tokens.size / 1e6:.1f}M train tokens", file=sys.stderr)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda",
-    )
+    optimizer = make_optimizer(model, lr, device)
     plan = {"steps": steps}
     epoch_steps = train_tokens.size / (batch * length)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: learning_rate_factor(s, warmup, plan))
@@ -450,12 +524,13 @@ def train(out: Path, device: torch.device, steps: int, minutes: float | None, ma
                      np.random.default_rng(seed))
     info = choose_gdn(model, next(source), autocast, gdn)
     print(f"gated delta rule: {json.dumps(info)}", file=sys.stderr, flush=True)
+    loss_fn = training_losses(compile_)
     started = time.perf_counter()
     log, timed = [], {}
     step = 0
     while step < plan["steps"]:
         step += 1
-        main, mtp = train_step(model, optimizer, next(source), autocast, mtp_weight)
+        main, mtp = train_step(model, optimizer, next(source), autocast, mtp_weight, loss_fn)
         schedule.step()
         if minutes and step in TIMED_STEPS:
             if device.type == "cuda":
@@ -477,7 +552,7 @@ def train(out: Path, device: torch.device, steps: int, minutes: float | None, ma
              "steps": plan["steps"], "batch": batch, "length": length, "lr": lr, "warmup": warmup,
              "mtp_weight": mtp_weight, "seed": seed, "parameters": params,
              "train_tokens": int(train_tokens.size), "tokens_seen": plan["steps"] * batch * length,
-             "epochs": plan["steps"] / epoch_steps, **info,
+             "epochs": plan["steps"] / epoch_steps, "compile": compile_, **info,
              "train_seconds": time.perf_counter() - started,
              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "log": log}
     (out / "train.json").write_text(json.dumps(final, indent=1))
@@ -508,7 +583,8 @@ def export(model: Qwen3_5Model, out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("stage", choices=["pin", "prepare", "train", "all"])
+    parser.add_argument("stage", choices=["pin", "prepare", "train", "all", "rate"],
+                        help="rate: time a training step on each path (see --rate-steps) instead of training")
     parser.add_argument("packages", nargs="*", metavar="NAME==VERSION", help="pin: the sdists to add to the manifest")
     parser.add_argument("--out", type=Path, default=Path("build/tiny"))
     parser.add_argument("--cache", type=Path, default=Path("build/tiny-sources"), help="downloaded sdists")
@@ -527,6 +603,9 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=500, help="held-out loss every N steps")
     parser.add_argument("--gdn", choices=["auto", "torch"], default="auto",
                         help="auto: fla-core's kernel where installed and checked against the reference on CUDA")
+    parser.add_argument("--compile", action="store_true",
+                        help="train through torch.compile (the first steps then take a minute or two longer)")
+    parser.add_argument("--rate-steps", type=int, default=20, help="rate: timed steps per path")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.stage == "pin":
@@ -535,7 +614,9 @@ def main() -> None:
         prepare(args.out, args.seed, args.cache, args.new_tokenizer)
     if args.stage in ("train", "all"):
         train(args.out, torch.device(args.device), args.steps, args.minutes, args.max_epochs, args.batch, args.length,
-              args.lr, args.warmup, args.mtp_weight, args.eval_every, args.gdn, args.seed)
+              args.lr, args.warmup, args.mtp_weight, args.eval_every, args.gdn, args.seed, args.compile)
+    if args.stage == "rate":
+        rate(args.out, torch.device(args.device), args.batch, args.length, args.rate_steps, args.seed)
 
 
 if __name__ == "__main__":
