@@ -57,6 +57,9 @@ def test_generate_streams_token_ids_and_a_summary_without_json(tiny_model):
         (["hello"], "tokenizer"),
         (["--prompt-ids", "1", "--tp", "2", "--local", "1"], "tp must equal"),
         (["--prompt-ids", "1", "--workers", "nonsense"], "tcp://HOST:PORT"),
+        (["--prompt-ids", "1", "--repetition-penalty", "0"], "repetition_penalty must be above 0"),
+        (["--prompt-ids", "1", "--presence-penalty", "3"], "presence_penalty must be in [-2.0, 2.0]"),
+        (["--prompt-ids", "1", "--frequency-penalty", "-2.5"], "frequency_penalty must be in [-2.0, 2.0]"),
     ],
 )
 def test_generate_rejects_bad_input_with_exit_code_2_and_no_traceback(tiny_model, args, message, capsys):
@@ -64,6 +67,31 @@ def test_generate_rejects_bad_input_with_exit_code_2_and_no_traceback(tiny_model
     local = [] if "--local" in args or "--workers" in args else ["--local", "1"]
     assert main(["generate", "--model", str(tiny_model), *local, *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_generate_samples_with_the_penalties_it_is_given(tiny_model, capsys):
+    """The CLI's penalties reach the sampler: its greedy output is the engine's with the same
+    penalties, and differs from the output without them (negative presence and frequency penalties
+    reward repeats, which this checkpoint's greedy output has none of)."""
+    import asyncio
+
+    import shardspec
+
+    penalties = {"repetition_penalty": 1.2, "presence_penalty": -1.0, "frequency_penalty": -2.0}
+
+    def cli(*extra: str) -> list[int]:
+        assert main(["generate", "--model", str(tiny_model), "--local", "1", "--prompt-ids", "1,2,3",
+                     "--max-tokens", "12", "--temperature", "0", "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)["token_ids"]
+
+    async def engine() -> list[int]:
+        async with shardspec.connect(model=str(tiny_model), local=1) as e:
+            return [t async for chunk in e.generate([1, 2, 3], max_tokens=12, temperature=0.0, **penalties)
+                    for t in chunk.token_ids]
+
+    penalised = cli("--repetition-penalty", "1.2", "--presence-penalty", "-1", "--frequency-penalty", "-2")
+    assert penalised == asyncio.run(engine())
+    assert penalised != cli()
 
 
 def test_generate_on_a_folder_without_a_model_says_so(tmp_path):

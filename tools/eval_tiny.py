@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from train_tiny import EOS, is_held_out, stdlib_files
 
 import shardspec
-from shardspec.cli import build_parser
+from shardspec.cli import build_parser, sampling_penalties
 from shardspec.layers.batch import Batch
 from shardspec.layers.parallel import TPGroup
 from shardspec.models.loader import load_model
@@ -198,7 +198,7 @@ async def quality(model_dir: Path, signatures: list[str]) -> dict:
             ids, final = [], None
             async for chunk in engine.generate(signature, max_tokens=defaults.max_tokens,
                                                temperature=defaults.temperature, top_k=defaults.top_k,
-                                               top_p=defaults.top_p, seed=seed):
+                                               top_p=defaults.top_p, seed=seed, **sampling_penalties(defaults)):
                 ids += chunk.token_ids
                 final = chunk
             body = engine.tokenizer.decode(ids)
@@ -206,7 +206,7 @@ async def quality(model_dir: Path, signatures: list[str]) -> dict:
             samples.append({"signature": signature, "body": body, "cut": cut, "parses": parses(cut),
                             "repeats": repeats_a_line(body), "stats": final.stats})
     return {"signatures": len(samples), "max_tokens": defaults.max_tokens, "temperature": defaults.temperature,
-            "top_k": defaults.top_k, "top_p": defaults.top_p,
+            "top_k": defaults.top_k, "top_p": defaults.top_p, **sampling_penalties(defaults),
             "parse_rate": sum(s["parses"] for s in samples) / len(samples),
             "no_repeat_rate": sum(not s["repeats"] for s in samples) / len(samples),
             "mean_acceptance_length": statistics.mean(s["stats"]["mean_acceptance_length"] for s in samples),

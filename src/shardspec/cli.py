@@ -32,6 +32,8 @@ from shardspec.protocol.transport import (
     check_range,
 )
 
+DEFAULT_REPETITION_PENALTY = 1.0  # generate's; the server's default is always 1 (off), as vLLM's
+
 EXAMPLES = """\
 examples:
   shardspec generate "def fibonacci(n):" --model DIR --local 2
@@ -111,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=0.95, metavar="P", help="nucleus sampling mass (default 0.95)")
     gen.add_argument("--seed", type=int, default=None, metavar="S",
                      help="sampling seed, for a reproducible completion (default: a random one)")
+    gen.add_argument("--repetition-penalty", type=float, default=DEFAULT_REPETITION_PENALTY, metavar="R",
+                     help="divide the positive logits (multiply the negative) of every token already in the prompt "
+                          f"or the output by R (default {DEFAULT_REPETITION_PENALTY}; 1 = off)")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, metavar="P",
+                     help="subtract P from the logit of every token already in the output (default 0)")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, metavar="F",
+                     help="subtract F times its count in the output from each token's logit (default 0)")
     _add_decoding_options(gen)
     gen.add_argument("--no-pipeline", action="store_true", help="wait for each step's reply before sending the next")
     gen.add_argument("--forced-acceptance", type=float, default=None, metavar="P",
@@ -397,6 +406,12 @@ def _generate_prompt(args: argparse.Namespace) -> Any:
         raise UsageError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
 
 
+def sampling_penalties(args: argparse.Namespace) -> dict[str, float]:
+    """generate's penalty options, as engine.generate takes them."""
+    return {"repetition_penalty": args.repetition_penalty, "presence_penalty": args.presence_penalty,
+            "frequency_penalty": args.frequency_penalty}
+
+
 async def run_generate(args: argparse.Namespace) -> int:
     from shardspec.orchestrator.engine import EngineError, connect
     from shardspec.orchestrator.workers import WorkerLost
@@ -415,7 +430,8 @@ async def run_generate(args: argparse.Namespace) -> int:
             progress(f"ready: {world_size} workers, {info.weight_bytes * world_size / 1e6:.0f} MB "
                      f"of {info.dtype} weights, MTP drafts per step: {info.draft_tokens or 'off'}")
             async for chunk in engine.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                                               top_k=args.top_k, top_p=args.top_p, seed=args.seed):
+                                               top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                               **sampling_penalties(args)):
                 token_ids += chunk.token_ids
                 if not args.json:
                     print(chunk.text if engine.tokenizer else " ".join(map(str, chunk.token_ids)),
