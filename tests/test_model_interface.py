@@ -123,3 +123,31 @@ def test_a_second_model_family_generates_through_workers_and_engine(toy_model, t
     without, _ = asyncio.run(run(False))
     assert with_mtp == without == expected
     assert drafts > 0  # the family's MTP module drafted, and the verify pass judged its drafts
+
+
+@pytest.mark.parametrize("chunk", [64, 32, 16, 7])
+def test_the_chunked_delta_rule_at_any_chunk_size_equals_the_token_by_token_recurrence(chunk, monkeypatch):
+    """layers.gdn.CHUNK (what train_tiny.py --gdn-chunk sets) changes the work's shape, not the result:
+    output and final state equal the recurrence's, for a length that no chunk size divides."""
+    from shardspec.layers import gdn
+
+    generator = torch.Generator().manual_seed(0)
+    B, H, T, dk, dv = 2, 3, 45, 8, 6
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    q, k = (torch.nn.functional.normalize(rand(B, H, T, dk), dim=-1) for _ in range(2))
+    v, state = rand(B, H, T, dv), rand(B, H, dk, dv)
+    g, beta = -torch.rand(B, H, T, generator=generator, dtype=torch.float64), torch.rand(B, H, T, generator=generator,
+                                                                                         dtype=torch.float64)
+    expected, expected_state = gdn.recurrent_delta_rule(q, k, v, g, beta, state)
+    monkeypatch.setattr(gdn, "CHUNK", chunk)
+    solve, systems = torch.linalg.solve_triangular, []
+    monkeypatch.setattr(torch.linalg, "solve_triangular", lambda a, *args, **kw: systems.append(a.shape) or solve(
+        a, *args, **kw))
+    out, final = gdn.chunked_delta_rule(q, k, v, g, beta, state)
+    size = min(chunk, T)  # a chunk longer than the input is the input
+    assert systems and all(shape[-2:] == (size, size) for shape in systems)  # it ran chunks of that size
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(final, expected_state, rtol=1e-10, atol=1e-10)

@@ -444,6 +444,12 @@ def training_losses(compile_: bool):
     return torch.compile(losses) if compile_ else losses
 
 
+def gdn_chunk() -> int:
+    from shardspec.layers import gdn
+
+    return gdn.CHUNK
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the GPU's time, not the time to queue the work
@@ -501,8 +507,9 @@ def rate(out: Path, device: torch.device, batch: int, length: int, steps: int, s
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=25)
     print(f"fastest: {entry['gdn']}, compile={entry['compile']} (3 steps profiled)\n{table}", file=sys.stderr)
-    (out / "rate.json").write_text(json.dumps({"batch": batch, "length": length, "steps": steps, "paths": results,
-                                               "profile_fastest": table}, indent=1))
+    summary = {"batch": batch, "length": length, "gdn_chunk": gdn_chunk(), "steps": steps, "paths": results,
+               "profile_fastest": table}
+    (out / "rate.json").write_text(json.dumps(summary, indent=1))
 
 
 def train(out: Path, device: torch.device, steps: int, minutes: float | None, max_epochs: float | None, batch: int,
@@ -549,7 +556,8 @@ def train(out: Path, device: torch.device, steps: int, minutes: float | None, ma
             print(f"step {step}/{plan['steps']} {json.dumps(entry)}", file=sys.stderr, flush=True)
     final = {"train": evaluate(model, train_tokens[: held_out.size], length, device, autocast),
              "held_out": evaluate(model, held_out, length, device, autocast),
-             "steps": plan["steps"], "batch": batch, "length": length, "lr": lr, "warmup": warmup,
+             "steps": plan["steps"], "batch": batch, "length": length, "gdn_chunk": gdn_chunk(), "lr": lr,
+             "warmup": warmup,
              "mtp_weight": mtp_weight, "seed": seed, "parameters": params,
              "train_tokens": int(train_tokens.size), "tokens_seen": plan["steps"] * batch * length,
              "epochs": plan["steps"] / epoch_steps, "compile": compile_, **info,
@@ -606,8 +614,15 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="train through torch.compile (the first steps then take a minute or two longer)")
     parser.add_argument("--rate-steps", type=int, default=20, help="rate: timed steps per path")
+    parser.add_argument("--gdn-chunk", type=int, default=None, metavar="T",
+                        help="tokens per chunk of the PyTorch gated delta rule (default: shardspec.layers.gdn.CHUNK, "
+                             "64); its triangular solves cost less with fewer")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.gdn_chunk:
+        from shardspec.layers import gdn
+
+        gdn.CHUNK = args.gdn_chunk
     if args.stage == "pin":
         pin(args.packages)
     if args.stage in ("prepare", "all"):

@@ -22,7 +22,7 @@ from shardspec.layers.linear import MergedColumnParallelLinear, RowParallelLinea
 from shardspec.layers.norm import GatedRMSNorm
 from shardspec.layers.parallel import TPGroup, shard
 
-CHUNK = 64
+CHUNK = 64  # tokens per chunk of chunked_delta_rule (read at each call: tools/train_tiny.py --gdn-chunk sets it)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6, exact: bool = False) -> torch.Tensor:
@@ -46,10 +46,11 @@ def recurrent_delta_rule(q, k, v, g, beta, state, lengths: torch.Tensor | None =
     return torch.stack(outputs, dim=2), state
 
 
-def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
-    """The same recurrence, a chunk at a time: within a chunk the updates are a triangular solve."""
+def chunked_delta_rule(q, k, v, g, beta, state, chunk: int | None = None):
+    """The same recurrence, a chunk at a time (default CHUNK tokens): within a chunk the updates are
+    a triangular solve."""
     B, H, T, _ = k.shape
-    chunk = min(chunk, T)  # short inputs: one exact-size chunk, no padding
+    chunk = min(chunk or CHUNK, T)  # short inputs: one exact-size chunk, no padding
     pad = -T % chunk  # padded tokens have g = 0 and beta = 0, so they change nothing
     if pad:
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
