@@ -492,7 +492,7 @@ MOE_SHAPES = [(1, 8, 16, 64, 32, 1), (5, 3, 8, 48, 24, 2), (16, 4, 8, 32, 16, 2)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # tiny: bf16 too in the fast tests
 @pytest.mark.parametrize(("N", "k", "E", "H", "width", "ep"), MOE_SHAPES)
-def test_the_fused_experts_match_the_reference_loop_on_every_rank(dtype, N, k, E, H, width, ep):
+def test_the_fused_moe_experts_match_the_reference_loop_on_every_rank(dtype, N, k, E, H, width, ep):
     """Each rank adds only its own experts (under expert parallelism the others' ids fall outside its
     range, below or above). float32 to float32 rounding; bf16 rounds where the gathered backend
     does (the matmuls' outputs, silu, the product, each slot's weighted output and running sum), so
@@ -505,20 +505,20 @@ def test_the_fused_experts_match_the_reference_loop_on_every_rank(dtype, N, k, E
         experts.backend = "fused"
         out = experts(x.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE)).cpu()
         assert out.dtype == dtype and out.shape == (N, H)
+        experts.backend = "gathered"
+        gathered = experts(x, weights, ids).float()
         experts.backend = "reference"
-        reference = experts.float()(x.float(), weights.float(), ids)
+        reference = experts.float()(x.float(), weights.float(), ids)  # (float(): in place, after the rest)
         scale = reference.abs().max().item()
         if dtype == torch.float32:
             torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5 * scale)
         else:
-            experts.backend = "gathered"
-            gathered = experts(x, weights, ids).float()
             torch.testing.assert_close(out.float(), gathered, rtol=2**-7, atol=2**-8 * scale)
             assert (out.float() - reference).abs().max().item() <= 2**-6 * scale
         assert torch.equal(out[~held.any(1)], torch.zeros_like(out[~held.any(1)]))  # no expert here: 0
 
 
-def test_the_fused_backend_is_a_valid_setting_and_the_cpu_default_stays_the_reference_loop():
+def test_the_fused_moe_backend_is_a_valid_setting_and_the_cpu_default_stays_the_reference_loop():
     from shardspec.layers.moe import Experts, check_backend_setting
 
     check_backend_setting("fused")
