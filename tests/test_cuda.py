@@ -361,14 +361,15 @@ def test_moe_bf16_logits_agree_with_the_fp32_reference_teacher_forced(moe_model)
     ids = torch.randint(0, 512, (4, 48), generator=torch.Generator().manual_seed(1))
     reference = cpu_logits(moe_model, ids)
     gpu = load_model(moe_model, TPGroup(), torch.bfloat16, torch.device("cuda"), with_mtp=False)
-    assert gpu.layers["0"].mlp.experts.pick(torch.empty(1, device="cuda", dtype=torch.bfloat16)) == "grouped"
+    experts, x = gpu.layers["0"].mlp.experts, torch.empty(1, device="cuda", dtype=torch.bfloat16)
+    assert (experts.pick(x, 4 * 32 * 3), experts.pick(x, 4 * 3)) == ("grouped", "fused")  # prefill; decode
     agreement = top1_agreement(cached_logits(gpu, ids).cpu(), reference)
     assert agreement["confident_share"] >= 0.25, agreement  # enough positions for the check to mean something
     assert agreement["confident_top1_agreement"] >= 0.98, agreement
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("backend", ["grouped", "gathered"])
+@pytest.mark.parametrize("backend", ["grouped", "gathered", "fused"])
 def test_moe_routing_and_experts_run_in_a_cuda_graph_without_host_syncs(backend):
     """The block at the 35B-A3B MoE shape (hidden 2048, top 8 of 256, width 512), bf16: captured in a
     CUDA graph (a host sync would fail the capture), replayed on new tokens, it gives the eager result;
@@ -392,6 +393,36 @@ def test_moe_routing_and_experts_run_in_a_cuda_graph_without_host_syncs(backend)
     torch.testing.assert_close(out, block(x), rtol=0, atol=0)
     exact = reference(x.float())
     assert (out.float() - exact).abs().max() <= 2e-2 * exact.abs().max()
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("ep", [1, 2])
+def test_the_fused_experts_equal_the_grouped_gemm_at_decode_shapes(ep):
+    """35B-A3B experts (hidden 2048, top 8 of 256, width 512), bf16, 1 to 8 tokens (8 to 64 rows, the
+    auto choice's range), rank 1 of ep: the fused kernels round where the grouped path does, so the
+    two agree to bf16 noise; both are checked against the fp32 loop."""
+    from shardspec.layers.moe import FUSED_ROWS, Experts, route
+
+    torch.manual_seed(0)
+    experts = Experts(256, 2048, 512, TPGroup(ep - 1, ep), ep).cuda()
+    experts.gate_up_proj.data.normal_(0, 2048 ** -0.5)
+    experts.down_proj.data.normal_(0, 512 ** -0.5)
+    exact = Experts(256, 2048, 512, TPGroup(ep - 1, ep), ep).cuda()
+    exact.load_state_dict(experts.state_dict())
+    experts, exact.backend = experts.bfloat16(), "reference"
+    for N in (1, 2, 8):
+        x = torch.randn(N, 2048, device="cuda", dtype=torch.bfloat16)
+        weights, ids = route(torch.randn(N, 256, device="cuda", dtype=torch.bfloat16), 8)
+        assert experts.pick(x, ids.numel()) == ("fused" if N * 8 <= FUSED_ROWS else "grouped")
+        out = {}
+        for backend in ("fused", "grouped"):
+            experts.backend = backend
+            out[backend] = experts(x, weights, ids).float()
+        reference = exact(x.float(), weights.float(), ids)
+        scale = reference.abs().max()
+        torch.testing.assert_close(out["fused"], out["grouped"], rtol=2**-7, atol=2**-7 * scale.item())
+        for result in out.values():
+            assert (result - reference).abs().max() <= 2**-6 * scale
 
 
 def test_moe_greedy_on_the_gpu_with_cuda_graphs_equals_the_cpu_in_fp32(moe_model):

@@ -460,3 +460,70 @@ def test_the_split_k_counter_is_taken_by_one_thread_and_the_partials_read_past_l
     assert len(atomics) == 2 and all(line.startswith("@%p") and ".gpu.acq_rel." in line for line in atomics), atomics
     assert ".add." in atomics[0] and ".exch." in atomics[1]
     assert any(line.startswith(("ld.global.cg", "@%p")) and "ld.global.cg" in line for line in lines)
+
+
+# --- Routed experts of a mixture of experts at few rows (kernels.moe) -------------------------------
+
+def _experts(E: int, H: int, width: int, dtype: torch.dtype, rank: int = 0, ep: int = 1, seed: int = 0):
+    """Experts of rank `rank` of `ep` (each holding E / ep whole experts), random weights."""
+    from shardspec.layers.moe import Experts
+
+    gen = torch.Generator().manual_seed(seed)
+    experts = Experts(E, H, width, TPGroup(rank, ep), ep)
+    experts.gate_up_proj.data.normal_(0, H**-0.5, generator=gen)
+    experts.down_proj.data.normal_(0, width**-0.5, generator=gen)
+    return experts.to(dtype)
+
+
+def _routed(N: int, H: int, E: int, k: int, dtype: torch.dtype, seed: int = 0):
+    """x [N, H] and its route (weights, global ids [N, k]): distinct experts per token, repeats across tokens."""
+    from shardspec.layers.moe import route
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, H, generator=gen).to(dtype)
+    weights, ids = route(torch.randn(N, E, generator=gen).to(dtype), k)
+    return x, weights, ids
+
+
+# (N, k, E, H, width, ep): one token at top 8; ragged dims; 16 tokens over 8 experts (every expert hit
+# by many tokens); whole tiles of the default blocks (H 256, width 128: the unmasked loads)
+MOE_SHAPES = [(1, 8, 16, 64, 32, 1), (5, 3, 8, 48, 24, 2), (16, 4, 8, 32, 16, 2), (2, 4, 4, 256, 128, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # tiny: bf16 too in the fast tests
+@pytest.mark.parametrize(("N", "k", "E", "H", "width", "ep"), MOE_SHAPES)
+def test_the_fused_moe_experts_match_the_reference_loop_on_every_rank(dtype, N, k, E, H, width, ep):
+    """Each rank adds only its own experts (under expert parallelism the others' ids fall outside its
+    range, below or above). float32 to float32 rounding; bf16 rounds where the gathered backend
+    does (the matmuls' outputs, silu, the product, each slot's weighted output and running sum), so
+    it agrees with it to an ulp, and with the fp32 loop to bf16's noise."""
+    x, weights, ids = _routed(N, H, E, k, dtype, seed=N)
+    for rank in range(ep):
+        experts = _experts(E, H, width, dtype, rank, ep, seed=N + rank)
+        held = (ids >= experts.first) & (ids < experts.first + E // ep)
+        assert held.any() and (ep == 1 or not held.all())
+        experts.backend = "fused"
+        out = experts(x.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE)).cpu()
+        assert out.dtype == dtype and out.shape == (N, H)
+        experts.backend = "gathered"
+        gathered = experts(x, weights, ids).float()
+        experts.backend = "reference"
+        reference = experts.float()(x.float(), weights.float(), ids)  # (float(): in place, after the rest)
+        scale = reference.abs().max().item()
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5 * scale)
+        else:
+            torch.testing.assert_close(out.float(), gathered, rtol=2**-7, atol=2**-8 * scale)
+            assert (out.float() - reference).abs().max().item() <= 2**-6 * scale
+        assert torch.equal(out[~held.any(1)], torch.zeros_like(out[~held.any(1)]))  # no expert here: 0
+
+
+def test_the_fused_moe_backend_is_a_valid_setting_and_the_cpu_default_stays_the_reference_loop():
+    from shardspec.layers.moe import Experts, check_backend_setting
+
+    check_backend_setting("fused")
+    with pytest.raises(ValueError, match="'fused', 'gathered', 'grouped', 'reference'"):
+        check_backend_setting("triton")
+    experts = Experts(8, 32, 16, TPGroup())
+    experts.backend = "auto"
+    assert experts.pick(torch.empty(1, 32, dtype=torch.bfloat16), 8) == "reference"

@@ -10,14 +10,17 @@ ep = tp: whole experts per rank). The shared expert is split over all tp ranks l
 A rank returns its partial sum (its experts' and its shared-expert slice's), which the next RMSNorm
 sums across the group: one all-reduce per layer, as for the dense MLP.
 
-The routed experts run on one of three backends (`EXPERT_BACKENDS`), all on the same weights:
+The routed experts run on one of four backends (`EXPERT_BACKENDS`), all on the same weights:
 - `reference`: a loop over the experts the tokens hit, as transformers computes it (CPU; its row
   selection syncs with the host);
 - `grouped`: tokens sorted by expert and two `torch.nn.functional.grouped_mm` calls (bf16 on CUDA,
   the GPU's default; no host sync, so CUDA graphs capture it);
 - `gathered`: each (token, expert) row times its expert's gathered weights, in fixed blocks of
   rows: no host sync, any dtype, and batch-invariant (the GPU's path in deterministic mode and for
-  float32/float16).
+  float32/float16);
+- `fused`: two Triton launches (kernels.moe), each (token, expert) row a GEMV of its expert's
+  weights, no sorting (bf16 on CUDA at up to FUSED_ROWS rows: decode and verify steps, where the
+  others are bound by their launches; no host sync).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardspec import kernels
 from shardspec.layers.invariant import in_blocks, pointwise
 from shardspec.layers.linear import ReplicatedLinear, linear
 from shardspec.layers.mlp import MLP, silu_mul
@@ -36,6 +40,9 @@ from shardspec.layers.parallel import TPGroup, shard, stack
 
 EXPERT_BACKEND = os.environ.get("SHARDSPEC_MOE_BACKEND", "auto")  # auto or one of EXPERT_BACKENDS (comparisons)
 GATHER_ROWS = 64  # (token, expert) rows per block of the gathered backend: fixed shapes, bounded gathers
+# (token, expert) rows up to which bf16 on CUDA takes the fused backend: there it re-reads an expert
+# for each row that hits it, at most ~13 % more bytes than the distinct experts at 64 uniform rows
+FUSED_ROWS = 64
 
 
 def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,15 +89,18 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Σ over each row's k experts held here of weight · expert(row): x [N, H] -> [N, H]."""
         local = ids - self.first  # ids of this rank's experts: [0, E_rank); others fall outside
-        return EXPERT_BACKENDS[self.pick(x)](self, x, weights, local)
+        return EXPERT_BACKENDS[self.pick(x, ids.numel())](self, x, weights, local)
 
-    def pick(self, x: torch.Tensor) -> str:
+    def pick(self, x: torch.Tensor, rows: int) -> str:
+        """The backend for x's (token, expert) `rows`."""
         if self.backend != "auto":
             check_backend_setting(self.backend)
             return self.backend
         if not x.is_cuda:
             return "reference"
-        return "grouped" if x.dtype == torch.bfloat16 and not self.invariant else "gathered"
+        if x.dtype != torch.bfloat16 or self.invariant:
+            return "gathered"
+        return "fused" if rows <= FUSED_ROWS and kernels.enabled(x) else "grouped"
 
     def expert(self, e: int | torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         gate, up = linear(rows, self.gate_up_proj[e], self.block_rows).chunk(2, -1)
@@ -139,6 +149,15 @@ def gathered_experts(experts: Experts, x: torch.Tensor, weights: torch.Tensor, l
     return _weighted_sum(torch.where(held[:, None], down, 0), weights)
 
 
+def fused_experts(experts: Experts, x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """Each (token, expert) row's gate/up GEMV and SiLU, then each token's down GEMVs added in slot
+    order: two Triton launches (kernels.moe)."""
+    if not kernels.HAVE_TRITON:
+        raise RuntimeError("the fused expert backend needs Triton (a CUDA build of torch; on a CPU, "
+                           "TRITON_INTERPRET=1)")
+    return kernels.moe.experts(kernels.rows(x), weights, local, experts.gate_up_proj, experts.down_proj)
+
+
 def _weighted_sum(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Σ_j weights[:, j] · rows of slot j ([N·k, H] -> [N, H]), in slot order: the same arithmetic
     for every token whatever the batch."""
@@ -150,7 +169,8 @@ def _weighted_sum(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 EXPERT_BACKENDS: dict[str, Callable[[Experts, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "reference": reference_experts, "grouped": grouped_experts, "gathered": gathered_experts}
+    "reference": reference_experts, "grouped": grouped_experts, "gathered": gathered_experts,
+    "fused": fused_experts}
 
 
 def check_backend_setting(backend: str = EXPERT_BACKEND) -> None:
