@@ -29,8 +29,9 @@
 #           PP = 2 with both stages on cuda:0, batch 1/8, MTP off and k = 3 at 0.8, and the stage link's
 #           cost per message; batch 8 again as one micro-batch; each part runs even if one before it failed (the exit status says)
 #   moe     one H200: the MoE tests of tests/test_cuda.py (the 35B-A3B-class checkpoint written meanwhile, its
-#           routed experts zeros in holes: ~6 GB of disk, not 70), then 35B-A3B-class TP = 1 batch 1/8/32, MTP
-#           off and k = 3 at 0.8, prefill 2k, transformers' generate in the same run
+#           routed experts zeros in holes: ~6 GB of disk, not 70), the fused expert kernels against the grouped
+#           GEMM (bench/moe_kernels.py --sweep), then 35B-A3B-class TP = 1 batch 1/8/32, MTP off and k = 3 at 0.8,
+#           prefill 2k, transformers' generate in the same run
 #   fp8     one H200, ~9 minutes: the FP8 GPU tests (tests/test_cuda.py + tests/test_kernels.py -k fp8, the FP8
 #           floor's test; the 9B-class bf16 checkpoint and its FP8 twin written meanwhile), the FP8 GEMMs at the 9B
 #           shapes (bench/fp8_gemm.py: decode GEMV at 1/8/32 rows against its floor and bf16 cuBLAS, prefill W8A8),
@@ -145,8 +146,10 @@ for stage in "$@"; do
         writer=$!   # on the CPUs, while the tests take the GPU
         timeout 240 python3 -m pytest -q tests/test_cuda.py -k moe --durations=10 --timeout 200 2>&1 \
             | tee "$out/tests-moe.log" || failed=1
+        (cd bench && timeout 90 python3 moe_kernels.py --sweep --out "$out/moe-kernels.json") 2>&1 \
+            | tee "$out/moe-kernels.log" || failed=1   # the fused expert kernels against the grouped GEMM
         wait $writer || failed=1
-        timeout 540 python3 bench/decode.py --size 35b-a3b --ckpt .bench/35b-a3b --tp 1 --batch 1 8 32 --k 3 \
+        timeout 420 python3 bench/decode.py --size 35b-a3b --ckpt .bench/35b-a3b --tp 1 --batch 1 8 32 --k 3 \
             --forced 0.8 --prefill 2048 --hf --zero-experts --out "$out/decode-35b-a3b.json" 2>&1 \
             | tee "$out/decode-35b-a3b.log" || failed=1
         ;;

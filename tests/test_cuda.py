@@ -398,9 +398,9 @@ def test_moe_routing_and_experts_run_in_a_cuda_graph_without_host_syncs(backend)
 @torch.inference_mode()
 @pytest.mark.parametrize("ep", [1, 2])
 def test_the_fused_experts_equal_the_grouped_gemm_at_decode_shapes(ep):
-    """35B-A3B experts (hidden 2048, top 8 of 256, width 512), bf16, 1 to 8 tokens (8 to 64 rows, the
-    auto choice's range), rank 1 of ep: the fused kernels round where the grouped path does, so the
-    two agree to bf16 noise; both are checked against the fp32 loop."""
+    """35B-A3B experts (hidden 2048, top 8 of 256, width 512), bf16, 1 to 32 tokens (8 to 256 rows, the
+    auto choice's range of the fused kernels) and 33, rank 1 of ep: the fused kernels round where the
+    grouped path does, so the two agree to bf16 noise; both are checked against the fp32 loop."""
     from shardspec.layers.moe import FUSED_ROWS, Experts, route
 
     torch.manual_seed(0)
@@ -410,9 +410,10 @@ def test_the_fused_experts_equal_the_grouped_gemm_at_decode_shapes(ep):
     exact = Experts(256, 2048, 512, TPGroup(ep - 1, ep), ep).cuda()
     exact.load_state_dict(experts.state_dict())
     experts, exact.backend = experts.bfloat16(), "reference"
-    for N in (1, 2, 8):
+    for N in (1, 2, 8, 32, 33):
         x = torch.randn(N, 2048, device="cuda", dtype=torch.bfloat16)
         weights, ids = route(torch.randn(N, 256, device="cuda", dtype=torch.bfloat16), 8)
+        experts.backend = "auto"  # the loop below fixes one backend after the other
         assert experts.pick(x, ids.numel()) == ("fused" if N * 8 <= FUSED_ROWS else "grouped")
         out = {}
         for backend in ("fused", "grouped"):

@@ -31,14 +31,16 @@ class Blocks:
     """Tile sizes: gate/up columns per program and its step along H; down columns per program and
     its step along the width; warps of each kernel."""
 
-    # 64 programs an expert at width 512: 512 at one token's 8 rows, one wave on 132 SMs (~77
-    # registers a thread at 4 warps: 6 programs fit an SM), each loading 2 × 8 × 256 bf16 = 8 KB a
-    # step: ~4 MB in flight over the GPU, what 4.8 TB/s needs at ~1 µs of latency
-    gate_up_i: int = 8
+    # The fastest of the tiles bench/moe_kernels.py --sweep timed on an H200 at the 35B-A3B shapes
+    # (each kernel chosen on its own: they are separate launches). gate/up: 16 columns a program
+    # (32 programs an expert at width 512, 256 at one token's 8 rows), each loading 2 × 16 × 256 bf16
+    # = 16 KB a step; against 8 columns 6-22 % less time from 2 to 32 tokens, 6 % at 1.
+    gate_up_i: int = 16
     gate_up_k: int = 256
     gate_up_warps: int = 4
-    # 256 programs at one token (H = 2048), ~2 an SM, each loading 8 slots × 8 × 128 bf16 = 16 KB a step
-    down_h: int = 8
+    # down: 4 output columns a program (512 programs at one token, H = 2048), each loading 8 slots ×
+    # 4 × 128 bf16 = 8 KB a step; against 8 columns 15 % less time at 1 token, 1-8 % at 2 to 32
+    down_h: int = 4
     down_i: int = 128
     down_warps: int = 4
 

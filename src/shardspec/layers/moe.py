@@ -40,9 +40,11 @@ from shardspec.layers.parallel import TPGroup, shard, stack
 
 EXPERT_BACKEND = os.environ.get("SHARDSPEC_MOE_BACKEND", "auto")  # auto or one of EXPERT_BACKENDS (comparisons)
 GATHER_ROWS = 64  # (token, expert) rows per block of the gathered backend: fixed shapes, bounded gathers
-# (token, expert) rows up to which bf16 on CUDA takes the fused backend: there it re-reads an expert
-# for each row that hits it, at most ~13 % more bytes than the distinct experts at 64 uniform rows
-FUSED_ROWS = 64
+# (token, expert) rows up to which bf16 on CUDA takes the fused backend. It re-reads an expert for each
+# row that hits it (~13 % more bytes than the distinct experts at 64 uniform rows, ~58 % at 256), and
+# still beat the grouped GEMM at every size bench/moe_kernels.py measured on an H200, up to 256 rows
+# (32 tokens × top 8: 389 against 473 µs; 1 token: 33 against 103): past that it is not measured
+FUSED_ROWS = 256
 
 
 def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
