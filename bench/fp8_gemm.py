@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 import torch
-from gpu_timing import graph_time, start
+from gpu_timing import graph_time, row, start
 
 from shardspec.kernels import fp8
 from shardspec.layers.fp8 import dequantize
@@ -50,14 +50,6 @@ def operands(N: int, K: int, device: torch.device):
     weight = (torch.randn(N, K, device=device, generator=gen) * 3).clamp(-448, 448).to(torch.float8_e4m3fn)
     scale = torch.rand(-(-N // 128), -(-K // 128), device=device, generator=gen) * 0.01 + 0.001
     return weight, scale
-
-
-def row(out: dict, fields: dict, seconds: float, floor_bytes: int, bandwidth: float, note: str = "") -> None:
-    floor = floor_bytes / bandwidth
-    cells = [*map(str, fields.values()), f"{seconds * 1e6:.1f}", f"{floor * 1e6:.1f}", f"{floor / seconds:.0%}", note]
-    print("| " + " | ".join(cells) + " |", flush=True)
-    out["rows"].append({**fields, "us": seconds * 1e6, "floor_us": floor * 1e6, "of_floor": floor / seconds,
-                        "note": note})
 
 
 @torch.inference_mode()

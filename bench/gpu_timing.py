@@ -81,3 +81,13 @@ def start(script: str, columns: list[str], after: tuple[str, ...] = ()) -> tuple
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     return device, bandwidth, {"device": torch.cuda.get_device_name(), "bandwidth_GBps": bandwidth / 1e9, "rows": []}
+
+
+def row(out: dict, fields: dict, seconds: float, floor_bytes: float, bandwidth: float, note: str = "") -> None:
+    """One row of the table `start` began: the fields, µs per call, the floor's µs (floor_bytes at
+    `bandwidth`), the fraction of the floor and a note; printed, and appended to out["rows"]."""
+    floor = floor_bytes / bandwidth
+    cells = [*map(str, fields.values()), f"{seconds * 1e6:.1f}", f"{floor * 1e6:.1f}", f"{floor / seconds:.0%}", note]
+    print("| " + " | ".join(cells) + " |", flush=True)
+    out["rows"].append({**fields, "us": seconds * 1e6, "floor_us": floor * 1e6, "of_floor": floor / seconds,
+                        "note": note})

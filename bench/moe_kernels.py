@@ -21,7 +21,7 @@ from itertools import cycle
 from pathlib import Path
 
 import torch
-from gpu_timing import graph_time, start
+from gpu_timing import graph_time, row, start
 
 from shardspec.kernels import moe as kernel_moe
 from shardspec.layers.moe import EXPERT_BACKENDS, Experts, route
@@ -60,14 +60,6 @@ def timed(experts: Experts, backend: str, calls: list, blocks: kernel_moe.Blocks
         return EXPERT_BACKENDS[backend](experts, x, weights, ids)
 
     return graph_time(one, calls=CALLS)
-
-
-def row(out: dict, fields: dict, seconds: float, floor_bytes: float, bandwidth: float, note: str = "") -> None:
-    floor = floor_bytes / bandwidth
-    cells = [*map(str, fields.values()), f"{seconds * 1e6:.1f}", f"{floor * 1e6:.1f}", f"{floor / seconds:.0%}", note]
-    print("| " + " | ".join(cells) + " |", flush=True)
-    out["rows"].append({**fields, "us": seconds * 1e6, "floor_us": floor * 1e6, "of_floor": floor / seconds,
-                        "note": note})
 
 
 @torch.inference_mode()
