@@ -53,6 +53,7 @@ MAX_FILE_BYTES = 1 << 20
 MAX_DIGIT_FRACTION = 0.3
 SHINGLE_LINES = 4
 WARMUP_STEPS = 8  # rate: steps before the timing (kernels compiled and tuned)
+RATE_CHUNKS = (64, 32, 16)  # rate: the PyTorch delta rule's chunk sizes timed (the first is gdn.CHUNK's default)
 TIMED_STEPS = (10, 30)  # --minutes: the rate is timed between these steps (kernels compiled and tuned)
 FINAL_RESERVE_S = 30.0  # --minutes: left for the final losses and the export
 EVAL_SHARE = 0.03  # --minutes: the share of the time the held-out losses take on the way
@@ -456,10 +457,10 @@ def synchronize(device: torch.device) -> None:
 
 
 def rate(out: Path, device: torch.device, batch: int, length: int, steps: int, seed: int) -> None:
-    """Tokens/s of a training step on each path (gated delta rule: the PyTorch reference and fla-core's
-    kernel where it passes the gradient check, eager; the faster of them through torch.compile), timed
-    over `steps` steps after warm-up, and the heaviest kernels of the fastest path's step. Writes
-    OUT/rate.json."""
+    """Tokens/s of a training step on each path (gated delta rule: the PyTorch reference at chunks of
+    RATE_CHUNKS tokens and fla-core's kernel where it passes the gradient check, eager; the fastest of
+    them through torch.compile), timed over `steps` steps after warm-up, and the heaviest kernels of
+    the fastest path's step. Writes OUT/rate.json."""
     from shardspec.layers import gdn as gdn_layer
 
     kernels.ENABLED = False
@@ -469,12 +470,14 @@ def rate(out: Path, device: torch.device, batch: int, length: int, steps: int, s
                      np.random.default_rng(seed))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     results, fastest = [], None
-    for path, compile_ in (("torch", False), ("fla", False), (None, True)):  # compiled: the faster eager path
-        path = path or fastest[0]["gdn"]
-        gdn_layer.delta_rule = reference
+    eager = [("torch", chunk, False) for chunk in RATE_CHUNKS] + [("fla", None, False)]
+    for path, chunk, compile_ in [*eager, (None, None, True)]:  # compiled: the fastest eager path
+        if compile_:
+            path, chunk = fastest[0]["gdn"], fastest[0]["gdn_chunk"]
+        gdn_layer.delta_rule, gdn_layer.CHUNK = reference, chunk or RATE_CHUNKS[0]
         model = build_model(device, seed)
         info = choose_gdn(model, next(source), autocast, path)
-        entry = {"path": path, "compile": compile_, **info}
+        entry = {"path": path, "gdn_chunk": chunk, "compile": compile_, **info}
         if info["gdn"] != path:
             why = "fla-core failed the gradient check" if "fla_check" in info else "no fla-core on CUDA here"
             results.append({**entry, "skipped": why})
@@ -507,7 +510,7 @@ def rate(out: Path, device: torch.device, batch: int, length: int, steps: int, s
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=25)
     print(f"fastest: {entry['gdn']}, compile={entry['compile']} (3 steps profiled)\n{table}", file=sys.stderr)
-    summary = {"batch": batch, "length": length, "gdn_chunk": gdn_chunk(), "steps": steps, "paths": results,
+    summary = {"batch": batch, "length": length, "steps": steps, "paths": results,
                "profile_fastest": table}
     (out / "rate.json").write_text(json.dumps(summary, indent=1))
 
