@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from shardspec import kernels
+from shardspec.layers import gdn as gdn_layer
 from shardspec.layers.batch import Batch
 from shardspec.layers.parallel import TPGroup
 from shardspec.models.loader import sources
@@ -378,25 +379,23 @@ def lift_fla_hopper_guard(key_head_dim: int) -> bool:
 def choose_gdn(model: Qwen3_5Model, ids: torch.Tensor, autocast: torch.autocast, wanted: str) -> dict:
     """Train through fla when it is installed and its loss and gradients match the reference's on
     the first batch; else through the reference."""
-    from shardspec.layers import gdn
-
-    reference = gdn.delta_rule
+    reference = gdn_layer.delta_rule
     torch_loss, torch_grads = gradients(model, ids, autocast)
     fla = getattr(getattr(kernels, "gdn", None), "chunk_gated_delta_rule", None)  # kernels.gdn needs Triton
     if wanted == "torch" or ids.device.type != "cuda" or fla is None:
         return {"gdn": "torch"}
-    gdn.delta_rule = fla_delta_rule
+    gdn_layer.delta_rule = fla_delta_rule
     lifted = lift_fla_hopper_guard(CONFIG["linear_key_head_dim"])
     try:
         fla_loss, fla_grads = gradients(model, ids, autocast)
     except Exception as exc:  # any failure of the optional kernel: train on the reference
-        gdn.delta_rule = reference
+        gdn_layer.delta_rule = reference
         return {"gdn": "torch", "fla_check": {"error": repr(exc), "hopper_guard_lifted": lifted}}
     cosines = [F.cosine_similarity(r, f, dim=0).item() for r, f in zip(torch_grads, fla_grads, strict=True)]
     check = {"reference_loss": torch_loss, "fla_loss": fla_loss, "min_weight_grad_cosine": min(cosines),
              "hopper_guard_lifted": lifted}
     if abs(fla_loss - torch_loss) > 0.01 * torch_loss or min(cosines) < 0.99:
-        gdn.delta_rule = reference
+        gdn_layer.delta_rule = reference
         return {"gdn": "torch", "fla_check": check}
     return {"gdn": "fla", "fla_check": check}
 
@@ -445,12 +444,6 @@ def training_losses(compile_: bool):
     return torch.compile(losses) if compile_ else losses
 
 
-def gdn_chunk() -> int:
-    from shardspec.layers import gdn
-
-    return gdn.CHUNK
-
-
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the GPU's time, not the time to queue the work
@@ -461,8 +454,6 @@ def rate(out: Path, device: torch.device, batch: int, length: int, steps: int, s
     RATE_CHUNKS tokens and fla-core's kernel where it passes the gradient check, eager; the fastest of
     them through torch.compile), timed over `steps` steps after warm-up, and the heaviest kernels of
     the fastest path's step. Writes OUT/rate.json."""
-    from shardspec.layers import gdn as gdn_layer
-
     kernels.ENABLED = False
     reference = gdn_layer.delta_rule
     train_tokens = load_tokens(out / "train.tokens.xz")
@@ -543,8 +534,7 @@ def train(out: Path, device: torch.device, steps: int, minutes: float | None, ma
         main, mtp = train_step(model, optimizer, next(source), autocast, mtp_weight, loss_fn)
         schedule.step()
         if minutes and step in TIMED_STEPS:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)  # the GPU's time, not the time to queue the work
+            synchronize(device)
             timed[step] = time.perf_counter()
             if len(timed) == len(TIMED_STEPS):
                 fit = steps_that_fit(timed, deadline, max_epochs * epoch_steps if max_epochs else math.inf)
@@ -559,7 +549,7 @@ def train(out: Path, device: torch.device, steps: int, minutes: float | None, ma
             print(f"step {step}/{plan['steps']} {json.dumps(entry)}", file=sys.stderr, flush=True)
     final = {"train": evaluate(model, train_tokens[: held_out.size], length, device, autocast),
              "held_out": evaluate(model, held_out, length, device, autocast),
-             "steps": plan["steps"], "batch": batch, "length": length, "gdn_chunk": gdn_chunk(), "lr": lr,
+             "steps": plan["steps"], "batch": batch, "length": length, "gdn_chunk": gdn_layer.CHUNK, "lr": lr,
              "warmup": warmup,
              "mtp_weight": mtp_weight, "seed": seed, "parameters": params,
              "train_tokens": int(train_tokens.size), "tokens_seen": plan["steps"] * batch * length,
@@ -623,9 +613,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.gdn_chunk:
-        from shardspec.layers import gdn
-
-        gdn.CHUNK = args.gdn_chunk
+        gdn_layer.CHUNK = args.gdn_chunk
     if args.stage == "pin":
         pin(args.packages)
     if args.stage in ("prepare", "all"):
