@@ -7,6 +7,10 @@ tools/tiny_corpus.json, with the bundled model's byte-level BPE tokenizer.
     python tools/train_tiny.py train --out build/tiny --minutes 7 --max-epochs 6   # on a GPU
     python tools/train_tiny.py all --out build/tiny            # both
 
+A run longer than one sitting: `train --steps N --pause-after MINUTES` stops after about that long
+and saves the run to OUT/train-state.pt; the same command with `--resume` goes on from there and
+ends with the weights an uninterrupted run would have.
+
 The held-out files are the stdlib's whose path hashes below HELD_OUT_PERCENT (the same files on
 every machine with the same Python); training drops exact copies of them, and package files that
 share LEAK_FRACTION of their line windows with them. `prepare` downloads each sdist once into
@@ -58,6 +62,7 @@ RATE_CHUNKS = (64, 32, 16)  # rate: the PyTorch delta rule's chunk sizes timed (
 TIMED_STEPS = (10, 30)  # --minutes: the rate is timed between these steps (kernels compiled and tuned)
 FINAL_RESERVE_S = 30.0  # --minutes: left for the final losses and the export
 EVAL_SHARE = 0.03  # --minutes: the share of the time the held-out losses take on the way
+STATE = "train-state.pt"  # --pause-after: a paused run's state, in --out
 LEAK_FRACTION = 0.2  # a training file sharing this much of its line windows with held-out files is dropped
 CONFIG = {
     "model_type": "qwen3_5_text",
@@ -508,8 +513,12 @@ def rate(out: Path, device: torch.device, batch: int, length: int, steps: int, s
 
 def train(out: Path, device: torch.device, steps: int, minutes: float | None, max_epochs: float | None, batch: int,
           length: int, lr: float, warmup: int, mtp_weight: float, eval_every: int, gdn: str, seed: int,
-          compile_: bool = False) -> None:
-    deadline = time.perf_counter() + (minutes or 0) * 60
+          compile_: bool = False, pause_after: float | None = None, resume: bool = False) -> bool:
+    """Train (or go on with a paused run when `resume`); with `pause_after` minutes, stop once they
+    have passed and save everything the run needs to go on to OUT/train-state.pt. Returns whether
+    the run finished (and exported the model)."""
+    begun = time.perf_counter()
+    deadline = begun + (minutes or 0) * 60
     kernels.ENABLED = False  # the inference kernels (norms, SiLU·mul) have no backward pass
     torch.manual_seed(seed)
     train_tokens, held_out = load_tokens(out / "train.tokens.xz"), load_tokens(out / "held_out.tokens.xz")
@@ -521,15 +530,31 @@ def train(out: Path, device: torch.device, steps: int, minutes: float | None, ma
     epoch_steps = train_tokens.size / (batch * length)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: learning_rate_factor(s, warmup, plan))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    source = batches(torch.from_numpy(train_tokens.astype(np.int64)).to(device), batch, length,
-                     np.random.default_rng(seed))
-    info = choose_gdn(model, next(source), autocast, gdn)
+    stream = torch.from_numpy(train_tokens.astype(np.int64)).to(device)
+    rng = np.random.default_rng(seed)
+    settings = {"batch": batch, "length": length, "lr": lr, "warmup": warmup, "mtp_weight": mtp_weight,
+                "seed": seed, "gdn_chunk": gdn_layer.CHUNK, "train_tokens": int(train_tokens.size)}
+    log, timed, step, before = [], {}, 0, 0.0  # before: the seconds trained before a pause
+    if resume:
+        step, plan["steps"], log, before, info = resume_state(out, settings, model, optimizer, schedule, rng)
+        minutes = None  # the plan was made when the run began
+        print(f"resumed at step {step}/{plan['steps']}", file=sys.stderr, flush=True)
+    source = batches(stream, batch, length, rng)
+    if not resume:
+        info = choose_gdn(model, next(source), autocast, gdn)
+    elif info["gdn"] == "fla":
+        lift_fla_hopper_guard(CONFIG["linear_key_head_dim"])
+        gdn_layer.delta_rule = fla_delta_rule
     print(f"gated delta rule: {json.dumps(info)}", file=sys.stderr, flush=True)
     loss_fn = training_losses(compile_)
-    started = time.perf_counter()
-    log, timed = [], {}
-    step = 0
+    started = time.perf_counter() - before
     while step < plan["steps"]:
+        if pause_after is not None and step > 0 and time.perf_counter() - begun >= pause_after * 60:
+            save_state(out, settings, step, plan["steps"], log, time.perf_counter() - started, info,
+                       model, optimizer, schedule, rng)
+            print(f"paused at step {step}/{plan['steps']}: go on with the same command and --resume",
+                  file=sys.stderr, flush=True)
+            return False
         step += 1
         main, mtp = train_step(model, optimizer, next(source), autocast, mtp_weight, loss_fn)
         schedule.step()
@@ -558,7 +583,40 @@ def train(out: Path, device: torch.device, steps: int, minutes: float | None, ma
              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "log": log}
     (out / "train.json").write_text(json.dumps(final, indent=1))
     export(model, out)
+    (out / STATE).unlink(missing_ok=True)
     print(f"final {json.dumps({k: final[k] for k in ('train', 'held_out', 'steps', 'epochs')})}", file=sys.stderr)
+    return True
+
+
+def save_state(out: Path, settings: dict, step: int, steps: int, log: list, seconds: float, info: dict,
+               model: Qwen3_5Model, optimizer: torch.optim.Optimizer, schedule, rng: np.random.Generator) -> None:
+    """What a paused run needs to go on as if it had not stopped: the weights, the optimizer's
+    moments, the schedule, the batch generator's state, the plan and the log so far."""
+    state = {"settings": settings, "step": step, "steps": steps, "log_json": json.dumps(log), "seconds": seconds,
+             "info_json": json.dumps(info), "rng_json": json.dumps(rng.bit_generator.state),
+             "model": model.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()}
+    partial = out / (STATE + ".partial")
+    torch.save(state, partial)
+    partial.replace(out / STATE)  # never a half-written state in place of a good one
+
+
+def resume_state(out: Path, settings: dict, model: Qwen3_5Model, optimizer: torch.optim.Optimizer, schedule,
+                 rng: np.random.Generator) -> tuple[int, int, list, float, dict]:
+    """Load OUT/train-state.pt into the run's objects; refuse one saved with other settings."""
+    path = out / STATE
+    if not path.is_file():
+        raise SystemExit(f"error: --resume: no paused run at {path}")
+    state = torch.load(path, map_location="cpu", weights_only=True)  # our own file: tensors and plain values
+    if state["settings"] != settings:
+        differ = sorted(k for k in settings if state["settings"].get(k) != settings[k])
+        raise SystemExit(f"error: --resume: {path} was saved with other settings ({', '.join(differ)}): "
+                         f"{ {k: state['settings'].get(k) for k in differ} }")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    schedule.load_state_dict(state["schedule"])
+    rng.bit_generator.state = json.loads(state["rng_json"])
+    return (state["step"], state["steps"], json.loads(state["log_json"]), state["seconds"],
+            json.loads(state["info_json"]))
 
 
 def export(model: Qwen3_5Model, out: Path) -> None:
@@ -610,6 +668,11 @@ def main() -> None:
     parser.add_argument("--gdn-chunk", type=int, default=None, metavar="T",
                         help="tokens per chunk of the PyTorch gated delta rule (default: shardspec.layers.gdn.CHUNK, "
                              "64); its triangular solves cost less with fewer")
+    parser.add_argument("--pause-after", type=float, metavar="MINUTES",
+                        help="train: stop after about this long and save the run to OUT/" + STATE +
+                        " (default: run to the end)")
+    parser.add_argument("--resume", action="store_true",
+                        help="train: go on with the run paused in --out (same settings; its plan of steps is kept)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.gdn_chunk:
@@ -620,7 +683,8 @@ def main() -> None:
         prepare(args.out, args.seed, args.cache, args.new_tokenizer)
     if args.stage in ("train", "all"):
         train(args.out, torch.device(args.device), args.steps, args.minutes, args.max_epochs, args.batch, args.length,
-              args.lr, args.warmup, args.mtp_weight, args.eval_every, args.gdn, args.seed, args.compile)
+              args.lr, args.warmup, args.mtp_weight, args.eval_every, args.gdn, args.seed, args.compile,
+              args.pause_after, args.resume)
     if args.stage == "rate":
         rate(args.out, torch.device(args.device), args.batch, args.length, args.rate_steps, args.seed)
 
