@@ -30,8 +30,9 @@
 #           cost per message; batch 8 again as one micro-batch; each part runs even if one before it failed (the exit status says)
 #   moe     one H200: the MoE tests of tests/test_cuda.py (the 35B-A3B-class checkpoint written meanwhile, its
 #           routed experts zeros in holes: ~6 GB of disk, not 70), the fused expert kernels against the grouped
-#           GEMM (bench/moe_kernels.py --sweep), then 35B-A3B-class TP = 1 batch 1/8/32, MTP off and k = 3 at 0.8,
-#           prefill 2k, transformers' generate in the same run
+#           GEMM (bench/moe_kernels.py --sweep), then 35B-A3B-class TP = 1 batch 1/8, MTP off and k = 3 at 0.8
+#   moe-wide  one H200, after moe on the same machine (or it writes the checkpoint first): 35B-A3B-class batch 32,
+#           MTP off and k = 3 at 0.8, prefill 2k/8k, then batch 1/8 again with transformers' generate in the same run
 #   fp8     one H200, ~9 minutes: the FP8 GPU tests (tests/test_cuda.py + tests/test_kernels.py -k fp8, the FP8
 #           floor's test; the 9B-class bf16 checkpoint and its FP8 twin written meanwhile), the FP8 GEMMs at the 9B
 #           shapes (bench/fp8_gemm.py: decode GEMV at 1/8/32 rows against its floor and bf16 cuBLAS, prefill W8A8),
@@ -48,8 +49,8 @@ wheels=$1 out=$2
 shift 2
 for stage in "$@"; do
     case $stage in
-    tests | 9b | 9b-tp2 | tp2-profile | 27b | floor | deterministic | pp | moe | fp8) ;;
-    *) echo "gpu.sh: unknown stage '$stage' (tests, 9b, 9b-tp2, tp2-profile, 27b, floor, deterministic, pp, moe, fp8)" >&2
+    tests | 9b | 9b-tp2 | tp2-profile | 27b | floor | deterministic | pp | moe | moe-wide | fp8) ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, 9b, 9b-tp2, tp2-profile, 27b, floor, deterministic, pp, moe, moe-wide, fp8)" >&2
        exit 2 ;;
     esac
 done
@@ -144,14 +145,24 @@ for stage in "$@"; do
         [ -f .bench/35b-a3b/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/35b-a3b \
             --size 35b-a3b --zero-experts &
         writer=$!   # on the CPUs, while the tests take the GPU
-        timeout 240 python3 -m pytest -q tests/test_cuda.py -k moe --durations=10 --timeout 200 2>&1 \
-            | tee "$out/tests-moe.log" || failed=1
+        timeout 160 python3 -m pytest -q tests/test_cuda.py -k moe --durations=10 --timeout 150 2>&1 \
+            | tee "$out/tests-moe.log" || failed=1   # 7 tests: 98 s on one H200
         (cd bench && timeout 90 python3 moe_kernels.py --sweep --out "$out/moe-kernels.json") 2>&1 \
             | tee "$out/moe-kernels.log" || failed=1   # the fused expert kernels against the grouped GEMM
         wait $writer || failed=1
-        timeout 420 python3 bench/decode.py --size 35b-a3b --ckpt .bench/35b-a3b --tp 1 --batch 1 8 32 --k 3 \
-            --forced 0.8 --prefill 2048 --hf --zero-experts --out "$out/decode-35b-a3b.json" 2>&1 \
-            | tee "$out/decode-35b-a3b.log" || failed=1
+        timeout 240 python3 bench/decode.py --size 35b-a3b --ckpt .bench/35b-a3b --tp 1 --batch 1 8 --k 3 \
+            --forced 0.8 --prefill --zero-experts --out "$out/decode-35b-a3b.json" 2>&1 \
+            | tee "$out/decode-35b-a3b.log" || failed=1   # ~3 minutes, most of it the load and graph capture
+        ;;
+    moe-wide)
+        [ -f .bench/35b-a3b/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/35b-a3b \
+            --size 35b-a3b --zero-experts || failed=1
+        timeout 200 python3 bench/decode.py --size 35b-a3b --ckpt .bench/35b-a3b --tp 1 --batch 32 --k 3 \
+            --forced 0.8 --prefill 2048 8192 --zero-experts --out "$out/decode-35b-a3b-b32.json" 2>&1 \
+            | tee "$out/decode-35b-a3b-b32.log" || failed=1
+        timeout 330 python3 bench/decode.py --size 35b-a3b --ckpt .bench/35b-a3b --tp 1 --batch 1 8 --k --prefill \
+            --hf --zero-experts --out "$out/decode-35b-a3b-hf.json" 2>&1 \
+            | tee "$out/decode-35b-a3b-hf.log" || failed=1   # transformers' generate beside the engine
         ;;
     fp8)
         {   # on the CPUs, while the tests take the GPU: the bf16 checkpoint and its FP8 twin (same seed) side by side
