@@ -52,7 +52,8 @@ class WorkerClient:
         self.on_failure = on_failure  # told once, when the connection fails
         self.sock = ctx.socket(zmq.DEALER)
         transport.configure(self.sock, heartbeat_timeout)
-        if keys is not None and server_key is not None:
+        self.curve = keys is not None and server_key is not None
+        if self.curve:
             security.make_client(self.sock, keys, server_key)
         self.monitor = self.sock.get_monitor_socket(
             zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
@@ -141,15 +142,25 @@ class WorkerClient:
                 if self.answered:
                     self.fail(WorkerLost(f"lost the connection to worker {self.address}: it exited, or stopped "
                                          f"answering heartbeats for {self.heartbeat_timeout:g}s"))
-                else:  # dropped before any reply: most often a security mismatch
-                    self.fail(WorkerLost(f"worker {self.address} closed the connection during the handshake: check "
-                                         "--keys and --server-keys (the worker may require CURVE keys)"))
+                else:  # dropped before any reply: a security mismatch
+                    self.fail(WorkerLost(self._handshake_dropped()))
             elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self.fail(WorkerLost(f"worker {self.address} refused this orchestrator's key: add its public key "
                                      "to the worker's --allow"))
             elif event["event"] & (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
                 self.fail(WorkerLost(f"security handshake with worker {self.address} failed: check --keys and "
                                      "--server-keys (CURVE on one side only, or the wrong server key)"))
+
+    def _handshake_dropped(self) -> str:
+        """Why a worker most likely dropped the connection before its first reply. A worker that refuses
+        a CURVE key sends an ERROR command and closes; when the close overtakes it on the wire (libzmq
+        does not wait for it), this side sees only the disconnect, so the message names both causes."""
+        if self.curve:
+            return (f"worker {self.address} closed the connection during the CURVE handshake: either it "
+                    "refused this orchestrator's key (add its public key to the worker's --allow) or "
+                    "--server-keys does not hold the worker's public key")
+        return (f"worker {self.address} closed the connection during the handshake: the worker may require "
+                "CURVE keys (give --keys and --server-keys)")
 
     async def _keep_lease(self) -> None:
         """Once the worker has answered, say hello whenever nothing else went out for KEEPALIVE_S and
