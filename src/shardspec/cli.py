@@ -161,6 +161,10 @@ def _add_model_options(parser: argparse.ArgumentParser,
     parser.add_argument("--micro-batches", type=int, metavar="M", help="split the running sequences into M "
                         "micro-batches stepped in turn, so that every stage has work while the others run "
                         "(default: --pp, at most the batch)")
+    parser.add_argument("--no-lookahead", action="store_true", help="with --pp and MTP, make the stages wait for "
+                        "each step's result before a sequence decoding alone goes on (default: they run its next "
+                        "step on the last stage's guess and again if the guess was wrong; CPU and GPUs without CUDA "
+                        "graphs)")
     parser.add_argument("--device", default=None, help="device of spawned local workers: cpu or cuda "
                         "(default: cuda when this machine has a GPU)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -289,7 +293,8 @@ def _engine_config(args: argparse.Namespace, **options: Any) -> EngineConfig:
     try:
         return EngineConfig(
             model=args.model, workers=workers, local=local, device=device, tp=args.tp, ep=args.ep, pp=args.pp,
-            layer_split=split, micro_batches=args.micro_batches, relay=args.relay, dtype=dtype,
+            layer_split=split, micro_batches=args.micro_batches, lookahead=not args.no_lookahead, relay=args.relay,
+            dtype=dtype,
             max_seq_len=args.max_seq_len, mtp=False if args.no_mtp else None,
             draft_tokens=DEFAULT_DRAFT_TOKENS if args.draft_tokens is None else args.draft_tokens,
             keys=args.keys, server_keys=args.server_keys, heartbeat_timeout=args.heartbeat_timeout,

@@ -46,3 +46,10 @@ class CachedLayer(nn.Module):
         """After a speculative pass that left `saved` in Batch.saved: advance each slot's state past
         tokens 0..index[b] of that pass. Positional state (a KV cache) needs nothing: the entries
         past the accepted ones are overwritten by the next pass."""
+
+    def snapshot(self, slots: torch.Tensor) -> Any:
+        """A copy of the slots' state that `restore` puts back (None: positional state, nothing to keep)."""
+        return None
+
+    def restore(self, snapshot: Any, slots: torch.Tensor) -> None:
+        """Put back the state `snapshot` copied from these slots."""

@@ -193,6 +193,12 @@ class GatedDeltaNet(CachedLayer):
             batch.saved[self] = (qkv, mixed, a, b)
         return self.out_proj(self.norm(out, z.view(B, T, self.v_heads, self.dv)).reshape(B, T, -1))
 
+    def snapshot(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.conv_state[slots].clone(), self.recurrent_state[slots].clone()
+
+    def restore(self, snapshot: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor) -> None:
+        self.conv_state[slots], self.recurrent_state[slots] = snapshot
+
     def commit(self, saved: tuple[torch.Tensor, ...], slots: torch.Tensor, index: torch.Tensor) -> None:
         """Advance each slot's states past tokens 0..index[b] of a speculative pass, by replaying
         them with the same arithmetic."""

@@ -142,3 +142,12 @@ class CausalLM(nn.Module):
         """Keep tokens 0..index[b] of the speculative pass that left `saved` (its Batch.saved)."""
         for layer, inputs in saved.items():
             layer.commit(inputs, slots, index)
+
+    def snapshot(self, slots: torch.Tensor) -> list[tuple[CachedLayer, Any]]:
+        """A copy of the slots' recurrent state in every layer, for `restore`."""
+        return [(layer, layer.snapshot(slots)) for layer in self.cached_layers()]
+
+    def restore(self, snapshot: list[tuple[CachedLayer, Any]], slots: torch.Tensor) -> None:
+        for layer, state in snapshot:
+            if state is not None:
+                layer.restore(state, slots)

@@ -92,6 +92,12 @@ class EngineConfig:
     pipeline: bool = True
     """Keep the next step on the wire while the current one runs."""
 
+    lookahead: bool = True
+    """Pipeline stages with MTP: while a sequence decoding alone waits for its step's result from the last
+    stage, the earlier stages run its next step on the last stage's guess (all drafts kept, the guessed next
+    token), and again when the guess was wrong; the output is the same either way (CPU, and GPUs without
+    CUDA graphs)."""
+
     relay: bool | None = None
     """Stage links: None: worker to worker, through this engine where a direct link cannot be opened; True:
     always through this engine (hosts that reach it but not each other); False: worker to worker only."""
@@ -169,6 +175,7 @@ class EngineConfig:
             layer_split=list(self.layer_split or []),
             deterministic=self.deterministic,
             expert_parallel=self.ep,
+            lookahead=self.lookahead and self.pp > 1,
         )
 
     # --- checks that read files --------------------------------------------------------------------

@@ -157,6 +157,7 @@ class LoadRequest:
     layer_split: list[int] = field(default_factory=list)  # decoder layers per stage; []: as even as can be
     deterministic: bool = False  # batch-invariant decoding (ModelRunner's `deterministic`)
     expert_parallel: int = bounded(1, 4096, 1)  # MoE: groups of a stage's ranks that hold whole experts (layers.moe)
+    lookahead: bool = False  # stages with MTP: a lone sequence's next step runs on a guess (ModelRunner)
 
     def __post_init__(self) -> None:
         if self.mtp not in ("auto", "on", "off"):
@@ -274,6 +275,8 @@ class StatsReply:
     busy_s: float = 0.0  # in steps, not counting waits on stage links: 1 - Δbusy/Δwall is the idle fraction
     link_wait_s: float = 0.0  # waiting for another stage's hidden states or record
     forwarded_max: int = 0  # an earlier stage: the most steps run whose last-stage record was still to come
+    lookaheads: int = 0  # an earlier stage: verify passes run on the last stage's guess (ModelRunner's lookahead)
+    lookaheads_right: int = 0  # of them, those whose guess held (the others ran again)
 
 
 @dataclass(frozen=True)
@@ -294,21 +297,33 @@ class ShutdownReply:
 @dataclass(frozen=True)
 class HiddenStates:
     """One pass's output of a stage for the next stage (tensor `hidden`, [B, T, H]): the `index`-th
-    pass of step `step` (the id of the orchestrator's step request)."""
+    pass of step `step` (the id of the orchestrator's step request). `kind`: "pass" (the pass
+    itself), "lookahead" (the verify pass run early on the last stage's guess of its tokens: the next
+    stage uses it only if its record of the step before proves the guess right) or "redo" (the
+    verify pass again, on the right tokens, after a wrong guess)."""
 
     OP: ClassVar[str] = "hidden"
+    KINDS: ClassVar[tuple[str, ...]] = ("pass", "lookahead", "redo")
     step: int = bounded(0, 2**63 - 1)
     index: int = bounded(0, 1 << 20)
+    kind: str = "pass"
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS:
+            raise ValueError(f"kind must be one of {', '.join(self.KINDS)}, got {self.kind!r}")
 
 
 @dataclass(frozen=True)
 class AcceptRecord:
     """What the last stage decided in step `step`, for the stages before it to commit and to feed
-    the next pass: the step's reply (accepted drafts, emitted tokens, next drafts, finished)."""
+    the next pass: the step's reply (accepted drafts, emitted tokens, next drafts, finished). With
+    lookahead, `guesses` holds per sequence of the reply either nothing or the last stage's guess of
+    the tokens of the step after the next ([pending, d1..dk], if the next keeps all its drafts)."""
 
     OP: ClassVar[str] = "accepts"
     step: int = bounded(0, 2**63 - 1)
     reply: StepReply
+    guesses: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -496,7 +496,8 @@ class ShardWorker:
             log.warning("FORCED ACCEPTANCE %.2f: benchmark mode, the output is not the model's", forced)
         max_seq_len = min(body.max_seq_len, config.max_position_embeddings)
         self.runner = ModelRunner(model, self.device, body.max_slots, max_seq_len, body.prefill_chunk,
-                                  draft_len, forced, links=self.links, deterministic=body.deterministic)
+                                  draft_len, forced, links=self.links, deterministic=body.deterministic,
+                                  lookahead=body.lookahead)
         self.state = "loaded"
         self.gap_count, self.gap_total, self.steps, self.step_total_s = 0, 0.0, 0, 0.0
         load_s = time.perf_counter() - started
@@ -594,6 +595,8 @@ class ShardWorker:
             busy_s=self.step_total_s - link_wait,
             link_wait_s=link_wait,
             forwarded_max=runner.forwarded_max if runner else 0,
+            lookaheads=runner.lookaheads if runner else 0,
+            lookaheads_right=runner.lookaheads_right if runner else 0,
         )
         return reply, None
 

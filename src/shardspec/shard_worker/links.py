@@ -60,15 +60,22 @@ class StageLinks:
 
     # --- what the runner calls --------------------------------------------------------------------
 
-    def send_hidden(self, step: int, index: int, hidden: torch.Tensor) -> None:
-        meta = to_meta(HiddenStates(step, index))
+    def send_hidden(self, step: int, index: int, hidden: torch.Tensor, kind: str = "pass") -> None:
+        meta = to_meta(HiddenStates(step, index, kind))
         tensor = self.staging.host_copy(hidden)
         self.staging.sent(self._send_next(Message(HiddenStates.OP, 0, meta, {"hidden": tensor})))
 
-    def recv_hidden(self, step: int, index: int, tokens: tuple[int, ...]) -> torch.Tensor:
-        """The hidden states of pass `index` of step `step` over `tokens` [B, T], as [B, T, H] (on the host)."""
-        msg = self._take(HiddenStates.OP, "hidden states from the stage before")
-        body = parse(HiddenStates, msg.meta)
+    def recv_hidden(self, step: int, index: int, tokens: tuple[int, ...],
+                    lookahead: bool = False) -> tuple[torch.Tensor, str]:
+        """The hidden states of pass `index` of step `step` over `tokens` [B, T], as [B, T, H] (on the
+        host), and the message's kind. A lookahead message is taken only when `lookahead` says its
+        guess was right and it is this pass's; otherwise it is dropped (a redo follows it, or its
+        sequence finished) and the next message is read."""
+        while True:
+            msg = self._take(HiddenStates.OP, "hidden states from the stage before")
+            body = parse(HiddenStates, msg.meta)
+            if body.kind != "lookahead" or (lookahead and (body.step, body.index) == (step, index)):
+                break
         hidden = msg.tensors.get("hidden")
         if (body.step, body.index) != (step, index):
             raise ProtocolError(ErrorCode.INTERNAL, f"stage link out of step: expected pass {index} of step {step}, "
@@ -77,17 +84,21 @@ class StageLinks:
             shape = None if hidden is None else list(hidden.shape)
             raise ProtocolError(ErrorCode.BAD_MESSAGE, f"hidden states of shape {shape} for a pass over "
                                 f"{list(tokens)} tokens")
-        return hidden
+        return hidden, body.kind
 
-    def send_record(self, step: int, reply: StepReply) -> None:
-        self._send_earlier(Message(AcceptRecord.OP, 0, to_meta(AcceptRecord(step, reply))))
+    def send_record(self, step: int, reply: StepReply, guesses: list[list[int]] | None = None) -> None:
+        record = AcceptRecord(step, reply, guesses or [])
+        self._send_earlier(Message(AcceptRecord.OP, 0, to_meta(record)))
 
-    def recv_record(self, step: int) -> StepReply:
+    def recv_record(self, step: int) -> AcceptRecord:
         body = parse(AcceptRecord, self._take(AcceptRecord.OP, "the last stage's acceptance record").meta)
         if body.step != step:
             raise ProtocolError(ErrorCode.INTERNAL, f"stage link out of step: expected the record of step {step}, "
                                 f"got step {body.step}'s")
-        return body.reply
+        if body.guesses and len(body.guesses) != len(body.reply.seqs):
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"a record of {len(body.reply.seqs)} sequences with "
+                                f"{len(body.guesses)} guesses")
+        return body
 
     def arrived(self, frames: Sequence[Any]) -> None:
         """Queue a link message that came in (validated here; a bad one raises ProtocolError)."""

@@ -92,6 +92,10 @@ class Sequence:
     finished: str = ""  # "", "stop" or "length"
     logprobs: int = -1  # top log-probabilities per emitted token in the replies; -1: none
     counts: TokenCounts | None = None  # with penalties: the tokens seen so far
+    # lookahead: the last stage's guess of the tokens of the step after the next ([pending, d1..dk] if the
+    # next keeps all its drafts), from its chain of 2k + 1 drafts; [] when it made none
+    guess: list[int] = field(default_factory=list)
+    ahead_ok: bool = False  # the last stage: its last step proved the guess the next step's lookahead ran on
 
     def penalise(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
         """logits [P, V] as this sequence samples from them (penalised, row j after drafts[:j])."""
@@ -122,6 +126,8 @@ class Forwarded:
     new: list[int]  # the sequences it prefilled
     running: list[Sequence]  # the sequences it verified
     commit: Callable[[list[list[int]]], Any] | None  # its verify pass's commit (accepts -> None)
+    guessed: list[int] | None = None  # a lookahead: the tokens it verified, the last stage's guess
+    ahead: Any = None  # a lookahead after it kept all its drafts: the state before (CausalLM.snapshot)
 
     def names(self, seqs: set[int]) -> bool:
         return any(seq in seqs for seq in self.new) or any(s.seq in seqs for s in self.running)
@@ -148,6 +154,7 @@ class StepResult:
     finished: list[str] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)  # per pass, when asked for
     logprob_rows: list[int] = field(default_factory=list)  # per sequence (see StepReply)
+    guesses: list[list[int]] = field(default_factory=list)  # per sequence, for the record (AcceptRecord)
     rows: list[LogprobRows] = field(default_factory=list)
     pending_rows: dict[int, list[LogprobRows]] = field(default_factory=dict)  # by sequence, until `add`
 
@@ -167,6 +174,7 @@ class StepResult:
         self.accepted.append(accepted)
         self.drafts.append(list(seq.drafts))
         self.finished.append(seq.finished)
+        self.guesses.append(list(seq.guess))
         rows = self.pending_rows.pop(seq.seq, [])
         self.rows.extend(rows)
         self.logprob_rows.append(sum(len(r.chosen) for r in rows))
@@ -193,6 +201,7 @@ class ModelRunner:
         cuda_graphs: bool = True,
         links: StageLinks | None = None,
         deterministic: bool = False,
+        lookahead: bool = False,
     ):
         whole = model.stage.first and model.stage.last
         if not whole and links is None:
@@ -208,6 +217,14 @@ class ModelRunner:
         self.prefill_chunk = prefill_chunk
         self.draft_len = draft_len
         self.forced = forced_acceptance
+        # lookahead (pipeline stages with MTP): when a step advances one sequence alone, the stages
+        # before the last run its next verify pass on the last stage's guess of its tokens instead of
+        # waiting for the step's record, and run it again when the record proves the guess wrong
+        graphed = cuda_graphs and device.type == "cuda"
+        self.lookahead = bool(lookahead and draft_len and not whole and not graphed)
+        if lookahead and draft_len and not whole and graphed:
+            log.warning("lookahead is off: it is not built for CUDA graphs yet")
+        self.chain = 2 * draft_len + 1 if self.lookahead else draft_len  # drafts chained for a lone sequence
         # batch-invariant mode: the model's layers (CausalLM.set_batch_invariant), and prompts prefilled one
         # at a time in chunks that depend on the prompt alone
         self.deterministic = deterministic
@@ -216,6 +233,7 @@ class ModelRunner:
         self.sequences: dict[int, Sequence] = {}
         self.forwarded: deque[Forwarded] = deque()  # on an earlier stage: steps whose record is to come
         self.forwarded_max = 0
+        self.lookaheads = self.lookaheads_right = 0  # verify passes run on a guess; those whose guess held
         self.counters = SpecCounters(accepted_per_position=[0] * draft_len)
         # the model's dtype: of its weights, not of FP8 ones or their fp32 scales (layers.fp8)
         dtype = next(p.dtype for name, p in model.named_parameters()
@@ -223,7 +241,8 @@ class ModelRunner:
         # a verify pass writes k positions past the accepted ones and the draft chain k - 1 more past
         # those (also for a sequence that finishes in that step): room for them; one more slot is
         # scratch space for the padding rows of graphed batches
-        self.context = max_seq_len + 2 * draft_len
+        # (with lookahead: a verify pass k + 1 positions past those, and a chain of 2k + 1)
+        self.context = max_seq_len + (4 * draft_len + 2 if self.lookahead else 2 * draft_len)
         self.cache_dtype = dtype
         # the stage links stay outside the graphs: a later stage's graphs read the received hidden
         # states from a buffer; an earlier one's end at its layers' output, and commit when the record comes
@@ -272,7 +291,7 @@ class ModelRunner:
         if running:
             self._verify(running, result, request.return_logits)
         if self.links is not None and result.seqs:  # a step of finished sequences only has no record
-            self.links.send_record(self.steps, result.reply())
+            self.links.send_record(self.steps, result.reply(), result.guesses if any(result.guesses) else None)
         return result
 
     def release(self, seqs: list[int]) -> list[int]:
@@ -422,25 +441,34 @@ class ModelRunner:
         index, self.passes_run = self.passes_run, self.passes_run + 1
         return index
 
-    def _receive(self, index: int, tokens: tuple[int, ...]) -> torch.Tensor | None:
+    def _receive(self, index: int, tokens: tuple[int, ...], kind: str = "pass", lookahead: bool = False
+                 ) -> torch.Tensor | None:
         """The stage before's hidden states for pass `index` over `tokens` [B, T] (on the host);
-        None on the first stage, which starts from the token ids."""
+        None on the first stage, which starts from the token ids. A stage before the last takes the
+        `kind` of message it runs the same pass for; the last stage takes a lookahead when
+        `lookahead` says its guess was right, and else the pass or its redo."""
         if self.model.stage.first:
             return None
-        x = self.links.recv_hidden(self.steps, index, tuple(tokens))
+        x, got = self.links.recv_hidden(self.steps, index, tuple(tokens), lookahead or kind == "lookahead")
+        if got != kind and not self.model.stage.last:  # the stages before the last run the same passes
+            raise ProtocolError(ErrorCode.INTERNAL, f"stage link out of step: expected a {kind!r} message for "
+                                f"pass {index} of step {self.steps}, got a {got!r} one")
         if x.dtype != self.cache_dtype:
             raise ProtocolError(ErrorCode.BAD_MESSAGE, f"hidden states in {x.dtype}; this stage runs "
                                 f"{self.cache_dtype}")
         return x
 
-    def _send(self, index: int, hidden: torch.Tensor) -> None:
+    def _send(self, index: int, hidden: torch.Tensor, kind: str = "pass") -> None:
         """A stage before the last: pass `index`'s output to the next stage (one copy off the device)."""
         if not self.model.stage.last:
-            self.links.send_hidden(self.steps, index, hidden)
+            self.links.send_hidden(self.steps, index, hidden, kind)
 
     def _stage_step(self, request: StepRequest, prompts: list[torch.Tensor]) -> StepResult:
         """A step on a stage before the last: the stage's layers over every pass of the step, sent on;
         its result is the last stage's (an empty reply here), its record applied later (_settle)."""
+        if (ahead := self._ahead_of(request)) is not None:
+            self._lookahead_step(ahead)
+            return StepResult()
         self._settle(set(request.decode))
         before = set(self.sequences)
         self._prefill_all(request, prompts, StepResult())
@@ -457,6 +485,42 @@ class ModelRunner:
             self.forwarded_max = max(self.forwarded_max, len(self.forwarded))
         return StepResult()
 
+    def _ahead_of(self, request: StepRequest) -> Sequence | None:
+        """The sequence a step runs a lookahead for: it advances one sequence alone, whose previous
+        step, of it alone, is the one step still waiting for its record, and whose record before
+        that carried a guess. Every stage before the last sees the same commands and records, so
+        they all decide alike."""
+        if not self.lookahead or request.prefill or len(request.decode) != 1 or len(self.forwarded) != 1:
+            return None
+        s, previous = self.sequences[request.decode[0]], self.forwarded[0]
+        if s.finished or not s.guess or previous.new or [r.seq for r in previous.running] != [s.seq]:
+            return None
+        return s
+
+    def _lookahead_step(self, s: Sequence) -> None:
+        """Run this step's verify pass on the guess of the record before the last (as if the step
+        still in flight keeps all its drafts and its new token is the guessed one), send it on, then
+        apply the record of the step in flight: a wrong guess sends the pass again (_resolve)."""
+        k, previous = self.draft_len, self.forwarded[0]
+        slots = torch.tensor([s.slot], device=self.device)
+        previous.ahead = self.model.snapshot(slots)
+        previous.commit([[k, 0]])  # as if it keeps all its drafts
+        guessed = list(s.guess)
+        commit = self._stage_verify(s, guessed, s.length + k + 1, "lookahead")
+        self.lookaheads += 1
+        self.forwarded.append(Forwarded(self.steps, [], [s], commit, guessed=guessed))
+        self.forwarded_max = max(self.forwarded_max, len(self.forwarded))
+        self._apply(self.forwarded.popleft())
+
+    def _stage_verify(self, s: Sequence, tokens: list[int], length: int, kind: str) -> Callable:
+        """A stage before the last: its layers over one sequence's verify pass of `tokens` from
+        position `length`, sent on as a `kind` message; returns the pass's commit."""
+        x = self._receive(0, (1, self.draft_len + 1), kind)
+        rows = [[*tokens, length, s.slot, -1]]
+        hidden, _, commit = self.passes.verify(rows, length + self.draft_len + 1 + self.chain, x)
+        self._send(0, hidden, kind)
+        return commit
+
     def _settle(self, seqs: set[int]) -> None:
         """Apply the records of the forwarded steps that name any of `seqs`, and of every step before
         them (records come in step order)."""
@@ -466,38 +530,61 @@ class ModelRunner:
 
     def _apply(self, step: Forwarded) -> None:
         """The last stage's record of a forwarded step: commit the accepted prefixes, take the next
-        tokens and drafts."""
-        record = self.links.recv_record(step.step)
-        running, new = step.running, step.new
+        tokens, drafts and guesses."""
+        body = self.links.recv_record(step.step)
+        record, running, new = body.reply, step.running, step.new
         if record.seqs != new + [s.seq for s in running]:
             raise ProtocolError(ErrorCode.INTERNAL, "the last stage's record does not list this step's sequences")
-        for seq, tokens, drafts, finished in zip(new, record.tokens, record.drafts, record.finished):
+        guesses = body.guesses or [[] for _ in record.seqs]
+        for seq, tokens, drafts, finished, guess in zip(new, record.tokens, record.drafts, record.finished, guesses):
             s = self.sequences[seq]
-            s.next_token, s.drafts, s.finished = tokens[0], drafts, finished
+            s.next_token, s.drafts, s.finished, s.guess = tokens[0], drafts, finished, guess
         accepted = [max(n, 0) for n in record.accepted[len(new) :]]
-        if self.draft_len and running:  # without drafts the pass wrote its state itself
-            step.commit([[n, 0] for n in accepted])
+        if self.draft_len and running:
+            if step.ahead is None:  # (else the lookahead committed it as if it kept all; _resolve)
+                step.commit([[n, 0] for n in accepted])  # without drafts the pass wrote its state itself
             self._count(accepted)
-        tail = zip(running, accepted, record.tokens[len(new) :], record.drafts[len(new) :], record.finished[len(new) :])
-        for s, n, tokens, drafts, finished in tail:
+        tail = zip(running, accepted, record.tokens[len(new) :], record.drafts[len(new) :], record.finished[len(new) :],
+                   guesses[len(new) :])
+        for s, n, tokens, drafts, finished, guess in tail:
             s.length += n + 1
-            s.next_token, s.drafts, s.finished = tokens[-1], drafts, finished
+            s.next_token, s.drafts, s.finished, s.guess = tokens[-1], drafts, finished, guess
+        if step.ahead is not None:
+            self._resolve(step, accepted[0])
+
+    def _resolve(self, step: Forwarded, accepted: int) -> None:
+        """The record of a step a lookahead ran on top of, which committed it as if it kept all its
+        drafts: the guess was right when it did and its new token and drafts are the guessed ones.
+        Else put the state back, commit what was kept and run the next step's pass again on the
+        record's tokens. A finished sequence leaves the lookahead with no record to come."""
+        s, ahead = step.running[0], self.forwarded[0]
+        if s.finished:  # the last stage skips it from now on
+            self.forwarded.popleft()
+        elif accepted != self.draft_len or [s.next_token, *s.drafts] != ahead.guessed:
+            self.model.restore(step.ahead, torch.tensor([s.slot], device=self.device))
+            step.commit([[accepted, 0]])
+            ahead.commit = self._stage_verify(s, [s.next_token, *s.drafts], s.length, "redo")
+        else:
+            self.lookaheads_right += 1
 
     # --- verify, accept, draft ------------------------------------------------------------------
 
     def _verify(self, seqs: list[Sequence], result: StepResult, want_logits: bool) -> None:
         k = self.draft_len
         context = self._context(seqs)
-        x = self._receive(self._next_pass(), (len(seqs), k + 1))
+        # lookahead: a lone sequence's chain runs 2k + 1 drafts, the last k + 1 the guess of the step after
+        # the next, for the stages before to run that step's pass on before this step's record reaches them
+        ahead = self.lookahead and len(seqs) == 1
+        x = self._receive(self._next_pass(), (len(seqs), k + 1), lookahead=ahead and seqs[0].ahead_ok)
         wants_logprobs = any(s.logprobs >= 0 for s in seqs)
         plain = all(s.sampling.greedy and not s.sampling.penalised for s in seqs)
         if k and not want_logits and not wants_logprobs and plain:
             # greedy (or forced) acceptance needs no host decision: the whole step is one pass
-            rows = self._rows(seqs, [self._forced(s) for s in seqs])
+            rows = self._rows(seqs, [self._forced(s) for s in seqs], ahead)
             out = self.passes.fused(rows, context, x).tolist()
             accepted, tokens, drafts = [r[0] for r in out], [r[1] for r in out], [r[2:] for r in out]
         else:
-            hidden, argmax, draft = self.passes.verify(self._rows(seqs), context, x)
+            hidden, argmax, draft = self.passes.verify(self._rows(seqs, guesses=ahead), context, x)
             accepted, tokens, logits = self._accept(seqs, hidden, argmax, result if want_logits else None,
                                                     wants_logprobs or not plain)
             if k:
@@ -512,8 +599,12 @@ class ModelRunner:
             s.next_token = token
             s.drafts = []
         if k:
-            for s, d in zip(seqs, drafts):
-                s.drafts = [] if s.finished else d
+            for s, n, token, d in zip(seqs, accepted, tokens, drafts):
+                # the guess the stages before ran this step's successor on holds when this step kept all
+                # its drafts and its new token is the guessed one (the chain then kept the guessed drafts)
+                s.ahead_ok = ahead and bool(s.guess) and n == k and token == s.guess[0]
+                s.drafts = [] if s.finished else d[:k]
+                s.guess = d[k:] if ahead and not s.finished else []
         for i, (s, n, new) in enumerate(zip(seqs, accepted, emitted)):
             if s.logprobs >= 0:  # token j of [d1..dn, bonus] was drawn from the target's logits at position j
                 result.pending_rows[s.seq] = [token_rows(logits[i, : len(new)], torch.tensor(new), s.logprobs)]
@@ -532,14 +623,18 @@ class ModelRunner:
         hidden = self.model(ids if x is None else x, batch)
         return hidden, self.model.lm_head.argmax(hidden) if self.model.stage.last else None, batch.saved
 
-    def _rows(self, seqs: list[Sequence], forced: list[int] | None = None) -> list[list[int]]:
-        """The packed rows of a verify pass (see _unpack)."""
+    def _rows(self, seqs: list[Sequence], forced: list[int] | None = None, guesses: bool = False) -> list[list[int]]:
+        """The packed rows of a verify pass (see _unpack); with `guesses`, each row's guess after them
+        (-1s for none): the chain then runs 2k + 1 drafts (_draft_pass)."""
         forced = forced or [-1] * len(seqs)
-        return [[s.next_token, *s.drafts, s.length, s.slot, n] for s, n in zip(seqs, forced)]
+        rows = [[s.next_token, *s.drafts, s.length, s.slot, n] for s, n in zip(seqs, forced)]
+        if guesses:
+            rows = [[*row, *(s.guess or [-1] * (self.draft_len + 1))] for row, s in zip(rows, seqs)]
+        return rows
 
     def _context(self, seqs: list[Sequence]) -> int:
-        """Keys a verify pass attends over: up to the last draft of the chain after it, length + 2k."""
-        return max(s.length for s in seqs) + 2 * self.draft_len + 1
+        """Keys a verify pass attends over: up to the last draft of the chain after it, length + k + 1 + chain."""
+        return max(s.length for s in seqs) + self.draft_len + 1 + self.chain
 
     def _verify_batch(self, packed: torch.Tensor, context: int) -> tuple[torch.Tensor, Batch]:
         """The ids of a verify pass and its (speculative, with MTP) batch."""
@@ -557,7 +652,15 @@ class ModelRunner:
         following = torch.cat([ids[:, 1:], ids[:, -1:]], 1).scatter(1, index[:, None], new_tokens[:, None])
         heads = self._mtp(following, hidden, slots, positions, context)
         head = heads.gather(1, index[:, None, None].expand(-1, 1, heads.shape[-1]))[:, 0]
-        return self._chain(head, slots, positions[:, 0] + index + 1, context)
+        lengths = positions[:, 0] + index + 1
+        k = self.draft_len
+        if packed.shape[1] == k + 4:
+            return self._chain(head, slots, lengths, context)
+        # lookahead: where the guess holds (all drafts kept, the new token the guessed one) the chain
+        # keeps the guessed drafts, which the stages before already run the next pass on, and drafts on
+        guess = packed[:, k + 4 :]
+        holds = (guess[:, 0] == new_tokens) & (index == k)
+        return self._chain(head, slots, lengths, context, self.chain, torch.where(holds[:, None], guess[:, 1:], -1))
 
     def _commit_pass(self, packed: torch.Tensor, accepts: torch.Tensor, hidden: torch.Tensor, saved: dict,
                      context: int) -> None:
@@ -618,13 +721,21 @@ class ModelRunner:
         """MTP layer over (token t+1, target hidden t) pairs at positions t < context; -> its normed output."""
         return self.model.draft(next_ids, hidden, Batch(slots, positions, context, tail=tail))
 
-    def _chain(self, head: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, context: int) -> torch.Tensor:
-        """Chain the MTP head: draft i is its argmax; its output and draft i feed draft i+1 ([B, k])."""
+    def _chain(self, head: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, context: int,
+               length: int | None = None, kept: torch.Tensor | None = None) -> torch.Tensor:
+        """Chain the MTP head `length` (default k) times: draft i is its argmax, or kept[:, i] where that
+        is >= 0; its output and draft i feed draft i+1 ([B, length])."""
+        length = length or self.draft_len
         drafts = []
-        for i in range(self.draft_len):
-            token = self.model.lm_head.draft_argmax(head)  # vocabulary-parallel: (max, index) per rank
+        for i in range(length):
+            if kept is not None and i < kept.shape[1] and bool((kept[:, i] >= 0).all()):
+                token = kept[:, i]  # (on the host's word: lookahead runs eagerly)
+            else:
+                token = self.model.lm_head.draft_argmax(head)  # vocabulary-parallel: (max, index) per rank
+                if kept is not None and i < kept.shape[1]:
+                    token = torch.where(kept[:, i] >= 0, kept[:, i], token)
             drafts.append(token)
-            if i + 1 < self.draft_len:
+            if i + 1 < length:
                 head = self._mtp(token[:, None], head[:, None], slots, (lengths + i)[:, None], context)[:, 0]
         return torch.stack(drafts, 1)
 
