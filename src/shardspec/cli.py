@@ -163,8 +163,7 @@ def _add_model_options(parser: argparse.ArgumentParser,
                         "(default: --pp, at most the batch)")
     parser.add_argument("--no-lookahead", action="store_true", help="with --pp and MTP, make the stages wait for "
                         "each step's result before a sequence decoding alone goes on (default: they run its next "
-                        "step on the last stage's guess and again if the guess was wrong; CPU and GPUs without CUDA "
-                        "graphs)")
+                        "step on the last stage's guess and again if the guess was wrong; CPU workers)")
     parser.add_argument("--device", default=None, help="device of spawned local workers: cpu or cuda "
                         "(default: cuda when this machine has a GPU)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],

@@ -95,8 +95,8 @@ class EngineConfig:
     lookahead: bool = True
     """Pipeline stages with MTP: while a sequence decoding alone waits for its step's result from the last
     stage, the earlier stages run its next step on the last stage's guess (all drafts kept, the guessed next
-    token), and again when the guess was wrong; the output is the same either way (CPU, and GPUs without
-    CUDA graphs)."""
+    token), and again when the guess was wrong; the output is the same either way (CPU workers; CUDA
+    workers, which replay graphs, wait)."""
 
     relay: bool | None = None
     """Stage links: None: worker to worker, through this engine where a direct link cannot be opened; True:

@@ -72,7 +72,8 @@ class _Bucket:
 class StepPasses:
     """fused(rows, context, x), or verify(rows, context, x) then its follow(accepts); eager or from
     graphs; outputs are valid until the next call (a held copy's, until its follow). rows:
-    [pending, d1..dk, length, slot, forced] per sequence; accepts: [accepted, new token]; x: the
+    [pending, d1..dk, length, slot, forced] per sequence (eagerly, the runner's lookahead appends a
+    guess: ModelRunner._unpack); accepts: [accepted, new token]; x: the
     stage before's hidden states [B, k + 1, H] on the host, None on the first stage.
 
     `inputs` (hidden size, dtype): the stage reads the stage before's hidden states, not token ids.

@@ -66,15 +66,17 @@ class StageLinks:
         self.staging.sent(self._send_next(Message(HiddenStates.OP, 0, meta, {"hidden": tensor})))
 
     def recv_hidden(self, step: int, index: int, tokens: tuple[int, ...],
-                    lookahead: bool = False) -> tuple[torch.Tensor, str]:
+                    guess_held: bool | None = None) -> tuple[torch.Tensor, str]:
         """The hidden states of pass `index` of step `step` over `tokens` [B, T], as [B, T, H] (on the
-        host), and the message's kind. A lookahead message is taken only when `lookahead` says its
-        guess was right and it is this pass's; otherwise it is dropped (a redo follows it, or its
-        sequence finished) and the next message is read."""
+        host), and the message's kind. The last stage says whether the guess of this pass's lookahead
+        held (`guess_held`): a lookahead message is then taken only when it held and the message is
+        this pass's, and otherwise dropped (a redo follows it, or its sequence finished) and the next
+        one read. None (a stage before the last): the next message, whatever its kind."""
         while True:
             msg = self._take(HiddenStates.OP, "hidden states from the stage before")
             body = parse(HiddenStates, msg.meta)
-            if body.kind != "lookahead" or (lookahead and (body.step, body.index) == (step, index)):
+            ours = guess_held and (body.step, body.index) == (step, index)
+            if guess_held is None or body.kind != "lookahead" or ours:
                 break
         hidden = msg.tensors.get("hidden")
         if (body.step, body.index) != (step, index):

@@ -127,7 +127,7 @@ class Forwarded:
     running: list[Sequence]  # the sequences it verified
     commit: Callable[[list[list[int]]], Any] | None  # its verify pass's commit (accepts -> None)
     guessed: list[int] | None = None  # a lookahead: the tokens it verified, the last stage's guess
-    ahead: Any = None  # a lookahead after it kept all its drafts: the state before (CausalLM.snapshot)
+    snapshot: Any = None  # a lookahead ran after it, as if it kept all its drafts: the state before (CausalLM.snapshot)
 
     def names(self, seqs: set[int]) -> bool:
         return any(seq in seqs for seq in self.new) or any(s.seq in seqs for s in self.running)
@@ -217,13 +217,13 @@ class ModelRunner:
         self.prefill_chunk = prefill_chunk
         self.draft_len = draft_len
         self.forced = forced_acceptance
-        # lookahead (pipeline stages with MTP): when a step advances one sequence alone, the stages
+        # lookahead (pipeline stages with MTP; eager passes only): when a step advances one sequence alone, the stages
         # before the last run its next verify pass on the last stage's guess of its tokens instead of
         # waiting for the step's record, and run it again when the record proves the guess wrong
         graphed = cuda_graphs and device.type == "cuda"
         self.lookahead = bool(lookahead and draft_len and not whole and not graphed)
         if lookahead and draft_len and not whole and graphed:
-            log.warning("lookahead is off: it is not built for CUDA graphs yet")
+            log.info("lookahead is off: it is not built for CUDA graphs yet")
         self.chain = 2 * draft_len + 1 if self.lookahead else draft_len  # drafts chained for a lone sequence
         # batch-invariant mode: the model's layers (CausalLM.set_batch_invariant), and prompts prefilled one
         # at a time in chunks that depend on the prompt alone
@@ -441,16 +441,17 @@ class ModelRunner:
         index, self.passes_run = self.passes_run, self.passes_run + 1
         return index
 
-    def _receive(self, index: int, tokens: tuple[int, ...], kind: str = "pass", lookahead: bool = False
+    def _receive(self, index: int, tokens: tuple[int, ...], kind: str = "pass", guess_held: bool = False
                  ) -> torch.Tensor | None:
         """The stage before's hidden states for pass `index` over `tokens` [B, T] (on the host);
-        None on the first stage, which starts from the token ids. A stage before the last takes the
-        `kind` of message it runs the same pass for; the last stage takes a lookahead when
-        `lookahead` says its guess was right, and else the pass or its redo."""
+        None on the first stage, which starts from the token ids. A stage before the last runs the
+        same passes as the stage before it, so the next message must be of its `kind`; the last
+        stage takes a lookahead only when `guess_held` (else the pass, or the redo after it)."""
         if self.model.stage.first:
             return None
-        x, got = self.links.recv_hidden(self.steps, index, tuple(tokens), lookahead or kind == "lookahead")
-        if got != kind and not self.model.stage.last:  # the stages before the last run the same passes
+        x, got = self.links.recv_hidden(self.steps, index, tuple(tokens),
+                                        guess_held if self.model.stage.last else None)
+        if got != kind and not self.model.stage.last:
             raise ProtocolError(ErrorCode.INTERNAL, f"stage link out of step: expected a {kind!r} message for "
                                 f"pass {index} of step {self.steps}, got a {got!r} one")
         if x.dtype != self.cache_dtype:
@@ -475,10 +476,7 @@ class ModelRunner:
         running = [self.sequences[s] for s in request.decode if not self.sequences[s].finished]
         commit = None
         if running:
-            index = self._next_pass()
-            x = self._receive(index, (len(running), self.draft_len + 1))
-            hidden, _, commit = self.passes.verify(self._rows(running), self._context(running), x)
-            self._send(index, hidden)
+            commit = self._stage_verify(self._next_pass(), self._rows(running), self._context(running))
         new = [s for s in self.sequences if s not in before]
         if new or running:  # else the last stage has nothing to run either (the same finished flags): no record
             self.forwarded.append(Forwarded(self.steps, new, running, commit))
@@ -503,22 +501,22 @@ class ModelRunner:
         apply the record of the step in flight: a wrong guess sends the pass again (_resolve)."""
         k, previous = self.draft_len, self.forwarded[0]
         slots = torch.tensor([s.slot], device=self.device)
-        previous.ahead = self.model.snapshot(slots)
+        previous.snapshot = self.model.snapshot(slots)
         previous.commit([[k, 0]])  # as if it keeps all its drafts
         guessed = list(s.guess)
-        commit = self._stage_verify(s, guessed, s.length + k + 1, "lookahead")
+        rows = [[*guessed, s.length + k + 1, s.slot, -1]]  # at the positions after the in-flight step's
+        commit = self._stage_verify(self._next_pass(), rows, self._context([s], k + 1), "lookahead")
         self.lookaheads += 1
         self.forwarded.append(Forwarded(self.steps, [], [s], commit, guessed=guessed))
         self.forwarded_max = max(self.forwarded_max, len(self.forwarded))
         self._apply(self.forwarded.popleft())
 
-    def _stage_verify(self, s: Sequence, tokens: list[int], length: int, kind: str) -> Callable:
-        """A stage before the last: its layers over one sequence's verify pass of `tokens` from
-        position `length`, sent on as a `kind` message; returns the pass's commit."""
-        x = self._receive(0, (1, self.draft_len + 1), kind)
-        rows = [[*tokens, length, s.slot, -1]]
-        hidden, _, commit = self.passes.verify(rows, length + self.draft_len + 1 + self.chain, x)
-        self._send(0, hidden, kind)
+    def _stage_verify(self, index: int, rows: list[list[int]], context: int, kind: str = "pass") -> Callable:
+        """A stage before the last: its layers over a verify pass (pass `index` of the step, `rows` as
+        _rows packs them), sent on as a `kind` message; returns the pass's commit."""
+        x = self._receive(index, (len(rows), self.draft_len + 1), kind)
+        hidden, _, commit = self.passes.verify(rows, context, x)
+        self._send(index, hidden, kind)
         return commit
 
     def _settle(self, seqs: set[int]) -> None:
@@ -536,12 +534,15 @@ class ModelRunner:
         if record.seqs != new + [s.seq for s in running]:
             raise ProtocolError(ErrorCode.INTERNAL, "the last stage's record does not list this step's sequences")
         guesses = body.guesses or [[] for _ in record.seqs]
+        vocab = self.model.config.vocab_size
+        if any(g and (len(g) != self.draft_len + 1 or not all(0 <= t < vocab for t in g)) for g in guesses):
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"a record's guess is not {self.draft_len + 1} token ids")
         for seq, tokens, drafts, finished, guess in zip(new, record.tokens, record.drafts, record.finished, guesses):
             s = self.sequences[seq]
             s.next_token, s.drafts, s.finished, s.guess = tokens[0], drafts, finished, guess
         accepted = [max(n, 0) for n in record.accepted[len(new) :]]
         if self.draft_len and running:
-            if step.ahead is None:  # (else the lookahead committed it as if it kept all; _resolve)
+            if step.snapshot is None:  # (else the lookahead committed it as if it kept all; _resolve)
                 step.commit([[n, 0] for n in accepted])  # without drafts the pass wrote its state itself
             self._count(accepted)
         tail = zip(running, accepted, record.tokens[len(new) :], record.drafts[len(new) :], record.finished[len(new) :],
@@ -549,7 +550,7 @@ class ModelRunner:
         for s, n, tokens, drafts, finished, guess in tail:
             s.length += n + 1
             s.next_token, s.drafts, s.finished, s.guess = tokens[-1], drafts, finished, guess
-        if step.ahead is not None:
+        if step.snapshot is not None:
             self._resolve(step, accepted[0])
 
     def _resolve(self, step: Forwarded, accepted: int) -> None:
@@ -561,9 +562,10 @@ class ModelRunner:
         if s.finished:  # the last stage skips it from now on
             self.forwarded.popleft()
         elif accepted != self.draft_len or [s.next_token, *s.drafts] != ahead.guessed:
-            self.model.restore(step.ahead, torch.tensor([s.slot], device=self.device))
+            self.model.restore(step.snapshot, torch.tensor([s.slot], device=self.device))
             step.commit([[accepted, 0]])
-            ahead.commit = self._stage_verify(s, [s.next_token, *s.drafts], s.length, "redo")
+            # the lookahead's pass again, as pass 0 of its step (a lookahead step has no other)
+            ahead.commit = self._stage_verify(0, self._rows([s]), self._context([s]), "redo")
         else:
             self.lookaheads_right += 1
 
@@ -571,11 +573,12 @@ class ModelRunner:
 
     def _verify(self, seqs: list[Sequence], result: StepResult, want_logits: bool) -> None:
         k = self.draft_len
-        context = self._context(seqs)
-        # lookahead: a lone sequence's chain runs 2k + 1 drafts, the last k + 1 the guess of the step after
-        # the next, for the stages before to run that step's pass on before this step's record reaches them
-        ahead = self.lookahead and len(seqs) == 1
-        x = self._receive(self._next_pass(), (len(seqs), k + 1), lookahead=ahead and seqs[0].ahead_ok)
+        # lookahead: the chain of the one live sequence runs 2k + 1 drafts, the last k + 1 the guess of the
+        # step after the next, for the stages before to run that step's pass on before this step's record
+        # reaches them (with more live sequences, even in micro-batches of one, they have other work)
+        ahead = self.lookahead and len(seqs) == 1 and sum(not s.finished for s in self.sequences.values()) == 1
+        x = self._receive(self._next_pass(), (len(seqs), k + 1), guess_held=ahead and seqs[0].ahead_ok)
+        context = self._context(seqs, chain=self.chain if ahead else k)
         wants_logprobs = any(s.logprobs >= 0 for s in seqs)
         plain = all(s.sampling.greedy and not s.sampling.penalised for s in seqs)
         if k and not want_logits and not wants_logprobs and plain:
@@ -632,9 +635,10 @@ class ModelRunner:
             rows = [[*row, *(s.guess or [-1] * (self.draft_len + 1))] for row, s in zip(rows, seqs)]
         return rows
 
-    def _context(self, seqs: list[Sequence]) -> int:
-        """Keys a verify pass attends over: up to the last draft of the chain after it, length + k + 1 + chain."""
-        return max(s.length for s in seqs) + self.draft_len + 1 + self.chain
+    def _context(self, seqs: list[Sequence], ahead: int = 0, chain: int | None = None) -> int:
+        """Keys a verify pass from `ahead` positions past the sequences' lengths attends over: up to the
+        last draft of the chain after it (k drafts, or `chain`)."""
+        return max(s.length for s in seqs) + ahead + self.draft_len + 1 + (chain or self.draft_len)
 
     def _verify_batch(self, packed: torch.Tensor, context: int) -> tuple[torch.Tensor, Batch]:
         """The ids of a verify pass and its (speculative, with MTP) batch."""
@@ -679,7 +683,8 @@ class ModelRunner:
         return torch.cat([accepts, self._draft_pass(packed, accepts, hidden, saved, context)], 1)
 
     def _unpack(self, packed: torch.Tensor):
-        """packed rows: [pending, d1..dk, length, slot, forced accepts or -1]."""
+        """packed rows: [pending, d1..dk, length, slot, forced accepts or -1], and with lookahead on the
+        last stage the row's guess [pending, d1..dk] of the step after the next (-1s: none; _draft_pass)."""
         k = self.draft_len
         # the kernels index slots[b]: a contiguous copy of the column
         ids, starts, slots = packed[:, : k + 1], packed[:, k + 1], packed[:, k + 2].contiguous()
