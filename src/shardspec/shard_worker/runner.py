@@ -95,7 +95,7 @@ class Sequence:
     # lookahead: the last stage's guess of the tokens of the step after the next ([pending, d1..dk] if the
     # next keeps all its drafts), from its chain of 2k + 1 drafts; [] when it made none
     guess: list[int] = field(default_factory=list)
-    ahead_ok: bool = False  # the last stage: its last step proved the guess the next step's lookahead ran on
+    guess_held: bool = False  # the last stage: its last step proved the guess the next step's lookahead ran on
 
     def penalise(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
         """logits [P, V] as this sequence samples from them (penalised, row j after drafts[:j])."""
@@ -576,8 +576,8 @@ class ModelRunner:
         # lookahead: the chain of the one live sequence runs 2k + 1 drafts, the last k + 1 the guess of the
         # step after the next, for the stages before to run that step's pass on before this step's record
         # reaches them (with more live sequences, even in micro-batches of one, they have other work)
-        ahead = self.lookahead and len(seqs) == 1 and sum(not s.finished for s in self.sequences.values()) == 1
-        x = self._receive(self._next_pass(), (len(seqs), k + 1), guess_held=ahead and seqs[0].ahead_ok)
+        ahead = self.lookahead and sum(not s.finished for s in self.sequences.values()) == 1  # (seqs: that one)
+        x = self._receive(self._next_pass(), (len(seqs), k + 1), guess_held=ahead and seqs[0].guess_held)
         context = self._context(seqs, chain=self.chain if ahead else k)
         wants_logprobs = any(s.logprobs >= 0 for s in seqs)
         plain = all(s.sampling.greedy and not s.sampling.penalised for s in seqs)
@@ -605,7 +605,7 @@ class ModelRunner:
             for s, n, token, d in zip(seqs, accepted, tokens, drafts):
                 # the guess the stages before ran this step's successor on holds when this step kept all
                 # its drafts and its new token is the guessed one (the chain then kept the guessed drafts)
-                s.ahead_ok = ahead and bool(s.guess) and n == k and token == s.guess[0]
+                s.guess_held = ahead and bool(s.guess) and n == k and token == s.guess[0]
                 s.drafts = [] if s.finished else d[:k]
                 s.guess = d[k:] if ahead and not s.finished else []
         for i, (s, n, new) in enumerate(zip(seqs, accepted, emitted)):
@@ -660,11 +660,12 @@ class ModelRunner:
         k = self.draft_len
         if packed.shape[1] == k + 4:
             return self._chain(head, slots, lengths, context)
-        # lookahead: where the guess holds (all drafts kept, the new token the guessed one) the chain
-        # keeps the guessed drafts, which the stages before already run the next pass on, and drafts on
-        guess = packed[:, k + 4 :]
-        holds = (guess[:, 0] == new_tokens) & (index == k)
-        return self._chain(head, slots, lengths, context, self.chain, torch.where(holds[:, None], guess[:, 1:], -1))
+        # lookahead (one sequence, eagerly): where the guess holds (all drafts kept, the new token the
+        # guessed one) the chain keeps the guessed drafts, which the stages before already run the next
+        # pass on, and drafts on
+        guess = packed[0, k + 4 :]
+        holds = bool(guess[0] == new_tokens[0]) and int(index[0]) == k
+        return self._chain(head, slots, lengths, context, self.chain, guess[None, 1:] if holds else None)
 
     def _commit_pass(self, packed: torch.Tensor, accepts: torch.Tensor, hidden: torch.Tensor, saved: dict,
                      context: int) -> None:
@@ -728,17 +729,15 @@ class ModelRunner:
 
     def _chain(self, head: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, context: int,
                length: int | None = None, kept: torch.Tensor | None = None) -> torch.Tensor:
-        """Chain the MTP head `length` (default k) times: draft i is its argmax, or kept[:, i] where that
-        is >= 0; its output and draft i feed draft i+1 ([B, length])."""
+        """Chain the MTP head `length` (default k) times: draft i is its argmax, or kept[:, i] for the
+        drafts `kept` gives; its output and draft i feed draft i+1 ([B, length])."""
         length = length or self.draft_len
         drafts = []
         for i in range(length):
-            if kept is not None and i < kept.shape[1] and bool((kept[:, i] >= 0).all()):
-                token = kept[:, i]  # (on the host's word: lookahead runs eagerly)
+            if kept is not None and i < kept.shape[1]:
+                token = kept[:, i]
             else:
                 token = self.model.lm_head.draft_argmax(head)  # vocabulary-parallel: (max, index) per rank
-                if kept is not None and i < kept.shape[1]:
-                    token = torch.where(kept[:, i] >= 0, kept[:, i], token)
             drafts.append(token)
             if i + 1 < length:
                 head = self._mtp(token[:, None], head[:, None], slots, (lengths + i)[:, None], context)[:, 0]
