@@ -123,6 +123,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one process per GPU)")
     parser.add_argument("--no-graphs", action="store_true")
+    parser.add_argument("--by-shape", action="store_true",
+                        help="with --no-graphs: also the operators' device time by input shape (which matmul is which)")
     parser.add_argument("--prefill", type=int, nargs="*", default=[],
                         help="also time (and profile the last of) prefills of these prompt lengths, batch 1")
     parser.add_argument("--prefill-chunk", type=int, nargs="+", default=[2048],
@@ -169,14 +171,24 @@ def run(rank: int, args: argparse.Namespace, address: str) -> None:
         say(f"tp={args.tp} k={k} batch={args.batch}: median step {median_ms:.2f} ms", flush=True)
         if k == args.k[-1]:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                                                    torch.profiler.ProfilerActivity.CUDA],
+                                        record_shapes=args.by_shape) as prof:
+                sync(device)
+                began = time.perf_counter()
                 for _ in range(3):
                     runner.step(StepRequest(decode=seqs), torch.empty(0, dtype=torch.long))
                 sync(device)
+                wall_ms = 1000 * (time.perf_counter() - began) / 3
             sort = "self_device_time_total" if device.type == "cuda" else "cpu_time_total"
-            kernels = sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
-            say(f"{kernels / 3:.0f} GPU kernels per step")
-            say(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
+            device_events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+            kernels = sum(e.count for e in device_events)
+            busy_ms = sum(e.self_device_time_total for e in device_events) / 1000 / 3
+            say(f"{kernels / 3:.0f} GPU kernels per step; device busy {busy_ms:.2f} ms of a {wall_ms:.2f} ms "
+                "step under the profiler")
+            say(prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=60))
+            if args.by_shape:
+                say(prof.key_averages(group_by_input_shape=True).table(
+                    sort_by="device_time_total", row_limit=40, max_name_column_width=40, max_shapes_column_width=60))
             if args.tp > 1 and device.type == "cuda":
                 all_reduce_timing(prof, device, say)
         runner.close()

@@ -503,7 +503,8 @@ def test_the_fused_moe_experts_match_the_reference_loop_on_every_rank(dtype, N, 
         held = (ids >= experts.first) & (ids < experts.first + E // ep)
         assert held.any() and (ep == 1 or not held.all())
         experts.backend = "fused"
-        out = experts(x.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE)).cpu()
+        out = experts.to(DEVICE)(x.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE)).cpu()
+        experts.cpu()
         assert out.dtype == dtype and out.shape == (N, H)
         experts.backend = "gathered"
         gathered = experts(x, weights, ids).float()
@@ -527,3 +528,64 @@ def test_the_fused_moe_backend_is_a_valid_setting_and_the_cpu_default_stays_the_
     experts = Experts(8, 32, 16, TPGroup())
     experts.backend = "auto"
     assert experts.pick(torch.empty(1, 32, dtype=torch.bfloat16), 8) == "reference"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("N", "E", "k", "shared"), [(1, 256, 8, True), (32, 256, 8, True), (5, 60, 4, False),
+                                                     (3, 8, 8, True)])
+def test_the_routing_kernel_picks_the_reference_experts_and_weights(dtype, N, E, k, shared):
+    """One launch for softmax, top k and renormalisation (and the shared expert's sigmoid gate from
+    the logit after the router's): the experts of layers.moe.route's logits in its order (of equal
+    logits, which bf16 makes common, the lower expert id first, where torch.topk's order is its own),
+    weights within a rounding of its (fp32 sums in another order), the gate within a rounding of
+    torch.sigmoid's. E = 60: a count of experts that is not a power of two (masked lanes); E = k: all."""
+    from shardspec.layers.moe import route
+
+    gen = torch.Generator().manual_seed(E + N)
+    logits = (3 * torch.randn(N, E + shared, generator=gen)).to(dtype)
+    weights, ids, gate = kernels.moe.route(logits.to(DEVICE), E, k)
+    expected_weights, expected_ids = route(logits[:, :E], k)
+    ids = ids.cpu()
+    picked = logits.gather(1, ids)
+    assert torch.equal(picked, logits.gather(1, expected_ids))  # the same logits in the same order
+    assert all(len(set(row)) == k for row in ids.tolist())
+    tied = picked[:, 1:] == picked[:, :-1]
+    assert torch.all(ids[:, 1:][tied] > ids[:, :-1][tied])
+    assert tied.any() or N < 32 or dtype == torch.float32  # 32 rows of bf16 logits hold ties: the case is tried
+    assert weights.dtype == dtype and weights.shape == (N, k)
+    ulp = 2**-7 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(weights.cpu().float(), expected_weights.float(), rtol=ulp, atol=0)
+    if shared:
+        torch.testing.assert_close(gate.cpu().float(), torch.sigmoid(logits[:, E:]).float(), rtol=ulp, atol=0)
+    else:
+        assert gate is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("N", "k", "E", "H", "width", "ep"), [(1, 8, 16, 64, 32, 1), (5, 3, 8, 48, 24, 2)])
+def test_the_fused_moe_kernels_add_the_gated_shared_expert_as_its_eager_sum_does(dtype, N, k, E, H, width, ep):
+    """With the shared expert as one more slot per token: the routed experts' sum, then the shared
+    expert's output times its gate, added last and rounded where the eager sum rounds (the gathered
+    experts + gate · MLP); on an expert-parallel rank that holds none of a token's experts, the
+    shared expert alone."""
+    from shardspec.layers.mlp import silu_mul
+
+    x, weights, ids = _routed(N, H, E, k, dtype, seed=N)
+    gen = torch.Generator().manual_seed(7)
+    gate_up = (torch.randn(2 * width, H, generator=gen) * H**-0.5).to(dtype)
+    down = (torch.randn(H, width, generator=gen) * width**-0.5).to(dtype)
+    gate = torch.sigmoid(torch.randn(N, 1, generator=gen)).to(dtype)
+    for rank in range(ep):
+        experts = _experts(E, H, width, dtype, rank, ep, seed=N + rank)
+        local = (ids - experts.first).to(DEVICE)
+        out = kernels.moe.experts(x.to(DEVICE), weights.to(DEVICE), local, experts.gate_up_proj.to(DEVICE),
+                                  experts.down_proj.to(DEVICE), (gate_up.to(DEVICE), down.to(DEVICE), gate.to(DEVICE)))
+        experts.backend = "gathered"
+        routed = experts(x, weights, ids)
+        g, u = (x @ gate_up.T).chunk(2, -1)
+        expected = routed + gate * (silu_mul(g, u) @ down.T)
+        scale = expected.abs().max().item()
+        if dtype == torch.float32:
+            torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5 * scale)
+        else:
+            torch.testing.assert_close(out.cpu().float(), expected.float(), rtol=2**-7, atol=2**-8 * scale)

@@ -131,7 +131,8 @@ def test_a_rank_reads_its_experts_and_its_rows_of_each_from_either_layout(tmp_pa
         expected = torch.cat([gate_up[4:, rows], gate_up[4:, 32 + 16 : 64]], 1)
         assert torch.equal(layer.mlp.experts.gate_up_proj, expected)
         assert torch.equal(layer.mlp.experts.down_proj, down[4:, :, rows])
-        assert torch.equal(layer.mlp.gate.weight, fused[f"{prefix}mlp.gate.weight"])  # the router: whole
+        router = torch.cat([fused[f"{prefix}mlp.gate.weight"], fused[f"{prefix}mlp.shared_expert_gate.weight"]])
+        assert torch.equal(layer.mlp.router.weight, router)  # the router and the shared gate: whole
         shared = slice(36, 48)  # the shared expert: split over all 4 ranks
         assert torch.equal(layer.mlp.shared_expert.down_proj.weight,
                            fused[f"{prefix}mlp.shared_expert.down_proj.weight"][:, shared])

@@ -61,18 +61,21 @@ def _round(v, dtype: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, h_ptr, E, width, H, k, stride_x, stride_we, stride_wn, stride_h,
-                    EVEN: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, shared_ptr, h_ptr, E, width, H, k, routed, stride_x, stride_we,
+                    stride_wn, stride_h, EVEN: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr):
     row, pid_i = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(ids_ptr + row)
-    held = (expert >= 0) & (expert < E)
-    expert = tl.where(held, expert, 0).to(tl.int64)
+    shared = row >= routed  # rows past the routed ones: each token's shared-expert row (its own weights)
+    expert = tl.load(ids_ptr + tl.minimum(row, routed - 1))
+    held = shared | ((expert >= 0) & (expert < E))
+    expert = tl.where(held & ~shared, expert, 0).to(tl.int64)
+    token = tl.where(shared, row - routed, row // k).to(tl.int64)
     n = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
     rows = n[:, None] < tl.where(held, width, 0)  # none of another rank's expert (a tensor mask, not a scalar)
     kk = tl.arange(0, BLOCK_K)
-    gate_ptrs = w_ptr + expert * stride_we + n[:, None] * stride_wn + kk[None, :]
+    base = tl.where(shared, shared_ptr, w_ptr + expert * stride_we)
+    gate_ptrs = base + n[:, None] * stride_wn + kk[None, :]
     up_ptrs = gate_ptrs + width * stride_wn  # the up rows follow the expert's gate rows
-    x_ptrs = x_ptr + (row // k).to(tl.int64) * stride_x + kk
+    x_ptrs = x_ptr + token * stride_x + kk
     acc_gate = tl.zeros([BLOCK_I, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_I, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -96,19 +99,24 @@ def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, h_ptr, E, width, H, k, stride_x, stri
 
 
 @triton.jit
-def _down_kernel(h_ptr, ids_ptr, weights_ptr, w_ptr, out_ptr, E, width, H, k, stride_h, stride_we, stride_wn,
-                 stride_out, EVEN: tl.constexpr, SLOTS: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_I: tl.constexpr):
+def _down_kernel(h_ptr, ids_ptr, weights_ptr, w_ptr, shared_ptr, gate_ptr, out_ptr, E, width, H, k, routed,
+                 stride_h, stride_we, stride_wn, stride_out, EVEN: tl.constexpr, SLOTS: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, SHARED: tl.constexpr):
     token, pid_h = tl.program_id(0), tl.program_id(1)
     slot = tl.arange(0, SLOTS)
     rows = token.to(tl.int64) * k + slot
     expert = tl.load(ids_ptr + rows, mask=slot < k, other=-1)
-    held = (slot < k) & (expert >= 0) & (expert < E)
-    expert = tl.where(held, expert, 0).to(tl.int64)
     weight = tl.load(weights_ptr + rows, mask=slot < k, other=0.0).to(tl.float32)
+    shared = (slot == k) & SHARED  # the shared expert after the k routed ones: its row past the routed rows
+    held = ((slot < k) & (expert >= 0) & (expert < E)) | shared
+    expert = tl.where(held & ~shared, expert, 0).to(tl.int64)
+    if SHARED:
+        weight = tl.where(shared, tl.load(gate_ptr + token).to(tl.float32), weight)
+        rows = tl.where(shared, routed + token, rows)
+    base = tl.where(shared, shared_ptr, w_ptr + expert * stride_we)
     n = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     ii = tl.arange(0, BLOCK_I)
-    w_ptrs = w_ptr + expert[:, None, None] * stride_we + n[None, :, None] * stride_wn + ii[None, None, :]
+    w_ptrs = base[:, None, None] + n[None, :, None] * stride_wn + ii[None, None, :]
     h_ptrs = h_ptr + rows[:, None] * stride_h + ii[None, :]
     acc = tl.zeros([SLOTS, BLOCK_H], dtype=tl.float32)
     for i0 in range(0, width, BLOCK_I):
@@ -130,25 +138,79 @@ def _down_kernel(h_ptr, ids_ptr, weights_ptr, w_ptr, out_ptr, E, width, H, k, st
 
 
 def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+            shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
             blocks: Blocks = BLOCKS) -> torch.Tensor:
     """Σ_j weights[:, j] · expert_{ids[:, j]}(x) for x [N, H], weights and ids [N, k] (ids local to
     this rank: outside [0, E) adds nothing), gate_up [E, 2I, H] (gate rows, then up rows), down
-    [E, H, width]: [N, H] in x's dtype."""
+    [E, H, width]: [N, H] in x's dtype. `shared` (gate_up [2I, H], down [H, width], gate [N, 1]): a
+    shared expert of the same width, added last with its weight `gate` (as one more slot per token)."""
     N, H = x.shape
     k = ids.shape[1]
     E, width = down.shape[0], down.shape[2]
     assert gate_up.shape == (E, 2 * width, H) and down.shape == (E, H, width), (gate_up.shape, down.shape)
     assert gate_up.stride(-1) == 1 and down.stride(-1) == 1 and x.stride(-1) == 1
     ids, weights = ids.contiguous(), weights.contiguous()
-    h = torch.empty(N * k, width, dtype=x.dtype, device=x.device)
+    shared_gate_up, shared_down, gate = shared if shared is not None else (gate_up, down, weights)
+    if shared is not None:
+        assert shared_gate_up.shape == (2 * width, H) and shared_down.shape == (H, width), (shared_gate_up.shape,
+                                                                                           shared_down.shape)
+        assert shared_gate_up.is_contiguous() and shared_down.is_contiguous() and gate.numel() == N
+        gate = gate.contiguous()
+    routed = N * k
+    h = torch.empty(routed + (N if shared is not None else 0), width, dtype=x.dtype, device=x.device)
     out = torch.empty(N, H, dtype=x.dtype, device=x.device)
     even = H % blocks.gate_up_k == 0 and width % blocks.gate_up_i == 0
-    _gate_up_kernel[(N * k, triton.cdiv(width, blocks.gate_up_i))](
-        x, ids, gate_up, h, E, width, H, k, x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        EVEN=even, BLOCK_I=blocks.gate_up_i, BLOCK_K=blocks.gate_up_k, num_warps=blocks.gate_up_warps)
+    _gate_up_kernel[(h.shape[0], triton.cdiv(width, blocks.gate_up_i))](
+        x, ids, gate_up, shared_gate_up, h, E, width, H, k, routed, x.stride(0), gate_up.stride(0),
+        gate_up.stride(1), h.stride(0), EVEN=even, BLOCK_I=blocks.gate_up_i, BLOCK_K=blocks.gate_up_k,
+        num_warps=blocks.gate_up_warps)
     even = H % blocks.down_h == 0 and width % blocks.down_i == 0
     _down_kernel[(N, triton.cdiv(H, blocks.down_h))](
-        h, ids, weights, down, out, E, width, H, k, h.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        EVEN=even, SLOTS=triton.next_power_of_2(k), BLOCK_H=blocks.down_h, BLOCK_I=blocks.down_i,
-        num_warps=blocks.down_warps)
+        h, ids, weights, down, shared_down, gate, out, E, width, H, k, routed, h.stride(0), down.stride(0),
+        down.stride(1), out.stride(0), EVEN=even, SLOTS=triton.next_power_of_2(k + (shared is not None)),
+        BLOCK_H=blocks.down_h, BLOCK_I=blocks.down_i, SHARED=shared is not None, num_warps=blocks.down_warps)
     return out
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, gate_ptr, E, stride_logits, K: tl.constexpr,
+                  SLOTS: tl.constexpr, BLOCK_E: tl.constexpr, SHARED: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + row * stride_logits + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = p / tl.sum(p, axis=0)  # the fp32 softmax
+    p = tl.where(e < E, p, -1.0)
+    slot = tl.arange(0, SLOTS)
+    picked = tl.zeros([SLOTS], dtype=tl.float32)
+    ids = tl.zeros([SLOTS], dtype=tl.int64)
+    for j in tl.static_range(K):  # the largest first; of equal ones the lowest expert id
+        best = tl.max(p, axis=0)
+        index = tl.min(tl.where(p == best, e, BLOCK_E), axis=0)
+        picked = tl.where(slot == j, best, picked)
+        ids = tl.where(slot == j, index, ids)
+        p = tl.where(e == index, -1.0, p)
+    total = tl.sum(picked, axis=0)
+    dtype = weights_ptr.dtype.element_ty
+    tl.store(weights_ptr + row * K + slot, _round(picked / total, dtype).to(dtype), mask=slot < K)
+    tl.store(ids_ptr + row * K + slot, ids, mask=slot < K)
+    if SHARED:  # the shared expert's gate: sigmoid of the logit after the router's, rounded to the dtype
+        seg = tl.load(logits_ptr + row * stride_logits + E).to(tl.float32)
+        tl.store(gate_ptr + row, _round(1.0 / (1.0 + tl.exp(-seg)), dtype).to(dtype))
+
+
+def route(logits: torch.Tensor, experts: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One launch for layers.moe.route and the shared expert's gate: logits [N, experts] (the
+    router's), or [N, experts + 1] with the shared expert's gate logit last. Returns (weights [N, k]
+    in the logits' dtype, expert ids [N, k] int64, sigmoid of the gate logit [N, 1] or None)."""
+    N, width = logits.shape
+    assert width in (experts, experts + 1) and logits.stride(-1) == 1, logits.shape
+    shared = width == experts + 1
+    weights = torch.empty(N, top_k, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(N, top_k, dtype=torch.int64, device=logits.device)
+    gate = torch.empty(N, 1, dtype=logits.dtype, device=logits.device) if shared else None
+    if N:
+        _route_kernel[(N,)](logits, weights, ids, gate if shared else weights, experts, logits.stride(0), K=top_k,
+                            SLOTS=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(experts),
+                            SHARED=shared, num_warps=4 if experts >= 512 else 1)
+    return weights, ids, gate

@@ -34,7 +34,7 @@ from torch import nn
 
 from shardspec import kernels
 from shardspec.layers.invariant import in_blocks, pointwise
-from shardspec.layers.linear import ReplicatedLinear, linear
+from shardspec.layers.linear import Linear, MergedColumnParallelLinear, linear
 from shardspec.layers.mlp import MLP, silu_mul
 from shardspec.layers.parallel import TPGroup, shard, stack
 
@@ -45,6 +45,11 @@ GATHER_ROWS = 64  # (token, expert) rows per block of the gathered backend: fixe
 # still beat the grouped GEMM at every size bench/moe_kernels.py measured on an H200, up to 256 rows
 # (32 tokens × top 8: 389 against 473 µs; 1 token: 33 against 103): past that it is not measured
 FUSED_ROWS = 256
+# tokens up to which the fused kernels also run the shared expert (re-read once per token): at one token
+# it saves its own launches (gate/up and down GEMVs, SiLU, the gate's product, the sum: ~20 µs a layer
+# at the 35B-A3B shapes on an H200) for one more row of each kernel; at 8 tokens it reads 7 extra
+# copies of it (42 MB a layer at those shapes, ~10 µs)
+SHARED_TOKENS = 8
 
 
 def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,13 +156,14 @@ def gathered_experts(experts: Experts, x: torch.Tensor, weights: torch.Tensor, l
     return _weighted_sum(torch.where(held[:, None], down, 0), weights)
 
 
-def fused_experts(experts: Experts, x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+def fused_experts(experts: Experts, x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor,
+                  shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Each (token, expert) row's gate/up GEMV and SiLU, then each token's down GEMVs added in slot
-    order: two Triton launches (kernels.moe)."""
+    order: two Triton launches (kernels.moe); with `shared` (kernels.moe.experts) the shared expert too."""
     if not kernels.HAVE_TRITON:
         raise RuntimeError("the fused expert backend needs Triton (a CUDA build of torch; on a CPU, "
                            "TRITON_INTERPRET=1)")
-    return kernels.moe.experts(kernels.rows(x), weights, local, experts.gate_up_proj, experts.down_proj)
+    return kernels.moe.experts(kernels.rows(x), weights, local, experts.gate_up_proj, experts.down_proj, shared)
 
 
 def _weighted_sum(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -182,20 +188,43 @@ def check_backend_setting(backend: str = EXPERT_BACKEND) -> None:
 
 
 class SparseMoE(nn.Module):
-    """Router, routed experts and the gated shared expert; returns this rank's partial sum."""
+    """Router, routed experts and the gated shared expert; returns this rank's partial sum. The router
+    and the shared expert's gate read the same rows: one replicated weight [E + 1, H] (the gate's row
+    last), one matmul."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
                  shared_intermediate_size: int, tp: TPGroup, ep: int = 1):
         super().__init__()
-        self.top_k = top_k
-        self.gate = ReplicatedLinear(hidden_size, num_experts)  # the router
+        self.num_experts, self.top_k = num_experts, top_k
+        # every rank holds all rows of both (replicated)
+        self.router = MergedColumnParallelLinear(hidden_size, {"gate": [(0, num_experts)],
+                                                               "shared_expert_gate": [(0, 1)]})
         self.experts = Experts(num_experts, hidden_size, intermediate_size, tp, ep)
         self.shared_expert = MLP(hidden_size, shared_intermediate_size, tp)
-        self.shared_expert_gate = ReplicatedLinear(hidden_size, 1)
         self.invariant = False  # batch-invariant mode (CausalLM.set_batch_invariant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        weights, ids = route(self.gate(rows), self.top_k)
-        shared = pointwise(torch.sigmoid, self.shared_expert_gate(rows), self.invariant) * self.shared_expert(rows)
+        logits = Linear.forward(self.router, rows)  # [N, E + 1], not split
+        if kernels.enabled(logits):  # softmax, top k, renormalisation and the gate's sigmoid: one launch
+            weights, ids, gate = kernels.moe.route(logits, self.num_experts, self.top_k)
+        else:
+            weights, ids = route(logits[:, : self.num_experts], self.top_k)
+            gate = pointwise(torch.sigmoid, logits[:, self.num_experts :], self.invariant)
+        if self._shared_in_fused(rows, ids):
+            out = fused_experts(self.experts, rows, weights, ids - self.experts.first, self._shared_weights(gate))
+            return out.view(x.shape)
+        shared = gate * self.shared_expert(rows)
         return (self.experts(rows, weights, ids) + shared).view(x.shape)
+
+    def _shared_in_fused(self, rows: torch.Tensor, ids: torch.Tensor) -> bool:
+        """Whether the fused expert kernels also run the shared expert, as one more slot of each token:
+        when they run the routed experts, on at most SHARED_TOKENS tokens (they read it once per token),
+        and the shared expert is as wide as a routed one on this rank, in the experts' dtype."""
+        shared = self.shared_expert
+        return (rows.shape[0] <= SHARED_TOKENS and self.experts.pick(rows, ids.numel()) == "fused"
+                and shared.down_proj.weight.shape == self.experts.down_proj.shape[1:]
+                and shared.gate_up_proj.weight.dtype == self.experts.gate_up_proj.dtype)
+
+    def _shared_weights(self, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.shared_expert.gate_up_proj.weight, self.shared_expert.down_proj.weight, gate

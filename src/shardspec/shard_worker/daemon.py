@@ -59,12 +59,14 @@ from shardspec.protocol.messages import (
 from shardspec.security import KeyPair
 from shardspec.shard_worker.links import (
     LINK_DOMAIN,
+    SPIN_S,
     DirectLinks,
     LinkDropped,
     RelayedLinks,
     StageLinks,
     bind_address,
 )
+from shardspec.shard_worker.profiling import StepProfiler, mark
 from shardspec.shard_worker.runner import ModelRunner
 from shardspec.utils import memory_stats, parse_device, resolve_dtype
 
@@ -134,6 +136,7 @@ class ShardWorker:
         self.last_step_sent: float | None = None
         self.stopping = False
         self.gloo_ifname = os.environ.get("GLOO_SOCKET_IFNAME")  # the user's choice, if any
+        self.profiler = StepProfiler()  # SHARDSPEC_PROFILE_DIR: steps under PyTorch's profiler
         self.handlers = {op: getattr(self, f"_{op}") for op in REQUESTS}  # an op's handler: _<op>
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -247,7 +250,8 @@ class ShardWorker:
             self.errors += 1
             log.error("internal error: %s", traceback.format_exc())
             reply = _error(codec.peek_id(frames), ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-        self._reply(sock, peer.bytes, reply)
+        with mark("reply"):
+            self._reply(sock, peer.bytes, reply)
         if reply.op == "step":
             self.last_step_sent = time.perf_counter()
 
@@ -407,6 +411,12 @@ class ShardWorker:
         return TPGroup(body.rank % tp, tp, group, symmetric=symmetric)
 
     def _open_links(self, body: InitRequest) -> StageLinks:
+        links = self._links(body)
+        if self.device.type == "cuda":
+            links.spin_s = SPIN_S
+        return links
+
+    def _links(self, body: InitRequest) -> StageLinks:
         if body.relay:
             log.info("stage %d of %d; stage links relayed through the orchestrator", body.stage, body.stages)
             return RelayedLinks(self._relay_out, self._pump, body.timeout_s, abort=self._why_abort)
@@ -553,7 +563,10 @@ class ShardWorker:
         prompt_ids = tensors.get("prompt_ids", torch.empty(0, dtype=torch.int64))
         started = time.perf_counter()
         _hang_for_test()
-        result = runner.step(body, prompt_ids)
+        self.profiler.before(self.steps)
+        with mark("step"):
+            result = runner.step(body, prompt_ids)
+        self.profiler.after(self.steps, self.device)
         self.steps += 1
         step_s = time.perf_counter() - started
         self.step_total_s += step_s

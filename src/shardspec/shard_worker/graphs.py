@@ -45,15 +45,33 @@ def bucket_size(n: int) -> int | None:
     return next((b for b in BATCH_BUCKETS if b >= n), None)
 
 
-def upload(rows: list, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+def upload(rows: list, device: torch.device) -> torch.Tensor:
     """Host ints to a device int64 tensor in one copy (pinned and asynchronous on a GPU)."""
     host = torch.tensor(rows, dtype=torch.long)
     if device.type == "cpu":
         return host
-    host = host.pin_memory()
-    if out is None:
-        return host.to(device, non_blocking=True)
-    return out.copy_(host, non_blocking=True)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+class Staging:
+    """The uploads of one device tensor a graph reads, through a pinned host buffer of its shape: one
+    copy into the buffer, one asynchronous copy onto the device (no pinning per upload, no copy from
+    pageable memory, which waits for the device). An upload first waits for the last one to be done
+    (long done in practice: the step that read it has ended)."""
+
+    def __init__(self, target: torch.Tensor):
+        self.target = target
+        self.host = torch.empty(target.shape, dtype=target.dtype, pin_memory=True)
+        self.done = torch.cuda.Event()
+
+    def __call__(self, data: torch.Tensor | list) -> None:
+        """data (host tensor or nested list) into the first rows of the target."""
+        data = torch.as_tensor(data, dtype=self.target.dtype)
+        self.done.synchronize()
+        n = data.shape[0]
+        self.host[:n].copy_(data)
+        self.target[:n].copy_(self.host[:n], non_blocking=True)
+        self.done.record()
 
 
 @dataclass
@@ -67,6 +85,12 @@ class _Bucket:
     accepts: torch.Tensor  # the draft graph's second input
     inputs: torch.Tensor | None  # a stage after the first: the hidden states the graphs read [size, k + 1, H]
     graphs: dict[str, tuple[torch.cuda.CUDAGraph, Any]] = field(default_factory=dict)
+    uploads: dict[str, Staging] = field(default_factory=dict)  # of packed, accepts and inputs
+
+    def upload(self, name: str, data: torch.Tensor | list) -> None:
+        if name not in self.uploads:
+            self.uploads[name] = Staging(getattr(self, name))
+        self.uploads[name](data)
 
 
 class StepPasses:
@@ -116,7 +140,7 @@ class StepPasses:
         self.held[bucket.copy] = self.draft_len > 0
 
         def follow(accepts: list[list[int]]) -> torch.Tensor | None:
-            upload(accepts + [[0, 0]] * (len(bucket.packed) - B), self.device, out=bucket.accepts)
+            bucket.upload("accepts", accepts + [[0, 0]] * (len(bucket.packed) - B))
             self.held[bucket.copy] = False
             out = self._replay(bucket, "draft")
             return None if out is None else out[:B]
@@ -160,9 +184,9 @@ class StepPasses:
         if copy is None:
             return None
         bucket = self._bucket(size, self._context_bucket(context), copy)
-        upload(rows + [self.pad_row] * (size - len(rows)), self.device, out=bucket.packed)
-        if x is not None:
-            bucket.inputs[: len(rows)].copy_(x)  # padding rows keep whatever they held: they touch the scratch slot
+        bucket.upload("packed", rows + [self.pad_row] * (size - len(rows)))
+        if x is not None:  # padding rows keep whatever they held: they touch the scratch slot
+            bucket.upload("inputs", x)
         return bucket
 
     def _to_device(self, x: torch.Tensor | None) -> torch.Tensor | None:

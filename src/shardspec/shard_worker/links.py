@@ -32,8 +32,13 @@ from shardspec.protocol.codec import Message
 from shardspec.protocol.errors import ErrorCode, ProtocolError
 from shardspec.protocol.messages import LINKS, AcceptRecord, HiddenStates, StepReply, parse, to_meta
 from shardspec.security import KeyPair, make_client, make_server
+from shardspec.shard_worker.profiling import mark
 
 POLL_S = 0.1  # how often a wait on a link looks at what could end it
+# a GPU worker's wait on a link spins (polls without sleeping) this long before it blocks: waking a
+# thread blocked in poll costs a few hundred µs on a virtual machine, twice per step on the critical
+# path of a pipeline; a CPU worker does not spin (it would take the cores its peers compute on)
+SPIN_S = 0.02
 LINK_DOMAIN = "shardspec-links"  # the ZAP domain of the stage links' CURVE check
 
 
@@ -54,6 +59,7 @@ class StageLinks:
     def __init__(self, timeout_s: float, abort: Callable[[], str | None]):
         self.timeout_s = timeout_s
         self.abort = abort
+        self.spin_s = 0.0  # how long a wait spins before it blocks (SPIN_S on GPU workers)
         self.pending: dict[str, deque[Message]] = {op: deque() for op in LINKS}
         self.waited_s = 0.0  # in receives: the time this stage had nothing to do but wait
         self.staging = PinnedStaging()
@@ -62,8 +68,9 @@ class StageLinks:
 
     def send_hidden(self, step: int, index: int, hidden: torch.Tensor, kind: str = "pass") -> None:
         meta = to_meta(HiddenStates(step, index, kind))
-        tensor = self.staging.host_copy(hidden)
-        self.staging.sent(self._send_next(Message(HiddenStates.OP, 0, meta, {"hidden": tensor})))
+        with mark("link send"):
+            tensor = self.staging.host_copy(hidden)
+            self.staging.sent(self._send_next(Message(HiddenStates.OP, 0, meta, {"hidden": tensor})))
 
     def recv_hidden(self, step: int, index: int, tokens: tuple[int, ...],
                     guess_held: bool | None = None) -> tuple[torch.Tensor, str]:
@@ -90,7 +97,8 @@ class StageLinks:
 
     def send_record(self, step: int, reply: StepReply, guesses: list[list[int]] | None = None) -> None:
         record = AcceptRecord(step, reply, guesses or [])
-        self._send_earlier(Message(AcceptRecord.OP, 0, to_meta(record)))
+        with mark("link send"):
+            self._send_earlier(Message(AcceptRecord.OP, 0, to_meta(record)))
 
     def recv_record(self, step: int) -> AcceptRecord:
         body = parse(AcceptRecord, self._take(AcceptRecord.OP, "the last stage's acceptance record").meta)
@@ -131,21 +139,22 @@ class StageLinks:
     def _take(self, op: str, what: str) -> Message:
         """The next `op` message, keeping the other kind for later (two senders share the inbox)."""
         started = time.monotonic()
-        deadline = started + self.timeout_s
-        try:
-            while not self.pending[op]:
-                if (why := self.abort()) is not None:
-                    raise ProtocolError(ErrorCode.BAD_STATE, f"gave up waiting for {what}: {why}")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ProtocolError(ErrorCode.BAD_STATE, f"no {what} within {self.timeout_s:g}s")
-                try:
-                    self._poll(min(left, POLL_S))
-                except LinkDropped as exc:
-                    raise ProtocolError(ErrorCode.BAD_STATE, f"waiting for {what}: {exc}") from None
-            return self.pending[op].popleft()
-        finally:
-            self.waited_s += time.monotonic() - started
+        deadline, spin_until = started + self.timeout_s, started + self.spin_s
+        with mark("link wait"):
+            try:
+                while not self.pending[op]:
+                    if (why := self.abort()) is not None:
+                        raise ProtocolError(ErrorCode.BAD_STATE, f"gave up waiting for {what}: {why}")
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise ProtocolError(ErrorCode.BAD_STATE, f"no {what} within {self.timeout_s:g}s")
+                    try:
+                        self._poll(0 if time.monotonic() < spin_until else min(left, POLL_S))
+                    except LinkDropped as exc:
+                        raise ProtocolError(ErrorCode.BAD_STATE, f"waiting for {what}: {exc}") from None
+                return self.pending[op].popleft()
+            finally:
+                self.waited_s += time.monotonic() - started
 
 
 class LinkDropped(Exception):

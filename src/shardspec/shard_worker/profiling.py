@@ -1,0 +1,107 @@
+"""A worker's steps under PyTorch's profiler, for finding where a step's time goes in the real engine.
+
+    SHARDSPEC_PROFILE_DIR=DIR [SHARDSPEC_PROFILE_STEPS=16:48] shardspec ...
+
+Every worker started with SHARDSPEC_PROFILE_DIR set records its steps [start, stop) of each loaded
+model (counted from the load) and then writes, into DIR:
+- `worker-<pid>-<n>.txt` (the worker's n-th window): the GPU kernels' time per step against the wall
+  time of the window (how much of a step the device was busy), the host's marks, and the operator
+  table by device time (a window that does not reach its last step is not written);
+- `worker-<pid>-<n>.json.gz`: the Chrome trace of the window (chrome://tracing, Perfetto), whose
+  timestamps share the host's clock, so the traces of workers on one machine line up
+  (bench/trace_gaps.py).
+The workers mark their parts of a step (`step`, `reply`, `link wait`, `link send`) in the trace.
+Profiling slows the host a little; the figures are for finding gaps, not for the benchmark tables.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import os
+import shutil
+import time
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("shardspec.worker")
+
+DIR_ENV, STEPS_ENV = "SHARDSPEC_PROFILE_DIR", "SHARDSPEC_PROFILE_STEPS"
+MARKS = ("step", "reply", "link wait", "link send")  # the ranges the worker marks (mark())
+DEFAULT_STEPS = (16, 48)
+
+
+def parse_steps(text: str) -> tuple[int, int]:
+    """'start:stop' -> (start, stop), 0 <= start < stop; ValueError naming the setting otherwise."""
+    try:
+        start, stop = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise ValueError(f"{STEPS_ENV} must be START:STOP (steps after a load), got {text!r}") from None
+    if not 0 <= start < stop:
+        raise ValueError(f"{STEPS_ENV}: need 0 <= START < STOP, got {text!r}")
+    return start, stop
+
+
+def mark(name: str) -> AbstractContextManager:
+    """A named range in the trace while a profiler records, else nothing."""
+    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else nullcontext()
+
+
+class StepProfiler:
+    """Starts the profiler before step `start` of a load and writes its report after step `stop` - 1."""
+
+    def __init__(self, folder: str | None = None, steps: str | None = None):
+        folder = os.environ.get(DIR_ENV) if folder is None else folder
+        self.folder = Path(folder) if folder else None
+        self.start, self.stop = parse_steps(steps or os.environ.get(STEPS_ENV, "")) if (
+            steps or os.environ.get(STEPS_ENV)) else DEFAULT_STEPS
+        self.profiler: torch.profiler.profile | None = None
+        self.began = 0.0
+        self.written = 0  # windows written
+        if self.folder is not None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+
+    def before(self, step: int) -> None:
+        """Called before the load's step number `step` (0-based) runs."""
+        if self.folder is None or step != self.start:
+            return
+        self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                           torch.profiler.ProfilerActivity.CUDA])
+        self.profiler.__enter__()
+        self.began = time.perf_counter()
+
+    def after(self, step: int, device: torch.device) -> None:
+        """Called after step `step` ran (and its reply went out)."""
+        if self.profiler is None or step != self.stop - 1:
+            return
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - self.began
+        profiler, self.profiler = self.profiler, None
+        profiler.__exit__(None, None, None)
+        self._write(profiler, wall, self.stop - self.start)
+
+    def _write(self, profiler: torch.profiler.profile, wall: float, steps: int) -> None:
+        self.written += 1
+        name = f"worker-{os.getpid()}-{self.written}"
+        events = profiler.key_averages()
+        device_events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.key not in MARKS]
+        busy_us = sum(e.self_device_time_total for e in device_events)
+        kernels = sum(e.count for e in device_events)
+        marks = {e.key: e for e in events if e.key in MARKS and e.device_type != torch.autograd.DeviceType.CUDA}
+        lines = [f"{steps} steps in {1000 * wall:.2f} ms: {1000 * wall / steps:.3f} ms a step; device busy "
+                 f"{busy_us / 1000 / steps:.3f} ms a step ({busy_us / 1e4 / wall:.0f} %), {kernels / steps:.0f} "
+                 "device operations a step"]
+        for key, event in marks.items():
+            lines.append(f"{key}: {event.cpu_time_total / 1000 / steps:.3f} ms a step (host)")
+        sort = "self_device_time_total" if device_events else "cpu_time_total"
+        lines.append(events.table(sort_by=sort, row_limit=40, max_name_column_width=70))
+        (self.folder / f"{name}.txt").write_text("\n".join(lines) + "\n")
+        trace = self.folder / f"{name}.json"
+        profiler.export_chrome_trace(str(trace))
+        with trace.open("rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
+            shutil.copyfileobj(raw, packed)
+        trace.unlink()
+        log.info("profile of %d steps written to %s.txt and .json.gz", steps, self.folder / name)
