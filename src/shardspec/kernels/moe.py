@@ -106,19 +106,18 @@ def _down_kernel(h_ptr, ids_ptr, weights_ptr, w_ptr, shared_ptr, gate_ptr, out_p
     slot = tl.arange(0, SLOTS)
     rows = token.to(tl.int64) * k + slot
     expert = tl.load(ids_ptr + rows, mask=slot < k, other=-1)
+    held = (slot < k) & (expert >= 0) & (expert < E)
+    expert = tl.where(held, expert, 0).to(tl.int64)
     weight = tl.load(weights_ptr + rows, mask=slot < k, other=0.0).to(tl.float32)
-    shared = (slot == k) & SHARED  # the shared expert after the k routed ones: its row past the routed rows
-    held = ((slot < k) & (expert >= 0) & (expert < E)) | shared
-    expert = tl.where(held & ~shared, expert, 0).to(tl.int64)
-    if SHARED:
-        weight = tl.where(shared, tl.load(gate_ptr + token).to(tl.float32), weight)
-        rows = tl.where(shared, routed + token, rows)
-    base = tl.where(shared, shared_ptr, w_ptr + expert * stride_we)
     n = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     ii = tl.arange(0, BLOCK_I)
-    w_ptrs = base[:, None, None] + n[None, :, None] * stride_wn + ii[None, None, :]
+    w_ptrs = w_ptr + expert[:, None, None] * stride_we + n[None, :, None] * stride_wn + ii[None, None, :]
     h_ptrs = h_ptr + rows[:, None] * stride_h + ii[None, :]
+    # the shared expert (SHARED): its own tile along, its row past the routed rows
+    shared_w_ptrs = shared_ptr + n[:, None] * stride_wn + ii[None, :]
+    shared_h_ptrs = h_ptr + (routed + token).to(tl.int64) * stride_h + ii
     acc = tl.zeros([SLOTS, BLOCK_H], dtype=tl.float32)
+    acc_shared = tl.zeros([BLOCK_H], dtype=tl.float32)
     for i0 in range(0, width, BLOCK_I):
         if EVEN:
             mask = held[:, None, None]
@@ -129,11 +128,22 @@ def _down_kernel(h_ptr, ids_ptr, weights_ptr, w_ptr, shared_ptr, gate_ptr, out_p
             h = tl.load(h_ptrs + i0, mask=held[:, None] & in_i[None, :], other=0.0).to(tl.float32)
         w = tl.load(w_ptrs + i0, mask=mask, other=0.0).to(tl.float32)
         acc += tl.sum(w * h[:, None, :], axis=2)
+        if SHARED:
+            if EVEN:
+                hs = tl.load(shared_h_ptrs + i0).to(tl.float32)
+                ws = tl.load(shared_w_ptrs + i0).to(tl.float32)
+            else:
+                hs = tl.load(shared_h_ptrs + i0, mask=in_i, other=0.0).to(tl.float32)
+                ws = tl.load(shared_w_ptrs + i0, mask=(n < H)[:, None] & in_i[None, :], other=0.0).to(tl.float32)
+            acc_shared += tl.sum(ws * hs[None, :], axis=1)
     dtype = out_ptr.dtype.element_ty
     part = _round(_round(acc, dtype) * weight[:, None], dtype)  # expert(row) · w, each rounded
     out = tl.sum(tl.where(slot[:, None] == 0, part, 0.0), axis=0)
     for s in tl.static_range(1, SLOTS):  # slot order; padding slots (s ≥ k) add an exact 0
         out = _round(out + tl.sum(tl.where(slot[:, None] == s, part, 0.0), axis=0), dtype)
+    if SHARED:  # after the routed ones, as the eager sum adds it
+        gate = tl.load(gate_ptr + token).to(tl.float32)
+        out = _round(out + _round(_round(acc_shared, dtype) * gate, dtype), dtype)
     tl.store(out_ptr + token.to(tl.int64) * stride_out + n, out.to(dtype), mask=n < H)
 
 
@@ -167,7 +177,7 @@ def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: 
     even = H % blocks.down_h == 0 and width % blocks.down_i == 0
     _down_kernel[(N, triton.cdiv(H, blocks.down_h))](
         h, ids, weights, down, shared_down, gate, out, E, width, H, k, routed, h.stride(0), down.stride(0),
-        down.stride(1), out.stride(0), EVEN=even, SLOTS=triton.next_power_of_2(k + (shared is not None)),
+        down.stride(1), out.stride(0), EVEN=even, SLOTS=triton.next_power_of_2(k),
         BLOCK_H=blocks.down_h, BLOCK_I=blocks.down_i, SHARED=shared is not None, num_warps=blocks.down_warps)
     return out
 

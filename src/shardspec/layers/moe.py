@@ -46,10 +46,10 @@ GATHER_ROWS = 64  # (token, expert) rows per block of the gathered backend: fixe
 # (32 tokens × top 8: 389 against 473 µs; 1 token: 33 against 103): past that it is not measured
 FUSED_ROWS = 256
 # tokens up to which the fused kernels also run the shared expert (re-read once per token): at one token
-# it saves its own launches (gate/up and down GEMVs, SiLU, the gate's product, the sum: ~20 µs a layer
-# at the 35B-A3B shapes on an H200) for one more row of each kernel; at 8 tokens it reads 7 extra
-# copies of it (42 MB a layer at those shapes, ~10 µs)
-SHARED_TOKENS = 8
+# it saves the shared expert's own launches for one more row of each kernel (35B-A3B class on an H200,
+# in-process: 3.70 ms a batch-1 step against 4.17 without); at 8 tokens its 7 extra reads (42 MB a
+# layer at those shapes) cost more than they save (through the engine, 9.20 ms a batch-8 step against 8.74)
+SHARED_TOKENS = 4
 
 
 def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
