@@ -97,6 +97,7 @@ class WorkerClient:
         for future in self.pending.values():
             if not future.done():
                 future.set_exception(exc)
+                future.exception()  # marked seen: a caller that still waits gets it; one that left logs nothing
         self.pending.clear()
         if first and self.on_failure is not None:
             self.on_failure()

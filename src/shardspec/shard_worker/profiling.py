@@ -67,8 +67,10 @@ class StepProfiler:
         """Called before the load's step number `step` (0-based) runs."""
         if self.folder is None or step != self.start:
             return
-        self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                           torch.profiler.ProfilerActivity.CUDA])
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profiler = torch.profiler.profile(activities=activities)
         self.profiler.__enter__()
         self.began = time.perf_counter()
 
