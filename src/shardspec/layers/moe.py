@@ -45,11 +45,14 @@ GATHER_ROWS = 64  # (token, expert) rows per block of the gathered backend: fixe
 # still beat the grouped GEMM at every size bench/moe_kernels.py measured on an H200, up to 256 rows
 # (32 tokens × top 8: 389 against 473 µs; 1 token: 33 against 103): past that it is not measured
 FUSED_ROWS = 256
-# tokens up to which the fused kernels also run the shared expert (re-read once per token): at one token
-# it saves the shared expert's own launches for one more row of each kernel (35B-A3B class on an H200,
-# in-process: 3.70 ms a batch-1 step against 4.17 without); at 8 tokens its 7 extra reads (42 MB a
-# layer at those shapes) cost more than they save (through the engine, 9.20 ms a batch-8 step against 8.74)
-SHARED_TOKENS = 4
+# tokens up to which the fused kernels also run the shared expert (re-read once per token). On an H200
+# at the 35B-A3B shapes, in-process: at one token it saves the shared expert's own launches for one
+# more row of each kernel (a batch-1 step 3.70 ms against 4.17 without); a k = 3 step, whose verify
+# pass has 4 tokens, took 7.61 ms against 7.02 with it fused up to 8 tokens (the down kernel then
+# padded its slots to 16; it runs the shared expert beside them now, not yet timed past one token);
+# at 8 tokens its 7 extra reads (42 MB a layer) cost more than they save (a batch-8 step through the
+# engine 9.20 ms against 7.85 unfused)
+SHARED_TOKENS = 1
 
 
 def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
