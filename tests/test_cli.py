@@ -98,3 +98,31 @@ def test_generate_on_a_folder_without_a_model_says_so(tmp_path):
     result = shardspec("generate", "--model", str(tmp_path), "--prompt-ids", "1")
     assert result.returncode == 2 and "not a model folder" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def _subcommands(parser):
+    """(name, parser) of every subcommand, nested ones too."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield name, sub
+                yield from _subcommands(sub)
+
+
+def test_every_option_that_takes_a_value_says_its_default_in_help():
+    """--help names the default of every option with a value (flags are off unless given); an
+    option with no default says what it does without one, in words that include "default"."""
+    import argparse
+
+    from shardspec.cli import build_parser
+
+    missing = []
+    for name, sub in _subcommands(build_parser()):
+        for action in sub._actions:
+            if (action.option_strings and action.nargs != 0 and not action.required
+                    and not isinstance(action, argparse._HelpAction)
+                    and "default" not in (action.help or "").lower()):
+                missing.append(f"{name} {action.option_strings[-1]}")
+    assert not missing, missing

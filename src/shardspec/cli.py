@@ -68,11 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--threads", type=int, default=None, metavar="N",
                         help="CPU threads for torch (default: the cores this process may use, divided by the ranks "
                         "of its group on this host, set when a group forms)")
-    worker.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    worker.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="what the worker logs (default INFO)")
     worker.add_argument("--keys", metavar="DIR_OR_FILE", help="this worker's CURVE key pair (folder or .key_secret "
-                        "file, from `shardspec keys generate`): tcp:// traffic is then authenticated and encrypted")
+                        "file, from `shardspec keys generate`): tcp:// traffic is then authenticated and encrypted "
+                        "(default: none, only ipc:// and, with --insecure, plain tcp://)")
     worker.add_argument("--allow", metavar="KEY_FILE_OR_DIR", action="append", default=[],
-                        help="public key(s) of orchestrators this worker accepts (repeatable); needs --keys")
+                        help="public key(s) of orchestrators this worker accepts (repeatable); needs --keys "
+                             "(default: none)")
     worker.add_argument("--insecure", action="store_true",
                         help="allow listening on tcp:// (loopback too) or abstract ipc://@NAME without keys: anyone "
                         "who reaches the address can use, crash or stop the worker. A filesystem ipc:// socket needs "
@@ -102,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Load a model on local or remote workers and stream the completion of one prompt.",
     )
     gen.add_argument("prompt", nargs="?", help="prompt text (needs the model's tokenizer.json)")
-    gen.add_argument("--prompt-ids", metavar="IDS", help="comma-separated token ids instead of text")
+    gen.add_argument("--prompt-ids", metavar="IDS",
+                     help="comma-separated token ids instead of text (default: the PROMPT text)")
     _add_model_options(gen)
     gen.add_argument("--max-tokens", type=int, default=128, metavar="N",
                      help="tokens to generate at most (default 128)")
@@ -124,22 +128,24 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-pipeline", action="store_true", help="wait for each step's reply before sending the next")
     gen.add_argument("--forced-acceptance", type=float, default=None, metavar="P",
                      help=f"BENCHMARKS ONLY: accept each draft with probability P whatever the model says; "
-                          f"changes the output; needs {FORCED_ACCEPTANCE_ENV}=1")
+                          f"changes the output; needs {FORCED_ACCEPTANCE_ENV}=1 (default: off)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    gen.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    gen.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                     help="what the orchestrator logs (default WARNING)")
     _add_serve_parser(commands)
     return parser
 
 
 def _add_model_options(parser: argparse.ArgumentParser,
-                       dtype_help: str = "auto: the checkpoint's dtype on CPU, bfloat16 on GPU") -> None:
+                       dtype_help: str = "default auto: the checkpoint's dtype on CPU, bfloat16 on GPU") -> None:
     """Which model, on which workers, in which dtype: shared by generate and serve."""
     parser.add_argument("--model", metavar="DIR", default=str(BUNDLED_MODEL),
                         help="Hugging Face-style model folder (default: the bundled tiny Python-code model)")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--local", type=int, metavar="N",
                        help="spawn N workers on this machine (default: 2; on a GPU machine, one per GPU up to 2)")
-    where.add_argument("--workers", metavar="A,B,...", help="addresses of running workers, rank order")
+    where.add_argument("--workers", metavar="A,B,...", help="addresses of running workers, rank order "
+                       "(default: spawn --local workers)")
     parser.add_argument("--tp", type=int, metavar="N", help="tensor-parallel degree of each stage (default: the "
                         "workers ÷ --pp)")
     parser.add_argument("--ep", type=int, default=1, metavar="E",
@@ -168,9 +174,11 @@ def _add_model_options(parser: argparse.ArgumentParser,
                         "(default: cuda when this machine has a GPU)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help=dtype_help)
-    parser.add_argument("--keys", metavar="DIR_OR_FILE", help="this orchestrator's CURVE key pair (for tcp:// workers)")
+    parser.add_argument("--keys", metavar="DIR_OR_FILE", help="this orchestrator's CURVE key pair (for tcp:// workers; "
+                        "default: none, plain connections)")
     parser.add_argument("--server-keys", metavar="DIR_OR_FILE",
-                        help="the workers' public key(s): one .key for all, or a folder with one per worker")
+                        help="the workers' public key(s): one .key for all, or a folder with one per worker "
+                             "(default: none; needed with --keys)")
     _add_heartbeat_option(parser, "a worker that exited or stopped answering is declared lost after this many "
                           "seconds: its requests fail, and the orchestrator reconnects until it is back")
     parser.add_argument("--dist-timeout", type=float, default=DEFAULT_DIST_TIMEOUT_S, metavar="S",
@@ -196,7 +204,9 @@ def _add_heartbeat_option(parser: argparse.ArgumentParser, what: str) -> None:
 
 
 def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-seq-len", type=int, default=4096, metavar="N", help="cache length per sequence")
+    parser.add_argument("--max-seq-len", type=int, default=4096, metavar="N",
+                        help="cache length per sequence, prompt and output (default 4096; capped, with a "
+                             "warning, at the model's max_position_embeddings)")
     parser.add_argument("--no-mtp", action="store_true",
                         help="plain decoding (default: speculative decoding with the model's MTP head, if it has one)")
     parser.add_argument("--draft-tokens", type=int, default=None, metavar="K",
@@ -225,7 +235,8 @@ def _add_serve_parser(commands: Any) -> None:
                        help="sequences generated at once (default 64); more requests wait for a free slot")
     serve.add_argument("--served-model-name", metavar="NAME", default=None,
                        help="the model id clients send (default: the model folder's name)")
-    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                       help="what the server and orchestrator log (default INFO)")
     _add_http_limit_options(serve)
 
 
