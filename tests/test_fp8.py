@@ -249,3 +249,18 @@ def test_fp8_tensors_without_a_quantization_config_or_without_scales_are_refused
                      {k: v for k, v in state.items() if k != missing})
     with pytest.raises(ConfigError, match=f"has no '{missing}'"):
         load_model(tmp_path / "no-scale", TPGroup(), torch.float32, torch.device("cpu"))
+
+
+def test_an_moe_whose_router_is_fp8_gives_the_logits_of_its_router_dequantised_at_load(tmp_path, monkeypatch):
+    """Releases keep the router and the shared gate in 16 bits; a checkpoint that quantises them
+    turns the block's stacked router into an FP8 projection, whose parts the block joins again."""
+    import shardspec.models.random_checkpoint as random_checkpoint
+
+    keep = tuple(k for k in random_checkpoint.FP8_KEEP if k not in ("mlp.gate.", "shared_expert_gate"))
+    monkeypatch.setattr(random_checkpoint, "FP8_KEEP", keep)
+    write_random_checkpoint(tmp_path, tiny_moe_config(), seed=6, fp8=True, experts="per_expert")
+    kept = load_model(tmp_path, TPGroup(), torch.float32, torch.device("cpu"), fp8_native=True)
+    plain = load_model(tmp_path, TPGroup(), torch.float32, torch.device("cpu"), fp8_native=False)
+    assert isinstance(kept.layers["0"].mlp.router, Fp8Linear)
+    ids = random.Random(6).choices(range(512), k=20)
+    torch.testing.assert_close(logits_of(kept, ids), logits_of(plain, ids), rtol=1e-4, atol=1e-4)

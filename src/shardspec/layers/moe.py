@@ -208,7 +208,10 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        logits = Linear.forward(self.router, rows)  # [N, E + 1], not split
+        if isinstance(self.router, MergedColumnParallelLinear):
+            logits = Linear.forward(self.router, rows)  # [N, E + 1], not split
+        else:  # an FP8 checkpoint that quantised the router (layers.fp8.Fp8Linear: the parts, split)
+            logits = torch.cat(self.router(rows), -1)
         if kernels.enabled(logits):  # softmax, top k, renormalisation and the gate's sigmoid: one launch
             weights, ids, gate = kernels.moe.route(logits, self.num_experts, self.top_k)
         else:
