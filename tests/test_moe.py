@@ -267,3 +267,22 @@ def test_an_fp8_moe_checkpoint_is_checked_at_the_expert_parallel_degree_asked_fo
     EngineConfig(model=str(tmp_path), local=4, ep=2).check_model_folder()
     with pytest.raises(ValueError, match="tensor-parallel degree 4 leaves 4 ranks per expert"):
         EngineConfig(model=str(tmp_path), local=4).check_model_folder()
+
+
+def test_the_fused_kernels_take_the_shared_expert_only_at_one_token_with_16_bit_weights():
+    """They read the shared expert's weights as they are: an FP8 projection (with its block scales
+    elsewhere) stays out, as do more tokens than SHARED_TOKENS and a width other than the experts'."""
+    from shardspec.layers.fp8 import Fp8Linear
+    from shardspec.layers.moe import SHARED_TOKENS, SparseMoE
+
+    block = SparseMoE(128, 8, 2, 128, 128, TPGroup()).to(torch.bfloat16)
+    block.experts.backend = "fused"
+    one, ids = torch.zeros(1, 128, dtype=torch.bfloat16), torch.zeros(1, 2, dtype=torch.long)
+    assert block._shared_in_fused(one, ids)
+    many = torch.zeros(SHARED_TOKENS + 1, 128, dtype=torch.bfloat16)
+    assert not block._shared_in_fused(many, ids.expand(SHARED_TOKENS + 1, -1))
+    block.shared_expert.down_proj = Fp8Linear(128, 128)
+    assert not block._shared_in_fused(one, ids)
+    narrow = SparseMoE(128, 8, 2, 128, 64, TPGroup()).to(torch.bfloat16)
+    narrow.experts.backend = "fused"
+    assert not narrow._shared_in_fused(one, ids)

@@ -34,7 +34,7 @@ from torch import nn
 
 from shardspec import kernels
 from shardspec.layers.invariant import in_blocks, pointwise
-from shardspec.layers.linear import Linear, MergedColumnParallelLinear, linear
+from shardspec.layers.linear import Linear, MergedColumnParallelLinear, RowParallelLinear, linear
 from shardspec.layers.mlp import MLP, silu_mul
 from shardspec.layers.parallel import TPGroup, shard, stack
 
@@ -229,8 +229,10 @@ class SparseMoE(nn.Module):
         and the shared expert is as wide as a routed one on this rank, in the experts' dtype."""
         shared = self.shared_expert
         return (rows.shape[0] <= SHARED_TOKENS and self.experts.pick(rows, ids.numel()) == "fused"
-                and shared.down_proj.weight.shape == self.experts.down_proj.shape[1:]
-                and shared.gate_up_proj.weight.dtype == self.experts.gate_up_proj.dtype)
+                and all(type(part) in (MergedColumnParallelLinear, RowParallelLinear)  # not FP8 (layers.fp8)
+                        and part.weight.dtype == self.experts.gate_up_proj.dtype
+                        for part in (shared.gate_up_proj, shared.down_proj))
+                and shared.down_proj.weight.shape == self.experts.down_proj.shape[1:])
 
     def _shared_weights(self, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.shared_expert.gate_up_proj.weight, self.shared_expert.down_proj.weight, gate

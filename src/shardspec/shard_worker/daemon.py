@@ -545,6 +545,7 @@ class ShardWorker:
             raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
 
     def _drop_runner(self) -> None:
+        self.profiler.close()
         runner, self.runner = self.runner, None
         if runner is not None:
             runner.close()

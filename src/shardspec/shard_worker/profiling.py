@@ -65,8 +65,8 @@ class StepProfiler:
 
     def before(self, step: int) -> None:
         """Called before the load's step number `step` (0-based) runs."""
-        if self.folder is None or step != self.start:
-            return
+        if self.folder is None or step != self.start or self.profiler is not None:
+            return  # (a step that failed runs again under the same number: the window is already open)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -84,6 +84,12 @@ class StepProfiler:
         profiler, self.profiler = self.profiler, None
         profiler.__exit__(None, None, None)
         self._write(profiler, wall, self.stop - self.start)
+
+    def close(self) -> None:
+        """Close a window the load ends before its last step (nothing is written)."""
+        profiler, self.profiler = self.profiler, None
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
 
     def _write(self, profiler: torch.profiler.profile, wall: float, steps: int) -> None:
         self.written += 1

@@ -294,6 +294,7 @@ class ModelRunner:
             self.links.send_record(self.steps, result.reply(), result.guesses if any(result.guesses) else None)
         return result
 
+    @torch.inference_mode()  # (a commit it settles writes into the graphs' inference tensors)
     def release(self, seqs: list[int]) -> list[int]:
         self._settle(set(seqs))  # a slot is free once the commit of its last step has landed
         released = [s for s in dict.fromkeys(seqs) if s in self.sequences]
