@@ -278,11 +278,12 @@ def test_the_fused_kernels_take_the_shared_expert_only_at_one_token_with_16_bit_
     block = SparseMoE(128, 8, 2, 128, 128, TPGroup()).to(torch.bfloat16)
     block.experts.backend = "fused"
     one, ids = torch.zeros(1, 128, dtype=torch.bfloat16), torch.zeros(1, 2, dtype=torch.long)
-    assert block._shared_in_fused(one, ids)
+    gate = torch.ones(1, 1, dtype=torch.bfloat16)
+    assert block.fused_shared(one, ids, gate) is not None
     many = torch.zeros(SHARED_TOKENS + 1, 128, dtype=torch.bfloat16)
-    assert not block._shared_in_fused(many, ids.expand(SHARED_TOKENS + 1, -1))
+    assert block.fused_shared(many, ids.expand(SHARED_TOKENS + 1, -1), gate.expand(SHARED_TOKENS + 1, -1)) is None
     block.shared_expert.down_proj = Fp8Linear(128, 128)
-    assert not block._shared_in_fused(one, ids)
+    assert block.fused_shared(one, ids, gate) is None
     narrow = SparseMoE(128, 8, 2, 128, 64, TPGroup()).to(torch.bfloat16)
     narrow.experts.backend = "fused"
-    assert not narrow._shared_in_fused(one, ids)
+    assert narrow.fused_shared(one, ids, gate) is None

@@ -96,9 +96,13 @@ class Experts(nn.Module):
         self.invariant = False
         self.backend = EXPERT_BACKEND
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Σ over each row's k experts held here of weight · expert(row): x [N, H] -> [N, H]."""
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Σ over each row's k experts held here of weight · expert(row): x [N, H] -> [N, H]; with
+        `shared` (SparseMoE.fused_shared) the fused kernels add the gated shared expert too."""
         local = ids - self.first  # ids of this rank's experts: [0, E_rank); others fall outside
+        if shared is not None:
+            return fused_experts(self, x, weights, local, shared)
         return EXPERT_BACKENDS[self.pick(x, ids.numel())](self, x, weights, local)
 
     def pick(self, x: torch.Tensor, rows: int) -> str:
@@ -217,22 +221,20 @@ class SparseMoE(nn.Module):
         else:
             weights, ids = route(logits[:, : self.num_experts], self.top_k)
             gate = pointwise(torch.sigmoid, logits[:, self.num_experts :], self.invariant)
-        if self._shared_in_fused(rows, ids):
-            out = fused_experts(self.experts, rows, weights, ids - self.experts.first, self._shared_weights(gate))
-            return out.view(x.shape)
-        shared = gate * self.shared_expert(rows)
-        return (self.experts(rows, weights, ids) + shared).view(x.shape)
+        if (shared := self.fused_shared(rows, ids, gate)) is not None:
+            return self.experts(rows, weights, ids, shared).view(x.shape)
+        return (self.experts(rows, weights, ids) + gate * self.shared_expert(rows)).view(x.shape)
 
-    def _shared_in_fused(self, rows: torch.Tensor, ids: torch.Tensor) -> bool:
-        """Whether the fused expert kernels also run the shared expert, as one more slot of each token:
-        when they run the routed experts, on at most SHARED_TOKENS tokens (they read it once per token),
-        and the shared expert is as wide as a routed one on this rank, in the experts' dtype."""
+    def fused_shared(self, rows: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The shared expert's (gate_up, down, gate) for the fused expert kernels to run as one more
+        slot of each token, or None: only where they run the routed experts, on at most SHARED_TOKENS
+        tokens (they read it once per token), with the shared expert as wide as a routed one on this
+        rank and its weights 16-bit like the experts'."""
         shared = self.shared_expert
-        return (rows.shape[0] <= SHARED_TOKENS and self.experts.pick(rows, ids.numel()) == "fused"
+        fits = (rows.shape[0] <= SHARED_TOKENS and self.experts.pick(rows, ids.numel()) == "fused"
                 and all(type(part) in (MergedColumnParallelLinear, RowParallelLinear)  # not FP8 (layers.fp8)
                         and part.weight.dtype == self.experts.gate_up_proj.dtype
                         for part in (shared.gate_up_proj, shared.down_proj))
                 and shared.down_proj.weight.shape == self.experts.down_proj.shape[1:])
-
-    def _shared_weights(self, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.shared_expert.gate_up_proj.weight, self.shared_expert.down_proj.weight, gate
+        return (shared.gate_up_proj.weight, shared.down_proj.weight, gate) if fits else None

@@ -53,7 +53,7 @@ def upload(rows: list, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-class Staging:
+class PinnedUpload:
     """The uploads of one device tensor a graph reads, through a pinned host buffer of its shape: one
     copy into the buffer, one asynchronous copy onto the device (no pinning per upload, no copy from
     pageable memory, which waits for the device). An upload first waits for the last one to be done
@@ -85,11 +85,11 @@ class _Bucket:
     accepts: torch.Tensor  # the draft graph's second input
     inputs: torch.Tensor | None  # a stage after the first: the hidden states the graphs read [size, k + 1, H]
     graphs: dict[str, tuple[torch.cuda.CUDAGraph, Any]] = field(default_factory=dict)
-    uploads: dict[str, Staging] = field(default_factory=dict)  # of packed, accepts and inputs
+    uploads: dict[str, PinnedUpload] = field(default_factory=dict)  # of packed, accepts and inputs
 
     def upload(self, name: str, data: torch.Tensor | list) -> None:
         if name not in self.uploads:
-            self.uploads[name] = Staging(getattr(self, name))
+            self.uploads[name] = PinnedUpload(getattr(self, name))
         self.uploads[name](data)
 
 
