@@ -1,6 +1,6 @@
 """The FP8 GEMMs at the 9B-class projection shapes on one GPU, against their floor and against bf16.
 
-    python bench/fp8_gemm.py [--rows 1 8 32] [--prefill 2048] [--out fp8-gemm.json]
+    python bench/fp8_gemm.py [--rows 1 8 32] [--prefill 2048] [--out fp8-gemm.json] [--sweep read stages]
 
 Per shape and row count, timed inside a CUDA graph: the weight-only decode kernel at the plan its
 rule picks (kernels.fp8.plan) and at a few other plans (half the K splits, 128-row weight strips,
@@ -10,16 +10,23 @@ shape against its own floor (the bf16 weight's bytes). Each FP8 result is checke
 product with the dequantised weight first (max error ÷ max |y|, printed). Then the W8A8 prefill
 GEMM at --prefill rows: cuBLAS block-scaled (where its probe passes for the shape) and our Triton
 kernel, in TFLOP/s. Printed as a table and written to --out as JSON.
+
+--sweep, instead: `read` times a kernel that only reads the weight, in strips of many launch
+shapes (what any GEMV reading it so could reach); `stages` times the weight-only kernel around its
+rule's plan (splits, strips, weight tiles in flight), each against the floor.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 from gpu_timing import graph_time, row, start
 
 from shardspec.kernels import fp8
@@ -99,15 +106,110 @@ def prefill(args, device: torch.device, out: dict) -> None:
         out["prefill"].append({"shape": name, "N": N, "K": K, "rows": M, "tflops": rates})
 
 
+@triton.jit
+def _read_kernel(w_ptr, out_ptr, N, K4, stride_w4, steps_per_split, BN: tl.constexpr, BK4: tl.constexpr):
+    """Reads the weight as a GEMV's programs would (BN rows × 4·BK4 bytes a step over a K slice),
+    four bytes a value, and keeps their XOR: the read bandwidth of a launch shape, no arithmetic."""
+    pid_n, pid_s = tl.program_id(0), tl.program_id(1)
+    n = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
+    kk = tl.arange(0, BK4)
+    acc = tl.zeros([BN, BK4], dtype=tl.int32)
+    first = pid_s * steps_per_split
+    for step in range(first, tl.minimum(first + steps_per_split, tl.cdiv(K4, BK4))):
+        acc ^= tl.load(w_ptr + n[:, None] * stride_w4 + (step * BK4 + kk)[None, :])
+    tl.store(out_ptr + pid_s * tl.num_programs(0) + pid_n, tl.reduce_or(acc, axis=None))
+
+
+def read_only(weight: torch.Tensor, block_n: int, block_k: int, split: int, warps: int) -> torch.Tensor:
+    N, K = weight.shape
+    words = weight.view(torch.int32)
+    steps = K // block_k
+    out = torch.empty(split * (N // block_n), dtype=torch.int32, device=weight.device)
+    _read_kernel[(N // block_n, split)](words, out, N, K // 4, words.stride(0), -(-steps // split), BN=block_n,
+                                       BK4=block_k // 4, num_warps=warps)
+    return out
+
+
+@torch.inference_mode()
+def read_sweep(device: torch.device, bandwidth: float, out: dict) -> None:
+    """The read bandwidth of launch shapes (rows × bytes a step, warps, programs per SM) on two
+    weights: what any kernel that reads the weight this way could reach."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    out["read"] = []
+    for name in ("mlp gate_up", "attn o_proj"):
+        N, K = SHAPES[name]
+        weight, _ = operands(N, K, device)
+        results = []
+        for block_n in (8, 16, 32, 64):
+            for block_k in (128, 256, 512, 1024):
+                for warps in (1, 2, 4, 8):
+                    if not 16 <= block_n * block_k // (32 * warps) <= 256:
+                        continue
+                    for per_sm in (4, 16, 64):
+                        tiles, steps, split = N // block_n, K // block_k, 1
+                        while tiles * split < per_sm * sms and steps // (2 * split) >= 1 and split < 64:
+                            split *= 2
+                        seconds = graph_time(lambda: read_only(weight, block_n, block_k, split, warps))
+                        results.append((N * K / bandwidth / seconds, block_n, block_k, warps, split, seconds * 1e6))
+                        out["read"].append({"shape": name, "block_n": block_n, "block_k": block_k, "warps": warps,
+                                            "split": split, "us": seconds * 1e6})
+        results.sort(reverse=True)
+        print(f"\nreading {name} ({N} × {K} bytes), best launches: (of floor, rows, bytes a step, warps, split, µs)")
+        for result in results[:10]:
+            print(f"  {result[0]:.0%} {result[1:5]} {result[5]:.1f}")
+        print(f"  worst: {results[-1][0]:.0%} {results[-1][1:5]}")
+        torch.cuda.empty_cache()
+
+
+@torch.inference_mode()
+def stage_sweep(args, device: torch.device, bandwidth: float, out: dict) -> None:
+    """The weight-only kernel at its rule's plan and neighbours: half and twice the split, strips of
+    128, 2–4 weight tiles in flight (stages); the fastest against the rule's."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    out["stages"] = []
+    print("\n| shape | rows | rule µs (of floor) | fastest µs (of floor) | its plan |\n|---|---|---|---|---|")
+    for name, (N, K) in SHAPES.items():
+        weight, scale = operands(N, K, device)
+        exact = dequantize(weight, scale, torch.float32)
+        for M in args.rows:
+            x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+            reference = x.float() @ exact.T
+            floor = (N * K + scale.numel() * 4 + 2 * M * (K + N)) / bandwidth
+            rule, records = fp8.plan(M, N, K, sms), []
+            for split in sorted({max(1, rule.split // 2), rule.split, min(32, rule.split * 2)}):
+                for block_n, stages in itertools.product((64, 128), (2, 3, 4)):
+                    launch = dataclasses.replace(rule, split=split, block_n=block_n, stages=stages)
+                    y = fp8.weight_only(x, weight, scale, launch=launch)
+                    error = ((y.float() - reference).abs().max() / reference.abs().max()).item()
+                    seconds = graph_time(lambda launch=launch: fp8.weight_only(x, weight, scale, launch=launch))
+                    records.append({"shape": name, "rows": M, "plan": dataclasses.asdict(launch), "us": seconds * 1e6,
+                                    "of_floor": floor / seconds, "error": error, "rule": launch == rule})
+            out["stages"] += records
+            base, top = next(r for r in records if r["rule"]), min(records, key=lambda r: r["us"])
+            print(f"| {name} | {M} | {base['us']:.1f} ({base['of_floor']:.0%}) | {top['us']:.1f} "
+                  f"({top['of_floor']:.0%}), error {top['error']:.1e} | {top['plan']} |", flush=True)
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prefill", type=int, default=2048)
     parser.add_argument("--out", type=Path, default=Path("fp8-gemm.json"))
+    parser.add_argument("--sweep", nargs="+", choices=["read", "stages"], default=[],
+                        help="instead of the tables: time launch shapes of reading the weight alone (read), or "
+                             "of the weight-only kernel around its rule (stages) (default: neither)")
     args = parser.parse_args()
     device, bandwidth, out = start("fp8_gemm.py", ["shape", "N × K", "rows", "kernel"], after=("plan, error",))
     fp8.prepare(device)
     out["prefill"] = []
+    if args.sweep:
+        if "read" in args.sweep:
+            read_sweep(device, bandwidth, out)
+        if "stages" in args.sweep:
+            stage_sweep(args, device, bandwidth, out)
+        args.out.write_text(json.dumps(out, indent=1))
+        return
     decode(args, device, bandwidth, out)
     prefill(args, device, out)
     args.out.write_text(json.dumps(out, indent=1))

@@ -110,7 +110,8 @@ def _round_to_e4m3(v):
     spacing = ((tl.maximum(exponent, 127 - 6) - 3) << 23).to(tl.float32, bitcast=True)
     magic = spacing * 12582912.0  # 1.5 · 2^23 spacings: |v| + magic keeps no bit below the spacing
     rounded = (tl.abs(v) + magic) - magic
-    return tl.where(v < 0, -rounded, rounded)  # (-0 stays -0, as torch rounds it)
+    sign = v.to(tl.int32, bitcast=True) & -0x80000000  # v's sign bit, put back by bits: a negative v that
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)  # rounds to 0 is -0, as in torch
 
 
 @triton.jit
@@ -150,6 +151,7 @@ class Plan:
     block_m: int
     block_n: int
     split: int
+    stages: int = 3  # weight tiles in flight a program (fewer stages, more programs an SM: 3 beat 4 by 2–13 %)
 
 
 def plan(M: int, N: int, K: int, sms: int, invariant: bool = False) -> Plan:
@@ -214,7 +216,7 @@ def weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, inva
     _weight_only_kernel[(tiles_n, split, tiles_m)](
         x, weight, scale, y, part, count, M, N, K, x.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
         triton.cdiv(blocks, split), SPLIT=split, EXACT=exact, EVEN=even, BM=launch.block_m, BN=launch.block_n,
-        BK=BLOCK, num_warps=4, num_stages=4)
+        BK=BLOCK, num_warps=4, num_stages=launch.stages)
     return y
 
 
