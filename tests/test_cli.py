@@ -94,6 +94,19 @@ def test_generate_samples_with_the_penalties_it_is_given(tiny_model, capsys):
     assert penalised != cli()
 
 
+def test_generate_penalises_repetition_by_default_when_it_samples_and_never_when_greedy():
+    from shardspec.cli import DEFAULT_REPETITION_PENALTY, build_parser, sampling_penalties
+
+    def penalty(*argv: str) -> float:
+        return sampling_penalties(build_parser().parse_args(["generate", "x", *argv]))["repetition_penalty"]
+
+    assert DEFAULT_REPETITION_PENALTY > 1
+    assert penalty() == penalty("--temperature", "0.5") == DEFAULT_REPETITION_PENALTY
+    assert penalty("--temperature", "0") == 1.0
+    assert penalty("--temperature", "0", "--repetition-penalty", "1.3") == 1.3
+    assert penalty("--repetition-penalty", "1") == 1.0
+
+
 def test_generate_on_a_folder_without_a_model_says_so(tmp_path):
     result = shardspec("generate", "--model", str(tmp_path), "--prompt-ids", "1")
     assert result.returncode == 2 and "not a model folder" in result.stderr

@@ -45,6 +45,7 @@ from shardspec.orchestrator.tokenizer import Tokenizer
 BUNDLED = Path(shardspec.__file__).parent / "bundled"
 FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 STATEMENT_END = (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)  # what a statement's first token follows
+EVAL_SIGNATURES = 32  # the quality check's signatures (--signatures' default)
 
 
 def held_out_texts() -> list[str]:
@@ -96,18 +97,25 @@ async def acceptance(model_dir: Path, texts: list[str], k: int, prompts: int, pr
             "acceptance_per_position": per_position}
 
 
-def held_out_signatures(texts: list[str], count: int, seed: int) -> list[str]:
+def held_out_signatures(texts: list[str], count: int, seed: int, dev: bool = False) -> list[str]:
     """`count` distinct prompts drawn with a seeded generator from the held-out files' functions and
     methods (see signatures), each ending at the def's colon (a byte-level BPE writes the newline
-    and the body's indentation as one token: a prompt ending in a bare newline is one it never saw)."""
+    and the body's indentation as one token: a prompt ending in a bare newline is one it never saw).
+    dev: drawn with seed + 1 from those the evaluation's draw (EVAL_SIGNATURES at `seed`) leaves out:
+    a set to choose sampling defaults on without touching the evaluation's."""
     found = {}
     for text in texts:
         for prompt in signatures(text):
             if prompt.endswith(":\n") and parses(prompt + indentation(prompt.splitlines()[-1]) + "    pass\n"):
                 found[prompt[:-1]] = None  # as the main job's prompts: the newline is the model's to write
-    if count > len(found):
-        raise SystemExit(f"--signatures {count}: the held-out files have {len(found)} distinct signatures")
-    return random.Random(seed).sample(sorted(found), count)
+    pool = sorted(found)
+    if dev:
+        evaluated = set(random.Random(seed).sample(pool, EVAL_SIGNATURES))
+        pool, seed = [prompt for prompt in pool if prompt not in evaluated], seed + 1
+    if count > len(pool):
+        raise SystemExit(f"--signatures {count}: the held-out files have {len(pool)} distinct signatures"
+                         + (" besides the evaluation's" if dev else ""))
+    return random.Random(seed).sample(pool, count)
 
 
 def signatures(text: str) -> list[str]:
@@ -190,15 +198,17 @@ def repeats_a_line(body: str, times: int = 3) -> bool:
     return any(lines[i].strip() and len(set(lines[i : i + times])) == 1 for i in range(len(lines) - times + 1))
 
 
-async def quality(model_dir: Path, signatures: list[str]) -> dict:
+async def quality(model_dir: Path, signatures: list[str], penalties: dict[str, float] | None = None) -> dict:
+    """penalties: instead of generate's default penalties (the --dev sweep)."""
     defaults = build_parser().parse_args(["generate", ""])
+    penalties = penalties or sampling_penalties(defaults)
     samples = []
     async with shardspec.connect(model=str(model_dir), local=2, mtp=True) as engine:
         for seed, signature in enumerate(signatures):
             ids, final = [], None
             async for chunk in engine.generate(signature, max_tokens=defaults.max_tokens,
                                                temperature=defaults.temperature, top_k=defaults.top_k,
-                                               top_p=defaults.top_p, seed=seed, **sampling_penalties(defaults)):
+                                               top_p=defaults.top_p, seed=seed, **penalties):
                 ids += chunk.token_ids
                 final = chunk
             body = engine.tokenizer.decode(ids)
@@ -206,7 +216,7 @@ async def quality(model_dir: Path, signatures: list[str]) -> dict:
             samples.append({"signature": signature, "body": body, "cut": cut, "parses": parses(cut),
                             "repeats": repeats_a_line(body), "stats": final.stats})
     return {"signatures": len(samples), "max_tokens": defaults.max_tokens, "temperature": defaults.temperature,
-            "top_k": defaults.top_k, "top_p": defaults.top_p, **sampling_penalties(defaults),
+            "top_k": defaults.top_k, "top_p": defaults.top_p, **penalties,
             "parse_rate": sum(s["parses"] for s in samples) / len(samples),
             "no_repeat_rate": sum(not s["repeats"] for s in samples) / len(samples),
             "mean_acceptance_length": statistics.mean(s["stats"]["mean_acceptance_length"] for s in samples),
@@ -223,7 +233,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=65536, help="held-out tokens for the accuracy")
     parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--signatures", type=int, default=32, help="held-out function signatures for the quality")
+    parser.add_argument("--signatures", type=int, default=EVAL_SIGNATURES,
+                        help=f"held-out function signatures for the quality (default {EVAL_SIGNATURES})")
+    parser.add_argument("--dev", action="store_true",
+                        help="the quality on signatures other than the evaluation's (see held_out_signatures)")
+    parser.add_argument("--penalties", type=float, nargs=3, metavar=("REPETITION", "PRESENCE", "FREQUENCY"),
+                        help="the quality at these penalties (default: shardspec generate's)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["accuracy", "acceptance", "quality"])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -238,7 +253,10 @@ def main() -> None:
         )
         print(json.dumps(result["speculative"]), flush=True)
     if "quality" not in args.skip:
-        result["quality"] = asyncio.run(quality(args.model, held_out_signatures(texts, args.signatures, seed=0)))
+        penalties = dict(zip(("repetition_penalty", "presence_penalty", "frequency_penalty"), args.penalties)) \
+            if args.penalties else None
+        prompts = held_out_signatures(texts, args.signatures, seed=0, dev=args.dev)
+        result["quality"] = asyncio.run(quality(args.model, prompts, penalties))
         print(json.dumps({k: v for k, v in result["quality"].items() if k != "samples"}), flush=True)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

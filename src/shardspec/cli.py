@@ -32,7 +32,9 @@ from shardspec.protocol.transport import (
     check_range,
 )
 
-DEFAULT_REPETITION_PENALTY = 1.0  # generate's; the server's default is always 1 (off), as vLLM's
+# generate's when it samples (chosen on held-out signatures: tools/eval_tiny.py --dev); greedy output
+# (--temperature 0) is the model's own argmax unless asked; the server's default is always 1, as vLLM's
+DEFAULT_REPETITION_PENALTY = 1.05
 
 EXAMPLES = """\
 examples:
@@ -117,9 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=0.95, metavar="P", help="nucleus sampling mass (default 0.95)")
     gen.add_argument("--seed", type=int, default=None, metavar="S",
                      help="sampling seed, for a reproducible completion (default: a random one)")
-    gen.add_argument("--repetition-penalty", type=float, default=DEFAULT_REPETITION_PENALTY, metavar="R",
+    gen.add_argument("--repetition-penalty", type=float, default=None, metavar="R",
                      help="divide the positive logits (multiply the negative) of every token already in the prompt "
-                          f"or the output by R (default {DEFAULT_REPETITION_PENALTY}; 1 = off)")
+                          f"or the output by R (default {DEFAULT_REPETITION_PENALTY} when sampling, 1 = off with "
+                          "--temperature 0)")
     gen.add_argument("--presence-penalty", type=float, default=0.0, metavar="P",
                      help="subtract P from the logit of every token already in the output (default 0)")
     gen.add_argument("--frequency-penalty", type=float, default=0.0, metavar="F",
@@ -423,7 +426,10 @@ def _generate_prompt(args: argparse.Namespace) -> Any:
 
 def sampling_penalties(args: argparse.Namespace) -> dict[str, float]:
     """generate's penalty options, as engine.generate takes them."""
-    return {"repetition_penalty": args.repetition_penalty, "presence_penalty": args.presence_penalty,
+    repetition = args.repetition_penalty
+    if repetition is None:
+        repetition = 1.0 if args.temperature == 0 else DEFAULT_REPETITION_PENALTY
+    return {"repetition_penalty": repetition, "presence_penalty": args.presence_penalty,
             "frequency_penalty": args.frequency_penalty}
 
 
