@@ -12,8 +12,8 @@ GEMM at --prefill rows: cuBLAS block-scaled (where its probe passes for the shap
 kernel, in TFLOP/s. Printed as a table and written to --out as JSON.
 
 --sweep, instead: `read` times a kernel that only reads the weight, in strips of many launch
-shapes (what any GEMV reading it so could reach); `stages` times the weight-only kernel around its
-rule's plan (splits, strips, weight tiles in flight), each against the floor.
+shapes (what any GEMV reading it so could reach); `stages`, the decode table over the weight-only
+kernel's plans around its rule (splits, strips, weight tiles in flight: `neighbours`).
 """
 
 from __future__ import annotations
@@ -52,6 +52,18 @@ def variants(rule: fp8.Plan) -> dict[str, fp8.Plan]:
     return {"rule": rule, **{name: plan for name, plan in other.items() if plan != rule}}
 
 
+def neighbours(rule: fp8.Plan) -> dict[str, fp8.Plan]:
+    """--sweep stages: the rule's plan and every mix of half or twice its split, strips of 64 or
+    128 and 2–4 weight tiles in flight."""
+    plans = {"rule": rule}
+    for split in sorted({max(1, rule.split // 2), rule.split, min(32, rule.split * 2)}):
+        for block_n, stages in itertools.product((64, 128), (2, 3, 4)):
+            plan = dataclasses.replace(rule, split=split, block_n=block_n, stages=stages)
+            if plan != rule:
+                plans[f"split {split}, strips of {block_n}, {stages} stages"] = plan
+    return plans
+
+
 def operands(N: int, K: int, device: torch.device):
     gen = torch.Generator(device=device).manual_seed(0)
     weight = (torch.randn(N, K, device=device, generator=gen) * 3).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -60,14 +72,14 @@ def operands(N: int, K: int, device: torch.device):
 
 
 @torch.inference_mode()
-def decode(args, device: torch.device, bandwidth: float, out: dict) -> None:
+def decode(args, device: torch.device, bandwidth: float, out: dict, plans=variants) -> None:
     for name, (N, K) in SHAPES.items():
-        decode_shape(name, N, K, args.rows, device, bandwidth, out)
+        decode_shape(name, N, K, args.rows, device, bandwidth, out, plans)
         torch.cuda.empty_cache()
 
 
 def decode_shape(name: str, N: int, K: int, rows: list[int], device: torch.device, bandwidth: float,
-                 out: dict) -> None:
+                 out: dict, plans=variants) -> None:
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     weight, scale = operands(N, K, device)
     dense, exact = dequantize(weight, scale, torch.bfloat16), dequantize(weight, scale, torch.float32)
@@ -76,13 +88,14 @@ def decode_shape(name: str, N: int, K: int, rows: list[int], device: torch.devic
         x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
         io_bytes = 2 * M * (K + N)
         reference = x.float() @ exact.T
-        for label, launch in variants(fp8.plan(M, N, K, sms)).items():
+        for label, launch in plans(fp8.plan(M, N, K, sms)).items():
             y = fp8.weight_only(x, weight, scale, launch=launch)
             error = ((y.float() - reference).abs().max() / reference.abs().max()).item()
             seconds = graph_time(lambda launch=launch: fp8.weight_only(x, weight, scale, launch=launch))
             fields = {"shape": name, "N × K": f"{N} × {K}", "rows": M, "kernel": f"fp8 {label}"}
             row(out, fields, seconds, fp8_bytes + io_bytes, bandwidth,
-                f"BM {launch.block_m} BN {launch.block_n} split {launch.split}, error {error:.1e}")
+                f"BM {launch.block_m} BN {launch.block_n} split {launch.split} stages {launch.stages}, "
+                f"error {error:.1e}")
         seconds = graph_time(lambda: torch.nn.functional.linear(x, dense))
         fields = {"shape": name, "N × K": f"{N} × {K}", "rows": M, "kernel": "bf16 cuBLAS"}
         row(out, fields, seconds, 2 * N * K + io_bytes, bandwidth)
@@ -161,36 +174,6 @@ def read_sweep(device: torch.device, bandwidth: float, out: dict) -> None:
         torch.cuda.empty_cache()
 
 
-@torch.inference_mode()
-def stage_sweep(args, device: torch.device, bandwidth: float, out: dict) -> None:
-    """The weight-only kernel at its rule's plan and neighbours: half and twice the split, strips of
-    128, 2–4 weight tiles in flight (stages); the fastest against the rule's."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    out["stages"] = []
-    print("\n| shape | rows | rule µs (of floor) | fastest µs (of floor) | its plan |\n|---|---|---|---|---|")
-    for name, (N, K) in SHAPES.items():
-        weight, scale = operands(N, K, device)
-        exact = dequantize(weight, scale, torch.float32)
-        for M in args.rows:
-            x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
-            reference = x.float() @ exact.T
-            floor = (N * K + scale.numel() * 4 + 2 * M * (K + N)) / bandwidth
-            rule, records = fp8.plan(M, N, K, sms), []
-            for split in sorted({max(1, rule.split // 2), rule.split, min(32, rule.split * 2)}):
-                for block_n, stages in itertools.product((64, 128), (2, 3, 4)):
-                    launch = dataclasses.replace(rule, split=split, block_n=block_n, stages=stages)
-                    y = fp8.weight_only(x, weight, scale, launch=launch)
-                    error = ((y.float() - reference).abs().max() / reference.abs().max()).item()
-                    seconds = graph_time(lambda launch=launch: fp8.weight_only(x, weight, scale, launch=launch))
-                    records.append({"shape": name, "rows": M, "plan": dataclasses.asdict(launch), "us": seconds * 1e6,
-                                    "of_floor": floor / seconds, "error": error, "rule": launch == rule})
-            out["stages"] += records
-            base, top = next(r for r in records if r["rule"]), min(records, key=lambda r: r["us"])
-            print(f"| {name} | {M} | {base['us']:.1f} ({base['of_floor']:.0%}) | {top['us']:.1f} "
-                  f"({top['of_floor']:.0%}), error {top['error']:.1e} | {top['plan']} |", flush=True)
-        torch.cuda.empty_cache()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
@@ -207,7 +190,7 @@ def main() -> None:
         if "read" in args.sweep:
             read_sweep(device, bandwidth, out)
         if "stages" in args.sweep:
-            stage_sweep(args, device, bandwidth, out)
+            decode(args, device, bandwidth, out, plans=neighbours)
         args.out.write_text(json.dumps(out, indent=1))
         return
     decode(args, device, bandwidth, out)

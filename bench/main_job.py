@@ -2,7 +2,7 @@
 Hugging Face transformers' `generate` on the same checkpoint, in one run on this machine's CPU.
 
     python bench/main_job.py [--tokens 128] [--repeats 3] [--dtype bfloat16 float32]
-    python bench/main_job.py --sampled --model DIR [DIR ...] [--repetition-penalty R ...] [--repeats 5]
+    python bench/main_job.py --sampled --model DIR [DIR ...] [--generate ARGS ...] [--repeats 5]
 
 Greedy decoding of the same prompt everywhere (so every row produces the same tokens); tokens/s
 is generated tokens ÷ the time from request to last token, median of --repeats runs after a
@@ -10,15 +10,16 @@ warm-up. transformers runs in this process with all cores; shardspec runs its wo
 job does (2 local CPU workers, TP = 2) and also with one worker (TP = 1).
 
 --sampled measures the main job itself, for one or more model folders (an A/B of two bundled
-models) and repetition penalties (default: generate's): `shardspec generate`'s defaults (2 local
-workers, MTP on, its temperature, top-k, top-p and penalties; seed r in repeat r), the rows taking
-turns in each repeat so that a change in the machine's load falls on all of them.
+models) and sets of generate options (--generate): `shardspec generate`'s defaults otherwise (2
+local workers, MTP on, its temperature, top-k, top-p and penalties; seed r in repeat r), the rows
+taking turns in each repeat so that a change in the machine's load falls on all of them.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import shlex
 import statistics
 import time
 
@@ -66,11 +67,11 @@ def transformers_rate(dtype: str, tokens: int, repeats: int) -> tuple[float, lis
     return statistics.median(r for r, _ in runs), runs[0][1]
 
 
-async def main_job_once(model: str, repetition_penalty: float, tokens: int, seed: int) -> dict:
-    """One sampled completion at `shardspec generate`'s defaults but the repetition penalty, after a
-    warm-up request."""
-    defaults = build_parser().parse_args(["generate", PROMPT])
-    penalties = sampling_penalties(defaults) | {"repetition_penalty": repetition_penalty}
+async def main_job_once(model: str, generate_args: str, tokens: int, seed: int) -> dict:
+    """One sampled completion at `shardspec generate`'s defaults and generate_args (its options),
+    after a warm-up request."""
+    defaults = build_parser().parse_args(["generate", PROMPT, *shlex.split(generate_args)])
+    penalties = sampling_penalties(defaults)
     async with shardspec.connect(model=model, local=defaults.local or 2, mtp=True) as engine:
         async def once():
             async for chunk in engine.generate(PROMPT, max_tokens=tokens, temperature=defaults.temperature,
@@ -83,19 +84,19 @@ async def main_job_once(model: str, repetition_penalty: float, tokens: int, seed
         return await once()
 
 
-def sampled_main_job(models: list[str], penalties: list[float], tokens: int, repeats: int) -> None:
-    runs: dict[tuple[str, float], list[dict]] = {(m, r): [] for m in models for r in penalties}
+def sampled_main_job(models: list[str], options: list[str], tokens: int, repeats: int) -> None:
+    runs: dict[tuple[str, str], list[dict]] = {(m, o): [] for m in models for o in options}
     for seed in range(repeats):
-        for model, penalty in runs:
-            runs[model, penalty].append(asyncio.run(main_job_once(model, penalty, tokens, seed)))
+        for model, generate_args in runs:
+            runs[model, generate_args].append(asyncio.run(main_job_once(model, generate_args, tokens, seed)))
     print(f"prompt {PROMPT!r}, {tokens} sampled tokens at the main job's defaults, {repeats} repeats")
-    print("| model | repetition penalty | tokens/s (median) | tokens/s (each repeat) | mean acceptance length (mean) |")
+    print("| model | generate options | tokens/s (median) | tokens/s (each repeat) | mean acceptance length (mean) |")
     print("|---|---|---|---|---|")
-    for (model, penalty), stats in runs.items():
+    for (model, generate_args), stats in runs.items():
         rates = [s["tokens_per_s"] for s in stats]
         acceptance = statistics.mean(s["mean_acceptance_length"] for s in stats)
-        print(f"| {model} | {penalty} | {statistics.median(rates):.1f} | {', '.join(f'{r:.1f}' for r in rates)} | "
-              f"{acceptance:.2f} |")
+        print(f"| {model} | {generate_args or '(defaults)'} | {statistics.median(rates):.1f} | "
+              f"{', '.join(f'{r:.1f}' for r in rates)} | {acceptance:.2f} |")
 
 
 def main() -> None:
@@ -106,13 +107,12 @@ def main() -> None:
     parser.add_argument("--sampled", action="store_true", help="the main job at its defaults, for each --model")
     parser.add_argument("--model", nargs="+", default=[str(BUNDLED_MODEL)], metavar="DIR",
                         help="model folders for --sampled (default: the bundled model)")
-    parser.add_argument("--repetition-penalty", type=float, nargs="+", default=None, metavar="R",
-                        help="repetition penalties for --sampled (default: shardspec generate's)")
+    parser.add_argument("--generate", nargs="+", default=[""], metavar="ARGS",
+                        help="for --sampled: `shardspec generate` options, one row each, e.g. "
+                             "'--repetition-penalty 1' '' (default: '', its defaults)")
     args = parser.parse_args()
     if args.sampled:
-        defaults = sampling_penalties(build_parser().parse_args(["generate", ""]))
-        penalties = args.repetition_penalty or [defaults["repetition_penalty"]]
-        sampled_main_job(args.model, penalties, args.tokens, args.repeats)
+        sampled_main_job(args.model, args.generate, args.tokens, args.repeats)
         return
     print(f"prompt {PROMPT!r}, {args.tokens} greedy tokens, {torch.get_num_threads()} CPU threads")
     print("| dtype | engine | tokens/s | vs transformers | mean acceptance length | same tokens as transformers |")

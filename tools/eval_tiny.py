@@ -23,6 +23,7 @@ import asyncio
 import io
 import json
 import random
+import shlex
 import statistics
 import sys
 import textwrap
@@ -198,10 +199,10 @@ def repeats_a_line(body: str, times: int = 3) -> bool:
     return any(lines[i].strip() and len(set(lines[i : i + times])) == 1 for i in range(len(lines) - times + 1))
 
 
-async def quality(model_dir: Path, signatures: list[str], penalties: dict[str, float] | None = None) -> dict:
-    """penalties: instead of generate's default penalties (the --dev sweep)."""
-    defaults = build_parser().parse_args(["generate", ""])
-    penalties = penalties or sampling_penalties(defaults)
+async def quality(model_dir: Path, signatures: list[str], generate_args: tuple[str, ...] = ()) -> dict:
+    """generate_args: `shardspec generate` options the samples are drawn with (default: none, its defaults)."""
+    defaults = build_parser().parse_args(["generate", "", *generate_args])
+    penalties = sampling_penalties(defaults)
     samples = []
     async with shardspec.connect(model=str(model_dir), local=2, mtp=True) as engine:
         for seed, signature in enumerate(signatures):
@@ -237,8 +238,9 @@ def main() -> None:
                         help=f"held-out function signatures for the quality (default {EVAL_SIGNATURES})")
     parser.add_argument("--dev", action="store_true",
                         help="the quality on signatures other than the evaluation's (see held_out_signatures)")
-    parser.add_argument("--penalties", type=float, nargs=3, metavar=("REPETITION", "PRESENCE", "FREQUENCY"),
-                        help="the quality at these penalties (default: shardspec generate's)")
+    parser.add_argument("--generate", default="", metavar="ARGS",
+                        help="the quality with these `shardspec generate` sampling options, e.g. "
+                             "'--repetition-penalty 1.1' (default: none, generate's defaults)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["accuracy", "acceptance", "quality"])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -253,10 +255,8 @@ def main() -> None:
         )
         print(json.dumps(result["speculative"]), flush=True)
     if "quality" not in args.skip:
-        penalties = dict(zip(("repetition_penalty", "presence_penalty", "frequency_penalty"), args.penalties)) \
-            if args.penalties else None
         prompts = held_out_signatures(texts, args.signatures, seed=0, dev=args.dev)
-        result["quality"] = asyncio.run(quality(args.model, prompts, penalties))
+        result["quality"] = asyncio.run(quality(args.model, prompts, tuple(shlex.split(args.generate))))
         print(json.dumps({k: v for k, v in result["quality"].items() if k != "samples"}), flush=True)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
