@@ -29,6 +29,8 @@ batch size: its bytes, encode + send + receive through ZeroMQ, and the copies of
 With --fp8 every row runs again, in the same run, on the checkpoint's block-wise FP8 twin (the same
 seed quantised: `random_checkpoint --fp8`), its rows tagged "weights": "fp8" and set against the
 FP8 floor (FP8 weights, their block scales and the 16-bit parts); --fp8-only runs the twin alone.
+--fp8-decode w8a8 weight-only runs the twin's rows once per decode GEMV mode (SHARDSPEC_FP8_DECODE in
+the workers), rows tagged "fp8_decode".
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import torch
 from gpu_timing import copy_bandwidth, sync
 
 import shardspec
+from shardspec.kernels import fp8 as fp8_kernels
 from shardspec.models import registry
 from shardspec.models.base import split_config
 from shardspec.models.qwen3_5 import HybridConfig, Qwen3_5MoeConfig
@@ -207,13 +210,16 @@ async def run(args: argparse.Namespace, out: dict, save) -> None:
         out["link_cost"] = link_costs(registry.read(args.ckpt)[1], args.batch, sorted({0, *args.k}), device)
         save()
     out["decode"], out["prefill"] = [], []
-    runs = [*([] if args.fp8_only else [("bf16", args.ckpt)]), *([("fp8", args.fp8_ckpt)] if args.fp8 else [])]
-    for weights, ckpt in runs:
-        await run_checkpoint(args, ckpt, weights, out, save)
+    if not args.fp8_only:
+        await run_checkpoint(args, args.ckpt, "bf16", out, save)
+    for mode in args.fp8_decode if args.fp8 else []:
+        os.environ["SHARDSPEC_FP8_DECODE"] = mode  # read by the workers this engine spawns
+        await run_checkpoint(args, args.fp8_ckpt, "fp8", out, save, mode)
 
 
-async def run_checkpoint(args: argparse.Namespace, ckpt: Path, weights: str, out: dict, save) -> None:
-    """Every decode and prefill row of one checkpoint; `weights` (bf16 or fp8) tags its rows."""
+async def run_checkpoint(args: argparse.Namespace, ckpt: Path, weights: str, out: dict, save,
+                         fp8_decode: str | None = None) -> None:
+    """Every decode and prefill row of one checkpoint; `weights` (bf16 or fp8) and `fp8_decode` tag its rows."""
     config = split_config(registry.read(ckpt)[1], args.tp, args.ep)  # the floor counts a rank's experts
     max_seq_len = max([PROMPT_LEN + args.new_tokens + 64, *(p + 8 for p in args.prefill)])
     stages = {"micro_batches": args.micro_batches} if args.micro_batches else {}
@@ -226,7 +232,8 @@ async def run_checkpoint(args: argparse.Namespace, ckpt: Path, weights: str, out
         suffix = "" if weights == "bf16" else f"_{weights}"
         out["weight_bytes_per_rank" + suffix] = engine.load_info.weight_bytes  # loaded: what a step reads
         out["weight_bytes_per_stage" + suffix] = [s.weight_bytes for s in (await engine.stats())[:: args.tp]]
-        print(f"{weights} weights ({ckpt})", flush=True)
+        tags = {"weights": weights} | ({"fp8_decode": fp8_decode} if fp8_decode else {})
+        print(f"{weights} weights ({ckpt})" + (f", {fp8_decode} decode GEMVs" if fp8_decode else ""), flush=True)
         print("| batch | MTP | tokens/s | step ms | floor ms | of floor | MAL | idle gap ms |", flush=True)
         print("|---|---|---|---|---|---|---|---|", flush=True)
         for batch in args.batch:
@@ -237,7 +244,7 @@ async def run_checkpoint(args: argparse.Namespace, ckpt: Path, weights: str, out
                 row = await bench.decode(batch, args.new_tokens)
                 moved = bench.floor(args.tp, batch, k or 0, args.new_tokens)
                 floor = 1000 * moved.total / bench.bandwidth
-                row |= {"weights": weights, "k": k or 0, "forced": forced, "deterministic": deterministic,
+                row |= tags | {"k": k or 0, "forced": forced, "deterministic": deterministic,
                         "floor_bytes": asdict(moved), "floor_ms": floor, "of_floor": floor / row["step_ms"]}
                 out["decode"].append(row)
                 save()
@@ -246,7 +253,7 @@ async def run_checkpoint(args: argparse.Namespace, ckpt: Path, weights: str, out
                       f"| {row['of_floor']:.0%} | {row.get('mean_acceptance_length', 1):.2f} "
                       f"| {row['idle_gap_ms']:.3f} |", flush=True)
         await bench.reload(1, None, None)
-        rows = [await bench.prefill(length) | {"weights": weights} for length in args.prefill]
+        rows = [await bench.prefill(length) | tags for length in args.prefill]
         out["prefill"] += rows
         save()
         for row in rows:
@@ -302,6 +309,9 @@ def main() -> None:
     parser.add_argument("--fp8-ckpt", type=Path, default=None,
                         help="the FP8 twin (default: CKPT-fp8; written if missing)")
     parser.add_argument("--fp8-only", action="store_true", help="with --fp8: the FP8 twin's rows alone")
+    parser.add_argument("--fp8-decode", nargs="+", choices=["w8a8", "weight-only"], default=[fp8_kernels.DECODE],
+                        help="with --fp8: the twin's rows once per decode GEMV mode: activations rounded to e4m3 "
+                             "(w8a8) or kept bf16 (weight-only) (default: SHARDSPEC_FP8_DECODE, else weight-only)")
     parser.add_argument("--out", type=Path, default=Path("decode-results.json"))
     args = parser.parse_args()
     args.fp8 = args.fp8 or args.fp8_only

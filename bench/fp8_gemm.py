@@ -2,18 +2,20 @@
 
     python bench/fp8_gemm.py [--rows 1 8 32] [--prefill 2048] [--out fp8-gemm.json] [--sweep read stages]
 
-Per shape and row count, timed inside a CUDA graph: the weight-only decode kernel at the plan its
-rule picks (kernels.fp8.plan) and at a few other plans (half the K splits, 128-row weight strips,
-and unsplit 16-row strips, the tiles of the kernel it replaced), each against its floor (the FP8 weight, its
-scales, x and y ÷ the copy bandwidth measured in the same run); and cuBLAS's bf16 GEMV of the same
-shape against its own floor (the bf16 weight's bytes). Each FP8 result is checked against the fp32
-product with the dequantised weight first (max error ÷ max |y|, printed). Then the W8A8 prefill
+Per shape and row count, timed inside a CUDA graph: the decode kernel at the plan its rule picks
+(kernels.fp8.plan) in both modes, weight-only (bf16 activations) and W8A8 (activations rounded to
+e4m3 by quantize_groups first: both launches timed), and the W8A8 mode at a few other plans (half
+and twice the K splits, 64-row weight strips, 8 warps, 4 weight tiles in flight), each against
+its floor (the FP8 weight, its scales, x and y ÷ the copy bandwidth measured in the same run);
+and cuBLAS's bf16 GEMV of the same shape against its own floor (the bf16 weight's bytes). Each
+FP8 result is checked against the fp32 product with the dequantised weight first (max error ÷
+max |y|, printed). Then the W8A8 prefill
 GEMM at --prefill rows: cuBLAS block-scaled (where its probe passes for the shape) and our Triton
 kernel, in TFLOP/s. Printed as a table and written to --out as JSON.
 
 --sweep, instead: `read` times a kernel that only reads the weight, in strips of many launch
-shapes (what any GEMV reading it so could reach); `stages`, the decode table over the weight-only
-kernel's plans around its rule (splits, strips, weight tiles in flight: `neighbours`).
+shapes (what any GEMV reading it so could reach); `stages`, the decode table over the decode
+kernel's plans around its rule (splits, strips, weight tiles in flight, both modes: `neighbours`).
 """
 
 from __future__ import annotations
@@ -42,25 +44,33 @@ SHAPES = {  # name: (N, K) of the 9B-class projections at TP = 1 (merged as the 
 }
 
 
-def variants(rule: fp8.Plan) -> dict[str, fp8.Plan]:
-    """The rule's plan and its neighbours: what the rule is measured against."""
+def variants(M: int, N: int, K: int, sms: int) -> dict[str, fp8.Plan]:
+    """The rule's plan in both modes (weight-only: bf16 activations; W8A8: rounded to e4m3 first)
+    and the W8A8 kernel's neighbours: what the rule is measured against."""
+    w8a8 = fp8.plan(M, N, K, sms, quantize=True)
     other = {
-        "split ÷ 2": dataclasses.replace(rule, split=max(1, rule.split // 2)),
-        "strips of 128": dataclasses.replace(rule, block_n=128),
-        "unsplit, strips of 16": fp8.Plan(16, 16, 1),  # the tiles of the kernel this one replaced
+        "w8a8 split ÷ 2": dataclasses.replace(w8a8, split=max(1, w8a8.split // 2)),
+        "w8a8 split × 2": dataclasses.replace(w8a8, split=min(32, w8a8.split * 2)),
+        "w8a8 strips of 64": dataclasses.replace(w8a8, block_n=64),
+        "w8a8 8 warps": dataclasses.replace(w8a8, warps=8),
+        "w8a8 4 stages": dataclasses.replace(w8a8, stages=4),
     }
-    return {"rule": rule, **{name: plan for name, plan in other.items() if plan != rule}}
+    return {"weight-only": fp8.plan(M, N, K, sms), "w8a8": w8a8,
+            **{name: plan for name, plan in other.items() if plan != w8a8}}
 
 
-def neighbours(rule: fp8.Plan) -> dict[str, fp8.Plan]:
-    """--sweep stages: the rule's plan and every mix of half or twice its split, strips of 64 or
-    128 and 2–4 weight tiles in flight."""
-    plans = {"rule": rule}
+def neighbours(M: int, N: int, K: int, sms: int) -> dict[str, fp8.Plan]:
+    """--sweep stages: the rule's plans and every mix of half or twice its split, strips of 64 or
+    128, 2–4 weight tiles in flight and 4 or 8 warps, in both modes."""
+    rule = fp8.plan(M, N, K, sms)
+    plans = {"weight-only": rule, "w8a8": fp8.plan(M, N, K, sms, quantize=True)}
     for split in sorted({max(1, rule.split // 2), rule.split, min(32, rule.split * 2)}):
-        for block_n, stages in itertools.product((64, 128), (2, 3, 4)):
-            plan = dataclasses.replace(rule, split=split, block_n=block_n, stages=stages)
-            if plan != rule:
-                plans[f"split {split}, strips of {block_n}, {stages} stages"] = plan
+        for block_n, stages, warps, quantize in itertools.product((64, 128), (2, 3, 4), (4, 8), (False, True)):
+            plan = dataclasses.replace(rule, split=split, block_n=block_n, stages=stages, warps=warps,
+                                       quantize=quantize)
+            if plan not in plans.values():
+                mode = "w8a8" if quantize else "weight-only"
+                plans[f"{mode} split {split}, strips of {block_n}, {stages} stages, {warps} warps"] = plan
     return plans
 
 
@@ -88,13 +98,14 @@ def decode_shape(name: str, N: int, K: int, rows: list[int], device: torch.devic
         x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
         io_bytes = 2 * M * (K + N)
         reference = x.float() @ exact.T
-        for label, launch in plans(fp8.plan(M, N, K, sms)).items():
-            y = fp8.weight_only(x, weight, scale, launch=launch)
+        for label, launch in plans(M, N, K, sms).items():
+            y = fp8.decode(x, weight, scale, launch=launch)
             error = ((y.float() - reference).abs().max() / reference.abs().max()).item()
-            seconds = graph_time(lambda launch=launch: fp8.weight_only(x, weight, scale, launch=launch))
+            seconds = graph_time(lambda launch=launch: fp8.decode(x, weight, scale, launch=launch))
             fields = {"shape": name, "N × K": f"{N} × {K}", "rows": M, "kernel": f"fp8 {label}"}
             row(out, fields, seconds, fp8_bytes + io_bytes, bandwidth,
-                f"BM {launch.block_m} BN {launch.block_n} split {launch.split} stages {launch.stages}, "
+                f"BM {launch.block_m} BN {launch.block_n} split {launch.split} stages {launch.stages} "
+                f"warps {launch.warps}, "
                 f"error {error:.1e}")
         seconds = graph_time(lambda: torch.nn.functional.linear(x, dense))
         fields = {"shape": name, "N × K": f"{N} × {K}", "rows": M, "kernel": "bf16 cuBLAS"}

@@ -462,15 +462,18 @@ def _fp8_reference_inputs(M: int, N: int, K: int):
 @pytest.mark.parametrize("M", [1, 7, 64, 65, 77, 300])
 @pytest.mark.parametrize(("N", "K"), [(384, 512), (200, 320), (1024, 1536)])  # ragged last blocks: 200 × 320
 @pytest.mark.parametrize("prefill", ["triton", "cublas"])
-def test_the_fp8_gemms_match_the_dequantised_weight(M, N, K, prefill):
+@pytest.mark.parametrize("decode", ["w8a8", "weight-only"])
+def test_the_fp8_gemms_match_the_dequantised_weight(M, N, K, prefill, decode, monkeypatch):
     """Against x @ (W8 · scale)^T in fp32, each output within what its path can round (bf16 out:
-    2^-8 of it): decode rows (≤ 64, bf16 activations) to fp32 accumulation; prefill rows within
-    the e4m3 rounding bound of the activations (fp8_reference.rounding_bound), on cuBLAS (any row
-    count: padded to 16) or our kernel."""
+    2^-8 of it): weight-only decode rows (≤ 64, bf16 activations) to fp32 accumulation; W8A8 rows
+    (prefill, and decode in that mode) within the e4m3 rounding bound of the activations
+    (fp8_reference.rounding_bound), on cuBLAS (any row count: padded to 16) or our kernels."""
     from fp8_reference import rounding_bound
 
     from shardspec.kernels import fp8 as kernel_fp8
     from shardspec.layers.fp8 import dequantize
+
+    monkeypatch.setattr(kernel_fp8, "DECODE", decode)
 
     x, weight, scale = _fp8_reference_inputs(M, N, K)
     w = dequantize(weight, scale, torch.float32)
@@ -481,14 +484,16 @@ def test_the_fp8_gemms_match_the_dequantised_weight(M, N, K, prefill):
     got = kernel_fp8.linear(x.to(cuda), weight.to(cuda), scale.to(cuda), cublas_scale=cublas).float().cpu()
     expected = x.float() @ w.T
     terms = x.float().abs() @ w.abs().T
-    rounding = 2**-12 * terms if M <= kernel_fp8.DECODE_ROWS else rounding_bound(x, w) + 2**-9 * terms
+    weight_only = M <= kernel_fp8.DECODE_ROWS and decode == "weight-only"
+    rounding = 2**-12 * terms if weight_only else rounding_bound(x, w) + 2**-9 * terms
     assert ((got - expected).abs() <= 2**-8 * expected.abs() + rounding).all()
     invariant = kernel_fp8.linear(x.to(cuda), weight.to(cuda), scale.to(cuda), invariant=True).float().cpu()
     one_row = kernel_fp8.linear(x[:1].to(cuda), weight.to(cuda), scale.to(cuda), invariant=True).float().cpu()
     assert torch.equal(invariant[:1], one_row)  # batch-invariant: a row's result depends on that row alone
 
 
-def test_the_fp8_decode_gemv_inside_a_cuda_graph_gives_the_eager_result():
+@pytest.mark.parametrize("quantize", [False, True])
+def test_the_fp8_decode_gemv_inside_a_cuda_graph_gives_the_eager_result(quantize):
     """The split-K counters reset themselves: replays of a captured GEMV (down_proj's shape at
     batch 1 and 8) give the eager result bit for bit."""
     from shardspec.kernels import fp8 as kernel_fp8
@@ -498,10 +503,10 @@ def test_the_fp8_decode_gemv_inside_a_cuda_graph_gives_the_eager_result():
     for M in (1, 8):
         x, weight, scale = (t.to(cuda) for t in _fp8_reference_inputs(M, 4096, 12288))
         assert kernel_fp8.plan(M, 4096, 12288, torch.cuda.get_device_properties(cuda).multi_processor_count).split > 1
-        eager = kernel_fp8.weight_only(x, weight, scale)
+        eager = kernel_fp8.decode(x, weight, scale, quantize=quantize)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = kernel_fp8.weight_only(x, weight, scale)
+            captured = kernel_fp8.decode(x, weight, scale, quantize=quantize)
         for _ in range(3):
             graph.replay()
             torch.cuda.synchronize()
@@ -543,15 +548,16 @@ def _relative_rms(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @torch.inference_mode()
-def test_the_fp8_prefill_path_deviates_only_by_its_activation_rounding(fp8_model, monkeypatch):
-    """bf16 on the GPU against the fp32 logits of the same FP8 checkpoint on the CPU: one-token decode
-    passes (weight-only, bf16 activations) stay closer than the e4m3 rounding of the activations
-    moves the logits (measured on the CPU: every FP8 projection's input through the W8A8
-    quantisation, fp8_reference), and a prefill pass (W8A8) deviates no more than that rounding
-    and the bf16 noise together explain (their root sum of squares, 1.5×): its gap is the W8A8
-    scheme's, not our kernels'."""
+def test_the_fp8_w8a8_passes_deviate_only_by_their_activation_rounding(fp8_model, monkeypatch):
+    """bf16 on the GPU against the fp32 logits of the same FP8 checkpoint on the CPU: one-token
+    weight-only decode passes (bf16 activations) stay closer than the e4m3 rounding of the
+    activations moves the logits (measured on the CPU: every FP8 projection's input through the
+    W8A8 quantisation, fp8_reference), and a prefill pass and one-token W8A8 decode passes deviate
+    no more than that rounding and the bf16 noise together explain (their root sum of squares,
+    1.5×): their gap is the W8A8 scheme's, not our kernels'."""
     import fp8_reference
 
+    from shardspec.kernels import fp8 as kernel_fp8
     from shardspec.layers import fp8 as layer_fp8
 
     ids = torch.randint(0, 512, (2, 96), generator=torch.Generator().manual_seed(1))
@@ -566,13 +572,18 @@ def test_the_fp8_prefill_path_deviates_only_by_its_activation_rounding(fp8_model
     positions = torch.arange(96, device="cuda").expand(2, -1)
     model.allocate_caches(2, 96, torch.bfloat16, x.device)
     prefill = model.lm_head.logits(model(x, Batch(slots, positions, 96))).cpu()
-    model.reset_slots(slots)
-    decode = model.lm_head.logits(torch.cat([model(x[:, t : t + 1], Batch(slots, positions[:, t : t + 1], t + 1))
-                                             for t in range(96)], 1)).cpu()
-    rounding, noise = _relative_rms(w8a8, exact), _relative_rms(decode, exact)
+
+    def decode(mode: str) -> torch.Tensor:
+        monkeypatch.setattr(kernel_fp8, "DECODE", mode)
+        model.reset_slots(slots)
+        return model.lm_head.logits(torch.cat([model(x[:, t : t + 1], Batch(slots, positions[:, t : t + 1], t + 1))
+                                               for t in range(96)], 1)).cpu()
+
+    rounding, noise = _relative_rms(w8a8, exact), _relative_rms(decode("weight-only"), exact)
     assert noise < rounding, (noise, rounding)
-    deviation = _relative_rms(prefill, exact)
-    assert deviation <= 1.5 * (rounding**2 + noise**2) ** 0.5, (deviation, rounding, noise)
+    for logits in (prefill, decode("w8a8")):
+        deviation = _relative_rms(logits, exact)
+        assert deviation <= 1.5 * (rounding**2 + noise**2) ** 0.5, (deviation, rounding, noise)
 
 
 def test_an_fp8_checkpoint_through_the_engine_on_the_gpu_gives_the_cpu_greedy_output(fp8_model):

@@ -384,21 +384,44 @@ def test_the_fp8_weight_only_gemm_matches_the_dequantised_weight_at_every_split(
 
     x, weight, scale = _fp8_operands(M, N, K, dtype)
     launch = fp8.Plan(block_m=16 if M <= 16 else 32, block_n=64, split=split)
-    got = fp8.weight_only(x.to(DEVICE), weight.to(DEVICE), scale.to(DEVICE), launch=launch)
+    got = fp8.decode(x.to(DEVICE), weight.to(DEVICE), scale.to(DEVICE), launch=launch)
     assert got.dtype == dtype
     assert_agree(got, x.float() @ _dequantised(weight, scale).T, dtype)
 
 
-def test_the_fp8_weight_only_gemm_is_batch_invariant_and_deterministic():
+@pytest.mark.parametrize(("M", "N", "K"), [(1, 256, 512), (7, 200, 320), (20, 128, 1024)])
+@pytest.mark.parametrize("split", [1, 3, 8])
+def test_the_fp8_w8a8_decode_gemm_equals_the_fp32_product_of_its_quantised_operands_at_every_split(M, N, K, split):
+    """The decode path in W8A8 mode (quantize_groups, then e4m3 × e4m3) against (q · scale) @ (W8 · scale)^T
+    in fp32, q and its scales as PyTorch rounds them: to fp32 rounding through the interpreter,
+    within 2^-9 of the sum of |terms| on the GPU (as the prefill's W8A8 kernel)."""
+    from fp8_reference import per_column, quantised_groups
+
+    from shardspec.kernels import fp8
+
+    x, weight, scale = _fp8_operands(M, N, K, torch.bfloat16, seed=5)
+    x[0, :4] = torch.tensor([0.0, -1e-6, 2.0**-12, 448.0])  # zero, subnormals, the max
+    launch = fp8.Plan(block_m=16 if M <= 16 else 32, block_n=64, split=split, quantize=True)
+    got = fp8.decode(x.to(DEVICE), weight.to(DEVICE), scale.to(DEVICE), launch=launch).float().cpu()
+    q, x_scale = quantised_groups(x)
+    rows, w = q.float() * per_column(x_scale, K), _dequantised(weight, scale)
+    expected, terms = rows @ w.T, rows.abs() @ w.abs().T
+    bf16_rounding = 2**-7 * expected.abs()  # the output's own rounding to bf16 (the interpreter truncates)
+    assert ((got - expected).abs() <= (2**-9 if GPU else 1e-6) * terms + bf16_rounding + 1e-30).all()
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_the_fp8_decode_gemm_is_batch_invariant_and_deterministic(quantize):
     """Invariant mode: a row's result is bit for bit the same alone and in a batch, and again."""
     from shardspec.kernels import fp8
 
     x, weight, scale = (t.to(DEVICE) for t in _fp8_operands(21, 256, 1024, torch.bfloat16, seed=1))
-    batch = fp8.weight_only(x, weight, scale, invariant=True)
+    batch = fp8.decode(x, weight, scale, invariant=True, quantize=quantize)
     assert fp8.plan(21, 256, 1024, 132, invariant=True) == fp8.plan(1, 256, 1024, 132, invariant=True)
     for row in (0, 20):
-        assert torch.equal(fp8.weight_only(x[row : row + 1], weight, scale, invariant=True)[0], batch[row])
-    assert torch.equal(fp8.weight_only(x, weight, scale, invariant=True), batch)
+        assert torch.equal(fp8.decode(x[row : row + 1], weight, scale, invariant=True, quantize=quantize)[0],
+                           batch[row])
+    assert torch.equal(fp8.decode(x, weight, scale, invariant=True, quantize=quantize), batch)
 
 
 def test_the_weight_only_plan_fills_the_sms_with_k_splits_that_never_depend_on_the_rows():
@@ -452,10 +475,11 @@ def test_the_split_k_counter_is_taken_by_one_thread_and_the_partials_read_past_l
     process of its own, as the all-reduce's check below): one predicated acq_rel add per program
     on the tile's counter, one predicated reset, and the other splits' partials loaded .cg (L2, where
     they were stored; L1 may hold stale lines of the workspace)."""
-    lines = sm90_ptx("shardspec.kernels.fp8", "_weight_only_kernel",
-                     {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "y_ptr": "*bf16", "part_ptr": "*fp32",
-                      "count_ptr": "*i32"},
-                     {"SPLIT": 4, "EXACT": False, "EVEN": True, "BM": 16, "BN": 64, "BK": 128}, other="i32")
+    lines = sm90_ptx("shardspec.kernels.fp8", "_decode_kernel",
+                     {"x_ptr": "*bf16", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "y_ptr": "*bf16",
+                      "part_ptr": "*fp32", "count_ptr": "*i32"},
+                     {"SPLIT": 4, "QUANT": False, "EXACT": False, "EVEN": True, "BM": 16, "BN": 64, "BK": 128},
+                     other="i32")
     atomics = [line for line in lines if "atom." in line]
     assert len(atomics) == 2 and all(line.startswith("@%p") and ".gpu.acq_rel." in line for line in atomics), atomics
     assert ".add." in atomics[0] and ".exch." in atomics[1]

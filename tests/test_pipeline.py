@@ -81,18 +81,36 @@ def test_a_lone_sequences_lookahead_on_the_last_stages_guess_gives_the_output_of
 
     prompts = ("def fibonacci(n):", "class Stack:")
 
-    async def run(lookahead: bool):
+    async def run(lookahead: str):
         async with shardspec.connect(model=str(BUNDLED_MODEL), workers=pooled(3), pp=3, layer_split=[3, 3, 2],
                                      deterministic=True, lookahead=lookahead) as engine:
             outputs = [await collect_tokens(engine, engine.tokenizer.encode(p), 48) for p in prompts]
             return outputs, [(stats.lookaheads, stats.lookaheads_right) for stats in await engine.stats()]
 
-    (ahead, counts), (waited, none) = asyncio.run(run(True)), asyncio.run(run(False))
+    (ahead, counts), (waited, none) = asyncio.run(run("on")), asyncio.run(run("off"))
     assert ahead == waited
     (runs, right), middle, last = counts
     assert middle == (runs, right) and last == (0, 0)  # the stages before the last decide alike
     assert 0 < right < runs  # guesses that held and guesses that did not
     assert none == [(0, 0)] * 3
+
+
+def test_automatic_lookahead_stops_guessing_when_the_drafts_are_seldom_all_kept(tiny_model):
+    """Random MTP weights: a step almost never keeps all its drafts, so a guess (which holds only
+    then) almost never does. "auto" guesses at the first lone steps, then stops, while "on"
+    guesses at every one; the output is the same as waiting, in deterministic mode."""
+    prompts = [[5, 17, 300, 42, 9], [101, 7, 7, 250]]
+
+    async def run(lookahead: str):
+        async with shardspec.connect(model=str(tiny_model), workers=pooled(2), pp=2, mtp=True, deterministic=True,
+                                     lookahead=lookahead) as engine:
+            outputs = [await collect_tokens(engine, prompt, 40) for prompt in prompts]
+            return outputs, (await engine.stats())[0].lookaheads
+
+    (auto, guessed), (always, every), (waited, none) = (asyncio.run(run(mode)) for mode in ("auto", "on", "off"))
+    assert auto == always == waited
+    assert none == 0 and every >= 60  # "on": nearly every one of the ~78 lone steps
+    assert 0 < guessed <= every / 3, (guessed, every)
 
 
 @pytest.mark.parametrize("stage", [0, 1])

@@ -102,10 +102,10 @@ def sample_counts(model, n: int, pp: int = 1, positions: tuple[int, ...] = POSIT
                   **sampling) -> tuple[list[Counter], int]:
     """Counts of the tokens at `positions` over n generations with MTP, seeds 0..n-1 (fixed: the
     outcome is reproducible; the same arguments are computed once), `at_once` at a time; and the
-    first stage's lookaheads whose guess held."""
+    first stage's lookaheads whose guess held (at pp > 1 the last stage guesses at every lone step)."""
     async def run():
         async with shardspec.connect(model=str(model), workers=pooled(pp), pp=pp, mtp=True, max_slots=64,
-                                     dtype="float32") as engine:
+                                     dtype="float32", lookahead="on") as engine:
             outs = await generate_all_seeded(engine, n, sampling, max(positions) + 1, at_once)
             held = (await engine.stats())[0].lookaheads_right
             return [Counter(o[i] for o in outs) for i in positions], held

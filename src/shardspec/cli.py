@@ -170,9 +170,11 @@ def _add_model_options(parser: argparse.ArgumentParser,
     parser.add_argument("--micro-batches", type=int, metavar="M", help="split the running sequences into M "
                         "micro-batches stepped in turn, so that every stage has work while the others run "
                         "(default: --pp, at most the batch)")
-    parser.add_argument("--no-lookahead", action="store_true", help="with --pp and MTP, make the stages wait for "
-                        "each step's result before a sequence decoding alone goes on (default: they run its next "
-                        "step on the last stage's guess and again if the guess was wrong; CPU workers)")
+    parser.add_argument("--lookahead", choices=["auto", "on", "off"], default="auto", help="with --pp and MTP, "
+                        "while a sequence decoding alone waits for its step's result, the earlier stages run its "
+                        "next step on the last stage's guess and again if the guess was wrong (CPU workers): "
+                        "auto guesses while at least half of the recent steps kept all their drafts (a guess "
+                        "can hold only then), on always, off never (default: auto)")
     parser.add_argument("--device", default=None, help="device of spawned local workers: cpu or cuda "
                         "(default: cuda when this machine has a GPU)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -306,7 +308,7 @@ def _engine_config(args: argparse.Namespace, **options: Any) -> EngineConfig:
     try:
         return EngineConfig(
             model=args.model, workers=workers, local=local, device=device, tp=args.tp, ep=args.ep, pp=args.pp,
-            layer_split=split, micro_batches=args.micro_batches, lookahead=not args.no_lookahead, relay=args.relay,
+            layer_split=split, micro_batches=args.micro_batches, lookahead=args.lookahead, relay=args.relay,
             dtype=dtype,
             max_seq_len=args.max_seq_len, mtp=False if args.no_mtp else None,
             draft_tokens=DEFAULT_DRAFT_TOKENS if args.draft_tokens is None else args.draft_tokens,

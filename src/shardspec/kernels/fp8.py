@@ -33,12 +33,29 @@ FP8_MAX = 448.0
 CUBLAS_ROWS = 16  # cuBLASLt refuses 1×128 scales whose leading dimension (the rows) is unaligned: pad rows to this
 COUNTERS = 1 << 20  # split-K tile counters per device (a GEMV with more tiles runs unsplit)
 PREFILL = os.environ.get("SHARDSPEC_FP8_PREFILL", "auto")  # auto: cuBLAS where it has blockwise FP8; triton: ours
+DECODE = os.environ.get("SHARDSPEC_FP8_DECODE", "weight-only")  # weight-only: bf16 activations; w8a8: e4m3 first
+if DECODE not in ("w8a8", "weight-only"):
+    warnings.warn(f"SHARDSPEC_FP8_DECODE={DECODE!r} is neither 'w8a8' nor 'weight-only': weight-only", stacklevel=1)
+    DECODE = "weight-only"
 
 
 @triton.jit
-def _weight_only_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_x, stride_w, stride_ws,
-                        stride_y, blocks_per_split, SPLIT: tl.constexpr, EXACT: tl.constexpr, EVEN: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _round_to_e4m3(v):
+    """v (|v| ≤ 448, fp32) rounded to nearest-even on the e4m3 grid, in fp32 arithmetic: spacing
+    2^(e-3) in [2^e, 2^(e+1)), 2^-9 below 2^-6; the cast to e4m3 after it is then exact whatever
+    path the compiler takes for it."""
+    exponent = (v.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    spacing = ((tl.maximum(exponent, 127 - 6) - 3) << 23).to(tl.float32, bitcast=True)
+    magic = spacing * 12582912.0  # 1.5 · 2^23 spacings: |v| + magic keeps no bit below the spacing
+    rounded = (tl.abs(v) + magic) - magic
+    sign = v.to(tl.int32, bitcast=True) & -0x80000000  # v's sign bit, put back by bits: a negative v that
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)  # rounds to 0 is -0, as in torch
+
+
+@triton.jit
+def _decode_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_x, stride_xs, stride_w,
+                   stride_ws, stride_y, blocks_per_split, SPLIT: tl.constexpr, QUANT: tl.constexpr,
+                   EXACT: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_n, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
     m = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
@@ -55,11 +72,20 @@ def _weight_only_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, count_ptr, M, N, 
             w = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
                         other=0.0)
         x = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
-        if EXACT:  # fp32 activations, and Triton's CPU interpreter (its low-precision dots are wrong)
-            part = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
-        else:
-            part = tl.dot(w.to(x.dtype), tl.trans(x))
-        acc += part * tl.load(ws_ptr + n_block * stride_ws + kb)
+        w_scale = tl.load(ws_ptr + n_block * stride_ws + kb)
+        if QUANT:  # W8A8: x is e4m3 (quantize_groups), xs its scales per row and 128 columns
+            x_scale = tl.load(xs_ptr + m * stride_xs + kb, mask=m < M, other=0.0)
+            if EXACT:  # Triton's CPU interpreter
+                part = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+            else:  # e4m3 × e4m3 on the tensor cores, both tiles straight from shared memory
+                part = tl.dot(w, tl.trans(x))
+            acc += part * (w_scale * x_scale[None, :])
+        else:  # weight-only: the weight widened to x's dtype (exact)
+            if EXACT:  # fp32 activations, and Triton's CPU interpreter (its low-precision dots are wrong)
+                part = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+            else:
+                part = tl.dot(w.to(x.dtype), tl.trans(x))
+            acc += part * w_scale
     y_offsets = m[None, :] * stride_y + n[:, None]
     y_mask = (m[None, :] < M) & (n[:, None] < N)
     if SPLIT == 1:
@@ -102,19 +128,6 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_x, stride_
 
 
 @triton.jit
-def _round_to_e4m3(v):
-    """v (|v| ≤ 448, fp32) rounded to nearest-even on the e4m3 grid, in fp32 arithmetic: spacing
-    2^(e-3) in [2^e, 2^(e+1)), 2^-9 below 2^-6; the cast to e4m3 after it is then exact whatever
-    path the compiler takes for it."""
-    exponent = (v.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    spacing = ((tl.maximum(exponent, 127 - 6) - 3) << 23).to(tl.float32, bitcast=True)
-    magic = spacing * 12582912.0  # 1.5 · 2^23 spacings: |v| + magic keeps no bit below the spacing
-    rounded = (tl.abs(v) + magic) - magic
-    sign = v.to(tl.int32, bitcast=True) & -0x80000000  # v's sign bit, put back by bits: a negative v that
-    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)  # rounds to 0 is -0, as in torch
-
-
-@triton.jit
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s_m, stride_s_k, BK: tl.constexpr):
     row, group = tl.program_id(0), tl.program_id(1)
     k = group * BK + tl.arange(0, BK)
@@ -145,27 +158,32 @@ def quantize_groups(x: torch.Tensor, column_major: bool = False, rows: int | Non
 
 @dataclass(frozen=True)
 class Plan:
-    """A weight-only launch: rows per program (block_m), weight rows per program (block_n), and
-    the K slices (split) that fill the SMs."""
+    """A decode launch: rows per program (block_m), weight rows per program (block_n), the K slices
+    (split) that fill the SMs, and whether the activations are rounded to e4m3 in the kernel
+    (quantize: W8A8 on the FP8 tensor cores) or multiplied as they are (weight-only)."""
 
     block_m: int
     block_n: int
     split: int
     stages: int = 3  # weight tiles in flight a program (fewer stages, more programs an SM: 3 beat 4 by 2–13 %)
+    quantize: bool = False
+    warps: int = 4
 
 
-def plan(M: int, N: int, K: int, sms: int, invariant: bool = False) -> Plan:
+def plan(M: int, N: int, K: int, sms: int, invariant: bool = False, quantize: bool = False) -> Plan:
     """The launch for x [M, K] @ W[N, K]^T: 64-row strips of the weight (16 or 32 for a narrower
-    N), split along K until there are two programs per SM, each keeping at least 4 K blocks to
-    stream (the split depends on the weight's shape, never on M). All rows in one program up to
-    64 (the weight read once); 16 per program in batch-invariant mode (a row's arithmetic then
-    never depends on the batch)."""
+    N), split along K until there are four programs per SM, each keeping at least 4 K blocks to
+    stream (the split depends on the weight's shape, never on M); W8A8 (quantize) takes 128-row
+    strips over the same K slices. All rows in one program up to 64 (the weight read once); 16 per
+    program in batch-invariant mode (a row's arithmetic then never depends on the batch)."""
     block_n = 64 if N > 32 else (32 if N > 16 else 16)
     tiles, blocks, split = triton.cdiv(N, block_n), triton.cdiv(K, BLOCK), 1
     while tiles * split < 4 * sms and blocks // (2 * split) >= 4 and split < 16:
         split *= 2
+    if quantize and N > 64:  # e4m3 tiles go to the tensor cores as they are: half as many programs keep up
+        block_n = 128
     block_m = 16 if invariant else min(64, max(16, triton.next_power_of_2(M)))
-    return Plan(block_m, block_n, split)
+    return Plan(block_m, block_n, split, quantize=quantize)
 
 
 @functools.cache
@@ -196,27 +214,32 @@ def _capturing_without_counters(device: torch.device) -> bool:
         _device_counters.cache_info().currsize == 0
 
 
-def weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, invariant: bool = False,
-                launch: Plan | None = None) -> torch.Tensor:
-    """x [M, K] @ (weight · scale)^T with x as it is (the decode path); launch: the plan (default:
-    `plan` for this shape and device)."""
+def decode(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, invariant: bool = False,
+           quantize: bool = False, launch: Plan | None = None) -> torch.Tensor:
+    """x [M, K] @ (weight · scale)^T, the decode path: x as it is (weight-only, one launch), or with
+    quantize first rounded to e4m3 per row and 128-column group by quantize_groups (W8A8, two
+    launches; fp32 x is never quantised); launch: the plan (default: `plan` for this shape and
+    device)."""
     M, K = x.shape
     N = weight.shape[0]
-    launch = launch or plan(M, N, K, _sm_count(x.device), invariant)
+    quantize = quantize and x.dtype != torch.float32
+    launch = launch or plan(M, N, K, _sm_count(x.device), invariant, quantize)
+    out_dtype = x.dtype
+    x, x_scale = quantize_groups(x) if launch.quantize else (x, x)
     tiles_n, tiles_m = triton.cdiv(N, launch.block_n), triton.cdiv(M, launch.block_m)
     split = launch.split
     if split > 1 and (tiles_n * tiles_m > COUNTERS or _capturing_without_counters(x.device)):
         split = 1  # (no counters to share, or none allocated before this capture: unsplit, still correct)
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    y = torch.empty(M, N, dtype=out_dtype, device=x.device)
     part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
     count = _counters(x.device) if split > 1 else y
     blocks = triton.cdiv(K, BLOCK)
     even = N % launch.block_n == 0 and K % BLOCK == 0
-    exact = not x.is_cuda or x.dtype == torch.float32
-    _weight_only_kernel[(tiles_n, split, tiles_m)](
-        x, weight, scale, y, part, count, M, N, K, x.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
-        triton.cdiv(blocks, split), SPLIT=split, EXACT=exact, EVEN=even, BM=launch.block_m, BN=launch.block_n,
-        BK=BLOCK, num_warps=4, num_stages=launch.stages)
+    exact = not x.is_cuda or out_dtype == torch.float32
+    _decode_kernel[(tiles_n, split, tiles_m)](
+        x, x_scale, weight, scale, y, part, count, M, N, K, x.stride(0), x_scale.stride(0), weight.stride(0),
+        scale.stride(0), y.stride(0), triton.cdiv(blocks, split), SPLIT=split, QUANT=launch.quantize, EXACT=exact,
+        EVEN=even, BM=launch.block_m, BN=launch.block_n, BK=BLOCK, num_warps=launch.warps, num_stages=launch.stages)
     return y
 
 
@@ -263,12 +286,13 @@ def w8a8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, cublas_scal
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, invariant: bool = False,
            cublas_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ (weight · scale)^T: weight-only up to DECODE_ROWS rows (always when `invariant`:
-    each row's result then depends on that row alone), W8A8 above."""
+    """x [..., K] @ (weight · scale)^T: the one-launch decode kernel up to DECODE_ROWS rows (always
+    when `invariant`: each row's result then depends on that row alone), W8A8 (DECODE) or
+    weight-only; above, the prefill's W8A8 GEMM."""
     rows = x.reshape(-1, x.shape[-1])
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     if invariant or rows.shape[0] <= DECODE_ROWS or x.dtype == torch.float32:
-        y = weight_only(rows, weight, scale, invariant)
+        y = decode(rows, weight, scale, invariant, quantize=DECODE == "w8a8")
     else:
         y = w8a8(rows, weight, scale, cublas_scale)
     return y.view(*x.shape[:-1], weight.shape[0])

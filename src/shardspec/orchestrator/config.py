@@ -92,11 +92,12 @@ class EngineConfig:
     pipeline: bool = True
     """Keep the next step on the wire while the current one runs."""
 
-    lookahead: bool = True
+    lookahead: str = "auto"
     """Pipeline stages with MTP: while a sequence decoding alone waits for its step's result from the last
     stage, the earlier stages run its next step on the last stage's guess (all drafts kept, the guessed next
     token), and again when the guess was wrong; the output is the same either way (CPU workers; CUDA
-    workers, which replay graphs, wait)."""
+    workers, which replay graphs, wait). "auto": the last stage guesses while at least half of the recent
+    lone steps kept all their drafts (a guess can hold only then); "on": always; "off": never."""
 
     relay: bool | None = None
     """Stage links: None: worker to worker, through this engine where a direct link cannot be opened; True:
@@ -175,7 +176,7 @@ class EngineConfig:
             layer_split=list(self.layer_split or []),
             deterministic=self.deterministic,
             expert_parallel=self.ep,
-            lookahead=self.lookahead and self.pp > 1,
+            lookahead=self.lookahead if self.pp > 1 else "off",
         )
 
     # --- checks that read files --------------------------------------------------------------------
@@ -259,6 +260,8 @@ class EngineConfig:
             raise ValueError(f"mtp must be None (auto), True or False, got {self.mtp!r}")
         if type(self.pipeline) is not bool:
             raise ValueError(f"pipeline must be True or False, got {self.pipeline!r}")
+        if self.lookahead not in ("auto", "on", "off"):
+            raise ValueError(f"lookahead must be 'auto', 'on' or 'off', got {self.lookahead!r}")
         if self.relay is not None and type(self.relay) is not bool:
             raise ValueError(f"relay must be None (auto), True or False, got {self.relay!r}")
         if self.micro_batches is None:

@@ -157,11 +157,13 @@ class LoadRequest:
     layer_split: list[int] = field(default_factory=list)  # decoder layers per stage; []: as even as can be
     deterministic: bool = False  # batch-invariant decoding (ModelRunner's `deterministic`)
     expert_parallel: int = bounded(1, 4096, 1)  # MoE: groups of a stage's ranks that hold whole experts (layers.moe)
-    lookahead: bool = False  # stages with MTP: a lone sequence's next step runs on a guess (ModelRunner)
+    lookahead: str = "off"  # stages with MTP: a lone sequence's next step runs on a guess: auto, on, off (ModelRunner)
 
     def __post_init__(self) -> None:
         if self.mtp not in ("auto", "on", "off"):
             raise ValueError(f"mtp must be 'auto', 'on' or 'off', got {self.mtp!r}")
+        if self.lookahead not in ("auto", "on", "off"):
+            raise ValueError(f"lookahead must be 'auto', 'on' or 'off', got {self.lookahead!r}")
         if any(n < 1 for n in self.layer_split):
             raise ValueError(f"layer_split must list positive layer counts, got {self.layer_split}")
 

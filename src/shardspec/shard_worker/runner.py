@@ -60,6 +60,10 @@ DRAFT_HEAD = os.environ.get("SHARDSPEC_DRAFT_HEAD", "fp8")
 # batch-invariant mode: rows per matmul block (layers.linear.linear). On a GPU a decode step's matmuls
 # read the weights once up to this many rows anyway; on a CPU a block costs compute per row
 INVARIANT_BLOCK_ROWS = {"cuda": 64, "cpu": 16}
+# lookahead "auto": the last stage guesses while the moving share of a lone sequence's steps that kept
+# all k drafts (a guess can hold only then; over about the last KEPT_ALL_STEPS steps) is at least this
+KEPT_ALL_TO_GUESS = 0.5
+KEPT_ALL_STEPS = 16
 
 
 def invariant_block_rows(device: torch.device) -> int:
@@ -201,7 +205,7 @@ class ModelRunner:
         cuda_graphs: bool = True,
         links: StageLinks | None = None,
         deterministic: bool = False,
-        lookahead: bool = False,
+        lookahead: str = "off",
     ):
         whole = model.stage.first and model.stage.last
         if not whole and links is None:
@@ -219,11 +223,16 @@ class ModelRunner:
         self.forced = forced_acceptance
         # lookahead (pipeline stages with MTP; eager passes only): when a step advances one sequence alone, the stages
         # before the last run its next verify pass on the last stage's guess of its tokens instead of
-        # waiting for the step's record, and run it again when the record proves the guess wrong
+        # waiting for the step's record, and run it again when the record proves the guess wrong;
+        # "auto": the last stage guesses while most lone steps keep all their drafts (_guessing)
+        if lookahead not in ("auto", "on", "off"):
+            raise ValueError(f"lookahead must be 'auto', 'on' or 'off', got {lookahead!r}")
         graphed = cuda_graphs and device.type == "cuda"
-        self.lookahead = bool(lookahead and draft_len and not whole and not graphed)
-        if lookahead and draft_len and not whole and graphed:
+        self.lookahead = bool(lookahead != "off" and draft_len and not whole and not graphed)
+        if lookahead != "off" and draft_len and not whole and graphed:
             log.info("lookahead is off: it is not built for CUDA graphs yet")
+        self.always_guess = lookahead == "on"
+        self.kept_all = 1.0  # the last stage: moving share of lone steps that kept all k drafts (from 1: guess first)
         self.chain = 2 * draft_len + 1 if self.lookahead else draft_len  # drafts chained for a lone sequence
         # batch-invariant mode: the model's layers (CausalLM.set_batch_invariant), and prompts prefilled one
         # at a time in chunks that depend on the prompt alone
@@ -578,17 +587,21 @@ class ModelRunner:
         # step after the next, for the stages before to run that step's pass on before this step's record
         # reaches them (with more live sequences, even in micro-batches of one, they have other work)
         ahead = self.lookahead and sum(not s.finished for s in self.sequences.values()) == 1  # (seqs: that one)
+        guessing = ahead and (self.always_guess or self.kept_all >= KEPT_ALL_TO_GUESS)
+        # the rows carry the guess (the chain then runs 2k + 1 drafts) when this step makes one, and when
+        # the one it made before may hold: the chain must then keep the guessed drafts
+        with_guess = guessing or (ahead and bool(seqs[0].guess))
         x = self._receive(self._next_pass(), (len(seqs), k + 1), guess_held=ahead and seqs[0].guess_held)
         context = self._context(seqs, chain=self.chain if ahead else k)
         wants_logprobs = any(s.logprobs >= 0 for s in seqs)
         plain = all(s.sampling.greedy and not s.sampling.penalised for s in seqs)
         if k and not want_logits and not wants_logprobs and plain:
             # greedy (or forced) acceptance needs no host decision: the whole step is one pass
-            rows = self._rows(seqs, [self._forced(s) for s in seqs], ahead)
+            rows = self._rows(seqs, [self._forced(s) for s in seqs], with_guess)
             out = self.passes.fused(rows, context, x).tolist()
             accepted, tokens, drafts = [r[0] for r in out], [r[1] for r in out], [r[2:] for r in out]
         else:
-            hidden, argmax, draft = self.passes.verify(self._rows(seqs, guesses=ahead), context, x)
+            hidden, argmax, draft = self.passes.verify(self._rows(seqs, guesses=with_guess), context, x)
             accepted, tokens, logits = self._accept(seqs, hidden, argmax, result if want_logits else None,
                                                     wants_logprobs or not plain)
             if k:
@@ -608,7 +621,9 @@ class ModelRunner:
                 # its drafts and its new token is the guessed one (the chain then kept the guessed drafts)
                 s.guess_held = ahead and bool(s.guess) and n == k and token == s.guess[0]
                 s.drafts = [] if s.finished else d[:k]
-                s.guess = d[k:] if ahead and not s.finished else []
+                s.guess = d[k:] if guessing and not s.finished else []
+                if ahead:
+                    self.kept_all += (float(n == k) - self.kept_all) / KEPT_ALL_STEPS
         for i, (s, n, new) in enumerate(zip(seqs, accepted, emitted)):
             if s.logprobs >= 0:  # token j of [d1..dn, bonus] was drawn from the target's logits at position j
                 result.pending_rows[s.seq] = [token_rows(logits[i, : len(new)], torch.tensor(new), s.logprobs)]
