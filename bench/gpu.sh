@@ -179,7 +179,7 @@ for stage in "$@"; do
         wait $writer || failed=1
         timeout 110 python3 bench/fp8_agreement.py --bf16 .bench/9b --fp8 .bench/9b-fp8 --prompts 16 --tokens 128 \
             --out "$out/fp8-agreement-9b.json" 2>&1 | tee "$out/fp8-agreement-9b.log" || failed=1
-        timeout 170 python3 bench/decode.py --size 9b --ckpt .bench/9b --fp8 --fp8-ckpt .bench/9b-fp8 --tp 1 \
+        timeout 260 python3 bench/decode.py --size 9b --ckpt .bench/9b --fp8 --fp8-ckpt .bench/9b-fp8 --fp8-decode w8a8 weight-only --tp 1 \
             --batch 1 8 --k 3 --forced 0.8 --prefill --out "$out/decode-9b-fp8.json" 2>&1 \
             | tee "$out/decode-9b-fp8.log" || failed=1
         ;;
