@@ -18,7 +18,7 @@ from shardspec.orchestrator.config import (
     FORCED_ACCEPTANCE_ENV,
     EngineConfig,
 )
-from shardspec.protocol.messages import MAX_STEP_PROMPT_TOKENS
+from shardspec.protocol.messages import LOOKAHEAD_MODES, MAX_STEP_PROMPT_TOKENS
 from shardspec.protocol.transport import (
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     DEFAULT_LEASE_S,
@@ -170,7 +170,7 @@ def _add_model_options(parser: argparse.ArgumentParser,
     parser.add_argument("--micro-batches", type=int, metavar="M", help="split the running sequences into M "
                         "micro-batches stepped in turn, so that every stage has work while the others run "
                         "(default: --pp, at most the batch)")
-    parser.add_argument("--lookahead", choices=["auto", "on", "off"], default="auto", help="with --pp and MTP, "
+    parser.add_argument("--lookahead", choices=LOOKAHEAD_MODES, default="auto", help="with --pp and MTP, "
                         "while a sequence decoding alone waits for its step's result, the earlier stages run its "
                         "next step on the last stage's guess and again if the guess was wrong (CPU workers): "
                         "auto guesses while at least half of the recent steps kept all their drafts (a guess "

@@ -1,11 +1,13 @@
 """Block-wise FP8 GEMMs: y = x @ (W8 · scale)^T for a float8 e4m3 weight W8 [N, K] with one fp32
 scale per 128 × 128 block (layers.fp8), x in bf16/fp16/fp32.
 
-- Decode (at most DECODE_ROWS rows, and every pass in batch-invariant mode): weight-only, bound by
-  the weight bytes. Each program streams a 64-row strip of the weight over a slice of K (split-K:
-  enough programs to fill every SM even where N is only 4096), widens each FP8 tile in registers
-  (exact: e4m3 fits in bf16), multiplies it with the activations on the tensor cores (the weight as
-  the wide operand, "swap AB") and scales each 128-column partial by its block's scale in fp32.
+- Decode (at most DECODE_ROWS rows, and every pass in batch-invariant mode): bound by the weight
+  bytes. Each program streams a strip of the weight over a slice of K (split-K: enough programs to
+  fill every SM even where N is only 4096) and multiplies it with the activations on the tensor
+  cores (the weight as the wide operand, "swap AB"), scaling each 128-column partial by its
+  block's scale in fp32. Weight-only (DECODE's default) widens each FP8 tile in registers (exact:
+  e4m3 fits in bf16); W8A8 rounds the activations first (`quantize_groups`) and takes both e4m3
+  tiles straight from shared memory.
   The splits' partials meet in an fp32 workspace; the last split of a tile to finish (a counter per
   tile) adds them in split order and writes y: one launch, and the same sum whichever split ends
   last (deterministic, and batch-invariant: the plan depends on the weight's shape alone).
@@ -28,7 +30,7 @@ import triton
 import triton.language as tl
 
 BLOCK = 128  # the scales' block (layers.fp8.BLOCK); the kernels' K tile
-DECODE_ROWS = 64  # up to here weight-only: still bound by the weight bytes at 2·M flops a byte
+DECODE_ROWS = 64  # up to here the decode kernel: still bound by the weight bytes at 2·M flops a byte
 FP8_MAX = 448.0
 CUBLAS_ROWS = 16  # cuBLASLt refuses 1×128 scales whose leading dimension (the rows) is unaligned: pad rows to this
 COUNTERS = 1 << 20  # split-K tile counters per device (a GEMV with more tiles runs unsplit)
@@ -37,19 +39,6 @@ DECODE = os.environ.get("SHARDSPEC_FP8_DECODE", "weight-only")  # weight-only: b
 if DECODE not in ("w8a8", "weight-only"):
     warnings.warn(f"SHARDSPEC_FP8_DECODE={DECODE!r} is neither 'w8a8' nor 'weight-only': weight-only", stacklevel=1)
     DECODE = "weight-only"
-
-
-@triton.jit
-def _round_to_e4m3(v):
-    """v (|v| ≤ 448, fp32) rounded to nearest-even on the e4m3 grid, in fp32 arithmetic: spacing
-    2^(e-3) in [2^e, 2^(e+1)), 2^-9 below 2^-6; the cast to e4m3 after it is then exact whatever
-    path the compiler takes for it."""
-    exponent = (v.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    spacing = ((tl.maximum(exponent, 127 - 6) - 3) << 23).to(tl.float32, bitcast=True)
-    magic = spacing * 12582912.0  # 1.5 · 2^23 spacings: |v| + magic keeps no bit below the spacing
-    rounded = (tl.abs(v) + magic) - magic
-    sign = v.to(tl.int32, bitcast=True) & -0x80000000  # v's sign bit, put back by bits: a negative v that
-    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)  # rounds to 0 is -0, as in torch
 
 
 @triton.jit
@@ -72,20 +61,16 @@ def _decode_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, count_ptr, M, 
             w = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
                         other=0.0)
         x = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
-        w_scale = tl.load(ws_ptr + n_block * stride_ws + kb)
-        if QUANT:  # W8A8: x is e4m3 (quantize_groups), xs its scales per row and 128 columns
-            x_scale = tl.load(xs_ptr + m * stride_xs + kb, mask=m < M, other=0.0)
-            if EXACT:  # Triton's CPU interpreter
-                part = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
-            else:  # e4m3 × e4m3 on the tensor cores, both tiles straight from shared memory
-                part = tl.dot(w, tl.trans(x))
-            acc += part * (w_scale * x_scale[None, :])
+        if EXACT:  # fp32 activations, and Triton's CPU interpreter (its low-precision dots are wrong)
+            part = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+        elif QUANT:  # W8A8, x in e4m3: both tiles go to the tensor cores straight from shared memory
+            part = tl.dot(w, tl.trans(x))
         else:  # weight-only: the weight widened to x's dtype (exact)
-            if EXACT:  # fp32 activations, and Triton's CPU interpreter (its low-precision dots are wrong)
-                part = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
-            else:
-                part = tl.dot(w.to(x.dtype), tl.trans(x))
-            acc += part * w_scale
+            part = tl.dot(w.to(x.dtype), tl.trans(x))
+        scale = tl.load(ws_ptr + n_block * stride_ws + kb)
+        if QUANT:  # and each row's scale of this 128-column group (quantize_groups)
+            scale = scale * tl.load(xs_ptr + m * stride_xs + kb, mask=m < M, other=0.0)[None, :]
+        acc += part * scale
     y_offsets = m[None, :] * stride_y + n[:, None]
     y_mask = (m[None, :] < M) & (n[:, None] < N)
     if SPLIT == 1:
@@ -128,6 +113,19 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_x, stride_
 
 
 @triton.jit
+def _round_to_e4m3(v):
+    """v (|v| ≤ 448, fp32) rounded to nearest-even on the e4m3 grid, in fp32 arithmetic: spacing
+    2^(e-3) in [2^e, 2^(e+1)), 2^-9 below 2^-6; the cast to e4m3 after it is then exact whatever
+    path the compiler takes for it."""
+    exponent = (v.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    spacing = ((tl.maximum(exponent, 127 - 6) - 3) << 23).to(tl.float32, bitcast=True)
+    magic = spacing * 12582912.0  # 1.5 · 2^23 spacings: |v| + magic keeps no bit below the spacing
+    rounded = (tl.abs(v) + magic) - magic
+    sign = v.to(tl.int32, bitcast=True) & -0x80000000  # v's sign bit, put back by bits: a negative v that
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)  # rounds to 0 is -0, as in torch
+
+
+@triton.jit
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s_m, stride_s_k, BK: tl.constexpr):
     row, group = tl.program_id(0), tl.program_id(1)
     k = group * BK + tl.arange(0, BK)
@@ -159,8 +157,8 @@ def quantize_groups(x: torch.Tensor, column_major: bool = False, rows: int | Non
 @dataclass(frozen=True)
 class Plan:
     """A decode launch: rows per program (block_m), weight rows per program (block_n), the K slices
-    (split) that fill the SMs, and whether the activations are rounded to e4m3 in the kernel
-    (quantize: W8A8 on the FP8 tensor cores) or multiplied as they are (weight-only)."""
+    (split) that fill the SMs, and whether the activations are rounded to e4m3 first (quantize:
+    W8A8 on the FP8 tensor cores) or multiplied as they are (weight-only)."""
 
     block_m: int
     block_n: int

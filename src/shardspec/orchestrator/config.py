@@ -16,7 +16,7 @@ from typing import Any
 
 from shardspec import security
 from shardspec.protocol import transport
-from shardspec.protocol.messages import InitRequest, LoadRequest
+from shardspec.protocol.messages import LOOKAHEAD_MODES, InitRequest, LoadRequest
 from shardspec.security import KeyPair
 from shardspec.utils import DTYPE_CHOICES, check_address
 
@@ -260,8 +260,8 @@ class EngineConfig:
             raise ValueError(f"mtp must be None (auto), True or False, got {self.mtp!r}")
         if type(self.pipeline) is not bool:
             raise ValueError(f"pipeline must be True or False, got {self.pipeline!r}")
-        if self.lookahead not in ("auto", "on", "off"):
-            raise ValueError(f"lookahead must be 'auto', 'on' or 'off', got {self.lookahead!r}")
+        if self.lookahead not in LOOKAHEAD_MODES:
+            raise ValueError(f"lookahead must be one of {LOOKAHEAD_MODES}, got {self.lookahead!r}")
         if self.relay is not None and type(self.relay) is not bool:
             raise ValueError(f"relay must be None (auto), True or False, got {self.relay!r}")
         if self.micro_batches is None:

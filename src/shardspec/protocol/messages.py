@@ -141,6 +141,9 @@ class InitReply:
     tp_size: int
 
 
+LOOKAHEAD_MODES = ("auto", "on", "off")
+
+
 @dataclass(frozen=True)
 class LoadRequest:
     """Load this rank's shard of a checkpoint folder and allocate caches for max_slots sequences."""
@@ -157,13 +160,13 @@ class LoadRequest:
     layer_split: list[int] = field(default_factory=list)  # decoder layers per stage; []: as even as can be
     deterministic: bool = False  # batch-invariant decoding (ModelRunner's `deterministic`)
     expert_parallel: int = bounded(1, 4096, 1)  # MoE: groups of a stage's ranks that hold whole experts (layers.moe)
-    lookahead: str = "off"  # stages with MTP: a lone sequence's next step runs on a guess: auto, on, off (ModelRunner)
+    lookahead: str = "off"  # stages with MTP: a lone sequence's next step runs on a guess (ModelRunner)
 
     def __post_init__(self) -> None:
         if self.mtp not in ("auto", "on", "off"):
             raise ValueError(f"mtp must be 'auto', 'on' or 'off', got {self.mtp!r}")
-        if self.lookahead not in ("auto", "on", "off"):
-            raise ValueError(f"lookahead must be 'auto', 'on' or 'off', got {self.lookahead!r}")
+        if self.lookahead not in LOOKAHEAD_MODES:
+            raise ValueError(f"lookahead must be one of {LOOKAHEAD_MODES}, got {self.lookahead!r}")
         if any(n < 1 for n in self.layer_split):
             raise ValueError(f"layer_split must list positive layer counts, got {self.layer_split}")
 

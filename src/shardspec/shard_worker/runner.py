@@ -224,9 +224,7 @@ class ModelRunner:
         # lookahead (pipeline stages with MTP; eager passes only): when a step advances one sequence alone, the stages
         # before the last run its next verify pass on the last stage's guess of its tokens instead of
         # waiting for the step's record, and run it again when the record proves the guess wrong;
-        # "auto": the last stage guesses while most lone steps keep all their drafts (_guessing)
-        if lookahead not in ("auto", "on", "off"):
-            raise ValueError(f"lookahead must be 'auto', 'on' or 'off', got {lookahead!r}")
+        # "auto": the last stage guesses while most lone steps keep all their drafts (KEPT_ALL_TO_GUESS)
         graphed = cuda_graphs and device.type == "cuda"
         self.lookahead = bool(lookahead != "off" and draft_len and not whole and not graphed)
         if lookahead != "off" and draft_len and not whole and graphed:
