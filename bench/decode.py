@@ -110,7 +110,9 @@ class Bench:
         tokens = sum(s["generated_tokens"] - 1 for s in stats)
         result = {"batch": batch, "tokens_per_s": tokens / decode_s, "step_ms": 1000 * decode_s / max(1, steps - 1),
                   "steps": steps, "idle_gap_ms": 1000 * (after.step_gap_total_s - before.step_gap_total_s)
-                  / max(1, after.step_gaps - before.step_gaps)}
+                  / max(1, after.step_gaps - before.step_gaps),
+                  # the share of steps whose pass was queued behind the step before (runner.py: launch ahead)
+                  "launched_ahead": (after.launched_ahead - before.launched_ahead) / max(1, steps)}
         if len(every_after) > 1:  # per rank: waits on the stage links, and the share of the run outside steps
             result["link_wait_ms_per_step"] = [1000 * (a.link_wait_s - b.link_wait_s) / max(1, steps)
                                                for a, b in zip(every_after, every_before)]
@@ -234,8 +236,8 @@ async def run_checkpoint(args: argparse.Namespace, ckpt: Path, weights: str, out
         out["weight_bytes_per_stage" + suffix] = [s.weight_bytes for s in (await engine.stats())[:: args.tp]]
         tags = {"weights": weights} | ({"fp8_decode": fp8_decode} if fp8_decode else {})
         print(f"{weights} weights ({ckpt})" + (f", {fp8_decode} decode GEMVs" if fp8_decode else ""), flush=True)
-        print("| batch | MTP | tokens/s | step ms | floor ms | of floor | MAL | idle gap ms |", flush=True)
-        print("|---|---|---|---|---|---|---|---|", flush=True)
+        print("| batch | MTP | tokens/s | step ms | floor ms | of floor | MAL | idle gap ms | ahead |", flush=True)
+        print("|---|---|---|---|---|---|---|---|---|", flush=True)
         for batch in args.batch:
             configs = [(None, None)] + [(k, f) for f in args.forced for k in args.k]
             modes = [False, True] if args.deterministic else [False]
@@ -251,7 +253,7 @@ async def run_checkpoint(args: argparse.Namespace, ckpt: Path, weights: str, out
                 label = ("off" if not k else f"k={k} @{forced}") + (" deterministic" if deterministic else "")
                 print(f"| {batch} | {label} | {row['tokens_per_s']:.1f} | {row['step_ms']:.2f} | {floor:.2f} "
                       f"| {row['of_floor']:.0%} | {row.get('mean_acceptance_length', 1):.2f} "
-                      f"| {row['idle_gap_ms']:.3f} |", flush=True)
+                      f"| {row['idle_gap_ms']:.3f} | {row['launched_ahead']:.0%} |", flush=True)
         await bench.reload(1, None, None)
         rows = [await bench.prefill(length) | tags for length in args.prefill]
         out["prefill"] += rows

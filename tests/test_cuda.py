@@ -143,6 +143,27 @@ def test_bf16_greedy_with_mtp_equals_without_on_the_gpu(tp):
     assert greedy("cuda", "bfloat16", tp, mtp=True) == greedy("cuda", "bfloat16", tp, mtp=False)
 
 
+@pytest.mark.parametrize("mtp", [False, True])
+def test_greedy_with_passes_launched_ahead_equals_greedy_without_on_the_gpu(mtp, monkeypatch):
+    """Launch ahead is on by default on a GPU (runner.py): each step's pass queued behind the one
+    before it. Budgets that end the sequences at different steps, so that launched passes carry rows
+    of sequences that have finished; deterministic fp32, where no batch shape changes a token."""
+    async def run():
+        async with shardspec.connect(model=str(BUNDLED_MODEL), local=1, device="cuda", dtype="float32", mtp=mtp,
+                                     deterministic=True) as e:
+            async def one(prompt, max_tokens):
+                return [t async for chunk in e.generate(prompt, max_tokens=max_tokens, stop_at_eos=False)
+                        for t in chunk.token_ids]
+
+            outputs = await asyncio.gather(*(one(p, 16 + 24 * i) for i, p in enumerate(PROMPTS)))
+            return outputs, sum(s.launched_ahead for s in await e.stats())
+
+    ahead, launched = asyncio.run(run())
+    monkeypatch.setenv("SHARDSPEC_LAUNCH_AHEAD", "0")
+    plain, none = asyncio.run(run())
+    assert ahead == plain and launched > 0 and none == 0
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_greedy_at_pp_2_with_graphs_on_both_stages_of_one_gpu_equals_pp_1(dtype):
     """Two stage workers on one GPU, both replaying CUDA graphs: the last stage's fused pass reads

@@ -282,6 +282,7 @@ class StatsReply:
     forwarded_max: int = 0  # an earlier stage: the most steps run whose last-stage record was still to come
     lookaheads: int = 0  # an earlier stage: verify passes run on the last stage's guess (ModelRunner's lookahead)
     lookaheads_right: int = 0  # of them, those whose guess held (the others ran again)
+    launched_ahead: int = 0  # passes queued before their step came, behind the step before (runner.py: launch ahead)
 
 
 @dataclass(frozen=True)

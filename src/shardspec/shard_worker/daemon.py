@@ -67,7 +67,7 @@ from shardspec.shard_worker.links import (
     bind_address,
 )
 from shardspec.shard_worker.profiling import StepProfiler, mark
-from shardspec.shard_worker.runner import ModelRunner
+from shardspec.shard_worker.runner import ModelRunner, check_launch_ahead_setting
 from shardspec.utils import memory_stats, parse_device, resolve_dtype
 
 log = logging.getLogger("shardspec.worker")
@@ -297,6 +297,25 @@ class ShardWorker:
         if msg.op == "shutdown":
             raise LinkDropped("the orchestrator said goodbye")
 
+    def _peek_step(self) -> StepRequest | None:
+        """The next request, for the runner to launch its pass ahead (runner.py), when it is here
+        already, the owner's, and a step the runner will take as it is: no prompt tensor to check.
+        It stays queued, to be served next as usual."""
+        if self.deferred or not self.sock.poll(0):
+            return None
+        parts = self.sock.recv_multipart(copy=False)
+        self.deferred.append(parts)
+        if parts[0].bytes != self.owner:
+            return None
+        try:
+            msg = codec.decode(parts[1:])
+            ids = msg.tensors.get("prompt_ids", torch.empty(0, dtype=torch.int64))
+            if msg.op != "step" or set(msg.tensors) - {"prompt_ids"} or ids.shape != (0,) or ids.dtype != torch.int64:
+                return None
+            return parse(StepRequest, msg.meta)
+        except ProtocolError:
+            return None  # its error goes back when it is served
+
     def _reply(self, sock: zmq.Socket, peer: bytes, reply: Message) -> None:
         """Send without blocking: a peer that does not read loses its replies, never this worker."""
         why_not = transport.send_reply(sock, peer, reply)
@@ -348,6 +367,7 @@ class ShardWorker:
         try:
             check_allreduce_setting()
             check_backend_setting()
+            check_launch_ahead_setting()
         except ValueError as exc:
             raise ProtocolError(ErrorCode.BAD_STATE, f"this worker's {exc}") from None
         if body.tp_size > 1:  # stages of one rank each share no collective (nor could ranks on one GPU: NCCL)
@@ -508,6 +528,8 @@ class ShardWorker:
         self.runner = ModelRunner(model, self.device, body.max_slots, max_seq_len, body.prefill_chunk,
                                   draft_len, forced, links=self.links, deterministic=body.deterministic,
                                   lookahead=body.lookahead)
+        if self.tp.size == 1:  # (with more ranks, each would decide alone when its next request is here)
+            self.runner.peek = self._peek_step
         self.state = "loaded"
         self.gap_count, self.gap_total, self.steps, self.step_total_s = 0, 0.0, 0, 0.0
         load_s = time.perf_counter() - started
@@ -611,6 +633,7 @@ class ShardWorker:
             forwarded_max=runner.forwarded_max if runner else 0,
             lookaheads=runner.lookaheads if runner else 0,
             lookaheads_right=runner.lookaheads_right if runner else 0,
+            launched_ahead=runner.launches_ahead if runner else 0,
         )
         return reply, None
 

@@ -16,6 +16,10 @@ stage before the last captures its layers alone (verify, no LM head) and the com
 prefix (in place of draft), which runs when the last stage's record comes, after other steps: each
 bucket has `copies`, one per step still to commit, and each copy index its own graph pool, so that
 no other step's graphs reuse the memory of a held copy's outputs as their temporaries.
+
+A greedy pass can run `again` on its own outputs: the rows of the step after it built on the device
+(each row's new token and drafts, its length past what it kept), so that the runner can queue the
+next step's pass before the host has read this one's (ModelRunner, "launch ahead").
 """
 
 from __future__ import annotations
@@ -75,6 +79,40 @@ class PinnedUpload:
 
 
 @dataclass
+class HostRows:
+    """A pass's output rows on their way to the host, queued behind the pass on the device."""
+
+    host: torch.Tensor
+    done: torch.cuda.Event | None  # None: on the CPU, already there
+
+    @classmethod
+    def copy(cls, out: torch.Tensor) -> HostRows:
+        if out.device.type == "cpu":
+            return cls(out.clone(), None)  # (an eager pass's own tensor; a clone all the same)
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return cls(host, done)
+
+    def rows(self) -> list[list[int]]:
+        """Wait for the copy (not for whatever the device queued after it) and read it."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
+@dataclass
+class _Last:
+    """The last greedy pass of a single stage: what `again` continues."""
+
+    packed: torch.Tensor  # its input rows, the live ones first (padded in a bucket)
+    out: torch.Tensor  # its result, [B, 2 + k]
+    context: int
+    bucket: _Bucket | None  # None: it ran eagerly
+
+
+@dataclass
 class _Bucket:
     """The graphs of one (batch bucket, context bucket), captured at load (capture_all) or on first use."""
 
@@ -94,7 +132,7 @@ class _Bucket:
 
 
 class StepPasses:
-    """fused(rows, context, x), or verify(rows, context, x) then its follow(accepts); eager or from
+    """greedy(rows, context, x), or verify(rows, context, x) then its follow(accepts); eager or from
     graphs; outputs are valid until the next call (a held copy's, until its follow). rows:
     [pending, d1..dk, length, slot, forced] per sequence (eagerly, the runner's lookahead appends a
     guess: ModelRunner._unpack); accepts: [accepted, new token]; x: the
@@ -119,12 +157,47 @@ class StepPasses:
         # follow pass (the commit of a step in flight), so no other graph of the pool may run
         self.pools = [torch.cuda.graph_pool_handle() for _ in range(copies)] if self.graphs else []
         self.held = [False] * copies
+        self.last: _Last | None = None  # the last greedy pass of a single stage (`again`)
 
-    def fused(self, rows: list[list[int]], context: int, x: torch.Tensor | None = None) -> torch.Tensor:
+    def greedy(self, rows: list[list[int]], context: int, x: torch.Tensor | None = None) -> torch.Tensor:
+        """The pass of a step every row of which decodes greedily or under forced acceptance, all on
+        the device: [B, 2 + k] = (accepted, token, drafts); the fused pass (k > 0), or the verify
+        pass's argmax as (0, token) (k = 0)."""
         bucket = self._upload(rows, context, x)
+        packed = upload(rows, self.device) if bucket is None else bucket.packed
+        return self._greedy(packed, len(rows), min(context, self.max_context), bucket, x)
+
+    def again(self, forced: list[int] | None = None) -> torch.Tensor:
+        """The last greedy pass of a single stage once more, on the rows of the step after it, built on
+        the device from its rows and result: [token, d1..dk, length + accepted + 1, slot, forced]
+        (`forced` per row, k > 0; None: as before). The caller has queued the copy of the result it
+        reads (HostRows.copy): this pass overwrites it. Returns what `greedy` returns."""
+        last, k = self.last, self.draft_len
+        if last is None:
+            raise RuntimeError("again() continues a greedy pass of a single stage; there is none")
+        rows = last.packed[: len(last.out)]
+        if k:
+            length = rows[:, k + 1] + last.out[:, 0] + 1
+            tail = rows[:, k + 3 :] if forced is None else upload(forced, self.device)[:, None]
+            following = torch.cat([last.out[:, 1:], length[:, None], rows[:, k + 2 : k + 3], tail], 1)
+        else:  # rows [pending, length, slot, forced]
+            following = torch.cat([last.out[:, 1:], rows[:, 1:2] + 1, rows[:, 2:]], 1)
+        rows.copy_(following)
+        return self._greedy(last.packed, len(last.out), min(last.context + k + 1, self.max_context), last.bucket)
+
+    def _greedy(self, packed: torch.Tensor, n: int, context: int, bucket: _Bucket | None,
+                x: torch.Tensor | None = None) -> torch.Tensor:
+        k = self.draft_len
         if bucket is None:
-            return self.fused_fn(upload(rows, self.device), min(context, self.max_context), self._to_device(x))
-        return self._replay(bucket, "fused")[: len(rows)]
+            x = self._to_device(x)
+            out = self.fused_fn(packed, context, x) if k else self.verify_fn(packed, context, x)[1]
+        else:
+            out = self._replay(bucket, "fused") if k else self._replay(bucket, "verify")[1]
+            out = out[:n]
+        if not k:
+            out = torch.cat([torch.zeros_like(out[:, :1]), out[:, :1]], 1)
+        self.last = _Last(packed, out, context, bucket) if x is None else None
+        return out
 
     def verify(self, rows: list[list[int]], context: int,
                x: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, Follow]:

@@ -16,6 +16,14 @@ token. One step verifies them with the target model ([pending, d1..dk] in one sp
 leaves the recurrent states alone), accepts a prefix, commits it (the recurrent layers replay the
 accepted tokens), re-runs the MTP layer over the accepted positions with the target's true hidden
 states, and chains the MTP head k times to draft again. Nothing but token ids leaves the worker.
+
+Launch ahead: a single stage at TP = 1 on a GPU whose next request is already queued (the
+orchestrator keeps the next step on the wire) and continues the current one (the same sequences,
+greedy, no prefill) queues that step's pass on the device right behind the current one, its rows
+built on the device from the current pass's outputs (StepPasses.again). The host then reads this
+step's outputs, replies and takes the next request while the device runs the next pass, instead of
+the device waiting for the host between steps. The next step's rows hold the sequences this one may
+finish; their rows run on and are dropped (a finished sequence's caches are never read again).
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ from shardspec.layers.sampling import (
 from shardspec.models.base import CausalLM
 from shardspec.protocol.errors import ErrorCode, ProtocolError
 from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepReply, StepRequest
-from shardspec.shard_worker.graphs import StepPasses
+from shardspec.shard_worker.graphs import HostRows, StepPasses
 from shardspec.shard_worker.links import StageLinks
 from shardspec.shard_worker.logprobs import LogprobRows, prompt_rows, reply_tensors, token_rows
 from shardspec.shard_worker.penalties import TokenCounts
@@ -64,6 +72,14 @@ INVARIANT_BLOCK_ROWS = {"cuda": 64, "cpu": 16}
 # all k drafts (a guess can hold only then; over about the last KEPT_ALL_STEPS steps) is at least this
 KEPT_ALL_TO_GUESS = 0.5
 KEPT_ALL_STEPS = 16
+# launch ahead (see the module's docstring): "auto" on a GPU, "1" also on a CPU (where it only reorders
+# the work: tests), "0" never
+LAUNCH_AHEAD = os.environ.get("SHARDSPEC_LAUNCH_AHEAD", "auto")
+
+
+def check_launch_ahead_setting() -> None:
+    if LAUNCH_AHEAD not in ("auto", "0", "1"):
+        raise ValueError(f"SHARDSPEC_LAUNCH_AHEAD must be auto, 0 or 1, not {LAUNCH_AHEAD!r}")
 
 
 def invariant_block_rows(device: torch.device) -> int:
@@ -89,7 +105,7 @@ class Sequence:
     length: int  # tokens whose state is in the target cache
     next_token: int  # sampled but not yet fed through the model
     sampling: SamplingParams
-    generator: torch.Generator | None
+    generator: torch.Generator | None  # on the device: sampling
     remaining: int  # tokens it may still emit
     stop_ids: frozenset[int]
     drafts: list[int] = field(default_factory=list)
@@ -100,6 +116,7 @@ class Sequence:
     # next keeps all its drafts), from its chain of 2k + 1 drafts; [] when it made none
     guess: list[int] = field(default_factory=list)
     guess_held: bool = False  # the last stage: its last step proved the guess the next step's lookahead ran on
+    draws: torch.Generator | None = None  # on the host: benchmark-only forced acceptance (drawn with no device sync)
 
     def penalise(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
         """logits [P, V] as this sequence samples from them (penalised, row j after drafts[:j])."""
@@ -120,6 +137,14 @@ class Sequence:
         if not self.finished and self.remaining == 0:
             self.finished = "length"
         return tokens
+
+
+@dataclass
+class Launched:
+    """A pass queued ahead of its step (launch ahead): the sequences of its rows, its outputs' copy."""
+
+    seqs: list[int]
+    out: HostRows
 
 
 @dataclass
@@ -206,6 +231,7 @@ class ModelRunner:
         links: StageLinks | None = None,
         deterministic: bool = False,
         lookahead: str = "off",
+        launch_ahead: str = LAUNCH_AHEAD,
     ):
         whole = model.stage.first and model.stage.last
         if not whole and links is None:
@@ -232,6 +258,12 @@ class ModelRunner:
         self.always_guess = lookahead == "on"
         self.kept_all = 1.0  # the last stage: moving share of lone steps that kept all k drafts (from 1: guess first)
         self.chain = 2 * draft_len + 1 if self.lookahead else draft_len  # drafts chained for a lone sequence
+        # launch ahead: `peek` (set by the worker where its TP group is one rank) returns the next request
+        # when it is already queued, else None
+        self.launch_ahead = whole and (launch_ahead == "1" or (launch_ahead == "auto" and graphed))
+        self.peek: Callable[[], StepRequest | None] | None = None
+        self.launched: Launched | None = None  # the pass queued for the next step
+        self.launches_ahead = 0  # passes launched ahead (a count, for the tests)
         # batch-invariant mode: the model's layers (CausalLM.set_batch_invariant), and prompts prefilled one
         # at a time in chunks that depend on the prompt alone
         self.deterministic = deterministic
@@ -293,10 +325,14 @@ class ModelRunner:
         if not self.model.stage.last:
             return self._stage_step(request, prompts)
         result = StepResult()
+        if self.launched is not None and (request.prefill or request.return_logits
+                                          or request.decode != self.launched.seqs):
+            raise RuntimeError("a pass was launched ahead for a step that did not come next")  # (_continues)
         self._prefill_all(request, prompts, result)
         running = [self.sequences[s] for s in request.decode if not self.sequences[s].finished]
         if running:
             self._verify(running, result, request.return_logits)
+        self.launched = self.launched if running else None  # (all its rows' sequences have finished)
         if self.links is not None and result.seqs:  # a step of finished sequences only has no record
             self.links.send_record(self.steps, result.reply(), result.guesses if any(result.guesses) else None)
         return result
@@ -416,12 +452,14 @@ class ModelRunner:
         return seqs
 
     def _new_sequence(self, spec: PrefillSpec, slot: int, length: int, token: int) -> Sequence:
-        generator = None
-        if not spec.sampling.greedy or self.forced is not None:
+        generator = draws = None
+        if not spec.sampling.greedy:
             generator = torch.Generator(self.device).manual_seed(spec.sampling.seed)
+        if self.forced is not None:
+            draws = torch.Generator().manual_seed(spec.sampling.seed)
         budget = min(spec.max_tokens, self.max_seq_len - length)
         return Sequence(spec.seq, slot, length, token, spec.sampling, generator, budget, frozenset(spec.stop_ids),
-                        logprobs=spec.logprobs)
+                        logprobs=spec.logprobs, draws=draws)
 
     def _prompt_logprobs(self, specs: list[PrefillSpec], prompts: torch.Tensor, start: int, hidden: torch.Tensor,
                          result: StepResult) -> None:
@@ -593,10 +631,9 @@ class ModelRunner:
         context = self._context(seqs, chain=self.chain if ahead else k)
         wants_logprobs = any(s.logprobs >= 0 for s in seqs)
         plain = all(s.sampling.greedy and not s.sampling.penalised for s in seqs)
-        if k and not want_logits and not wants_logprobs and plain:
+        if not want_logits and not wants_logprobs and plain:
             # greedy (or forced) acceptance needs no host decision: the whole step is one pass
-            rows = self._rows(seqs, [self._forced(s) for s in seqs], with_guess)
-            out = self.passes.fused(rows, context, x).tolist()
+            out = self._greedy(seqs, context, x, with_guess)
             accepted, tokens, drafts = [r[0] for r in out], [r[1] for r in out], [r[2:] for r in out]
         else:
             hidden, argmax, draft = self.passes.verify(self._rows(seqs, guesses=with_guess), context, x)
@@ -627,9 +664,35 @@ class ModelRunner:
                 result.pending_rows[s.seq] = [token_rows(logits[i, : len(new)], torch.tensor(new), s.logprobs)]
             result.add(s, new, n if k else -1)
 
+    def _greedy(self, seqs: list[Sequence], context: int, x: torch.Tensor | None, with_guess: bool) -> list[list[int]]:
+        """The greedy pass's [accepted, token, *drafts] of each sequence: the pass launched ahead for
+        this step if there is one, else this step's; before reading it, the next step's launched ahead
+        where the next request continues this one."""
+        launched, self.launched = self.launched, None
+        if launched is None:
+            rows = self._rows(seqs, [self._forced(s) for s in seqs], with_guess)
+            launched = Launched([s.seq for s in seqs], HostRows.copy(self.passes.greedy(rows, context, x)))
+        following = self.peek() if self.launch_ahead and self.peek is not None else None
+        if self._continues(following, launched.seqs):
+            forced = [self._forced(self.sequences[seq]) for seq in launched.seqs] if self.forced is not None else None
+            self.launched = Launched(launched.seqs, HostRows.copy(self.passes.again(forced)))
+            self.launches_ahead += 1
+        out = launched.out.rows()
+        row = {seq: i for i, seq in enumerate(launched.seqs)}
+        return [out[row[s.seq]] for s in seqs]
+
+    def _continues(self, request: StepRequest | None, seqs: list[int]) -> bool:
+        """Whether `request` is the step after this one over the same rows (the sequences `seqs`, in
+        order, no prefill, no logits), and none of its rows can run past the caches: it runs before
+        the host knows how far this step took them (at most k + 1 positions)."""
+        if request is None or request.prefill or request.return_logits or request.decode != seqs:
+            return False
+        limit = self.max_seq_len - 2 * (self.draft_len + 1)
+        return all(self.sequences[seq].length <= limit for seq in seqs)
+
     def _forced(self, s: Sequence) -> int:
         """Benchmark mode: the drafts this sequence keeps, drawn before the pass; -1 otherwise."""
-        return -1 if self.forced is None else forced_accepts(len(s.drafts), self.forced, s.generator)
+        return -1 if self.forced is None else forced_accepts(len(s.drafts), self.forced, s.draws)
 
     def _verify_pass(self, packed: torch.Tensor, context: int,
                      x: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, dict]:

@@ -1,0 +1,128 @@
+"""Launch ahead: a single stage queues the next step's pass on the device before it reads the current
+one's (runner.py). The replies must be those of running every step after the one before."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import deque
+
+import pytest
+import torch
+from conftest import pooled
+
+import shardspec
+from shardspec.layers.parallel import TPGroup
+from shardspec.models.loader import load_model
+from shardspec.protocol.messages import PrefillSpec, ReleaseRequest, SamplingParams, StepRequest
+from shardspec.shard_worker.runner import ModelRunner
+
+NO_PROMPT = torch.empty(0, dtype=torch.long)
+
+
+def drive(runner: ModelRunner, arrivals: dict[int, list[tuple[PrefillSpec, list[int]]]], max_steps: int = 200):
+    """The replies of `runner` driven as the engine drives a worker: two steps on the wire (the next
+    one sent before the current one's reply is read, naming the sequences not known finished then),
+    a release sent for each sequence once a reply says it finished; `peek` sees the next message
+    when it is a step. arrivals: at the n-th step sent, the prompts it prefills."""
+    wire: deque = deque()
+    live: list[int] = []
+    known_done: set[int] = set()
+    sent = 0
+
+    def send_step() -> None:
+        nonlocal sent
+        new = arrivals.get(sent, [])
+        decode = [seq for seq in live if seq not in known_done]
+        live.extend(spec.seq for spec, _ in new)
+        prompts = torch.tensor([t for _, prompt in new for t in prompt], dtype=torch.long)
+        wire.append(("step", StepRequest(prefill=[spec for spec, _ in new], decode=decode), prompts))
+        sent += 1
+
+    def peek() -> StepRequest | None:
+        return wire[0][1] if wire and wire[0][0] == "step" else None
+
+    runner.peek = peek
+    replies = []
+    while sent < max_steps and (sent <= max(arrivals) or set(live) - known_done):
+        while sum(kind == "step" for kind, *_ in wire) < 2:
+            send_step()
+        kind, request, *rest = wire.popleft()
+        if kind == "release":
+            runner.release(request.seqs)
+            continue
+        reply = runner.step(request, rest[0]).reply()
+        replies.append((reply.seqs, reply.tokens, reply.accepted, reply.drafts, reply.finished))
+        done = [seq for seq, why in zip(reply.seqs, reply.finished) if why]
+        known_done.update(done)
+        if done:
+            wire.append(("release", ReleaseRequest(seqs=done), None))
+    return replies
+
+
+def arrivals_of(vocab: int, seed: int) -> dict[int, list[tuple[PrefillSpec, list[int]]]]:
+    """Prompts arriving at steps 0, 0, 3 and 9, with budgets that end them at different steps, one
+    that runs to the end of its context, and one that stops at a token id."""
+    rng = random.Random(seed)
+
+    def spec(seq: int, max_tokens: int, stop_ids: list[int] | None = None) -> tuple[PrefillSpec, list[int]]:
+        prompt = rng.choices(range(vocab), k=rng.randint(1, 9))
+        return PrefillSpec(seq=seq, length=len(prompt), sampling=SamplingParams(), max_tokens=max_tokens,
+                           stop_ids=stop_ids or []), prompt
+
+    return {0: [spec(0, 7), spec(1, 1000)], 3: [spec(2, 13, stop_ids=[3, 5])], 9: [spec(3, 20)]}
+
+
+@pytest.mark.parametrize(("draft_len", "forced"), [(3, None), (3, 0.6), (0, None)])
+def test_replies_with_passes_launched_ahead_equal_replies_without(small_vocab_model, draft_len, forced):
+    model = load_model(small_vocab_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=True)
+
+    def replies(launch_ahead: str) -> tuple[list, int]:
+        # deterministic: a launched pass also runs the rows of sequences the step before finished, so its
+        # batch has more rows than the same step run after the step before (CPU matmuls may round by shape)
+        runner = ModelRunner(model, torch.device("cpu"), 4, 40, 512, draft_len, forced_acceptance=forced,
+                             deterministic=True, launch_ahead=launch_ahead)
+        try:
+            return drive(runner, arrivals_of(16, seed=draft_len)), runner.launches_ahead
+        finally:
+            runner.close()
+
+    ahead, launched = replies("1")
+    plain, none = replies("0")
+    assert ahead == plain
+    assert none == 0 and launched > len(plain) // 2  # most steps came next, as the engine sends them
+    assert {why for step in plain for why in step[4]} >= {"length"}
+    assert any(why for step in plain for why in step[4][:-1])  # a sequence finished while others ran on
+
+
+def test_no_pass_is_launched_past_the_caches(small_vocab_model):
+    """A sequence running to max_seq_len: the step after each step is launched before the host knows
+    how far that step took it, so near the end of the context nothing may be launched ahead."""
+    model = load_model(small_vocab_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=True)
+    runner = ModelRunner(model, torch.device("cpu"), 1, 24, 512, 3, forced_acceptance=1.0, launch_ahead="1")
+    spec = PrefillSpec(seq=0, length=2, sampling=SamplingParams(), max_tokens=1000)
+    replies = drive(runner, {0: [(spec, [5, 7])]})
+    assert sum(len(tokens[0]) for _, tokens, *_ in replies) == 24 - 2
+    # every draft kept: the decode steps start at lengths 2, 6, .. 22; each but the last launches the next
+    # ahead where it starts at most 2 (k + 1) positions before max_seq_len
+    starts = range(2, 24 - 1, 4)
+    assert runner.launches_ahead == sum(n <= 24 - 2 * 4 for n in starts[:-1]) > 0
+    runner.close()
+
+
+def test_the_engine_launches_ahead_and_its_output_is_the_same(small_vocab_model, monkeypatch):
+    prompts = [[1, 2, 3], [7], [4, 4, 4, 4, 9], [11, 2]]
+
+    async def run(**workers):
+        async with shardspec.connect(model=str(small_vocab_model), mtp=True, max_slots=4, dtype="float32",
+                                     deterministic=True, **workers) as engine:
+            async def one(prompt, max_tokens):
+                return [t async for chunk in engine.generate(prompt, max_tokens=max_tokens) for t in chunk.token_ids]
+            out = await asyncio.gather(*(one(p, 10 + 9 * i) for i, p in enumerate(prompts)))
+            return out, sum(s.launched_ahead for s in await engine.stats())
+
+    plain, none = asyncio.run(run(workers=pooled(1)))  # on a CPU launch ahead is off by default
+    monkeypatch.setenv("SHARDSPEC_LAUNCH_AHEAD", "1")  # the spawned worker's setting
+    ahead, launched = asyncio.run(run(local=1))
+    assert ahead == plain and none == 0 and launched > 0
+
