@@ -39,7 +39,7 @@ def drive(runner: ModelRunner, arrivals: dict[int, list[tuple[PrefillSpec, list[
         wire.append(("step", StepRequest(prefill=[spec for spec, _ in new], decode=decode), prompts))
         sent += 1
 
-    def peek() -> StepRequest | None:
+    def peek(_until) -> StepRequest | None:  # (the next step is on the wire before the current one runs)
         return wire[0][1] if wire and wire[0][0] == "step" else None
 
     runner.peek = peek

@@ -5,9 +5,9 @@ scale per 128 × 128 block (layers.fp8), x in bf16/fp16/fp32.
   bytes. Each program streams a strip of the weight over a slice of K (split-K: enough programs to
   fill every SM even where N is only 4096) and multiplies it with the activations on the tensor
   cores (the weight as the wide operand, "swap AB"), scaling each 128-column partial by its
-  block's scale in fp32. Weight-only (DECODE's default) widens each FP8 tile in registers (exact:
-  e4m3 fits in bf16); W8A8 rounds the activations first (`quantize_groups`) and takes both e4m3
-  tiles straight from shared memory.
+  block's scale in fp32. W8A8 (DECODE's default) rounds the activations first (`quantize_groups`)
+  and takes both e4m3 tiles straight from shared memory; weight-only (and every fp32 pass) widens
+  each FP8 tile in registers (exact: e4m3 fits in bf16).
   The splits' partials meet in an fp32 workspace; the last split of a tile to finish (a counter per
   tile) adds them in split order and writes y: one launch, and the same sum whichever split ends
   last (deterministic, and batch-invariant: the plan depends on the weight's shape alone).
@@ -35,10 +35,12 @@ FP8_MAX = 448.0
 CUBLAS_ROWS = 16  # cuBLASLt refuses 1×128 scales whose leading dimension (the rows) is unaligned: pad rows to this
 COUNTERS = 1 << 20  # split-K tile counters per device (a GEMV with more tiles runs unsplit)
 PREFILL = os.environ.get("SHARDSPEC_FP8_PREFILL", "auto")  # auto: cuBLAS where it has blockwise FP8; triton: ours
-DECODE = os.environ.get("SHARDSPEC_FP8_DECODE", "weight-only")  # weight-only: bf16 activations; w8a8: e4m3 first
+# w8a8: the activations rounded to e4m3 first, as the checkpoints' dynamic activation scheme and the
+# prefill; weight-only: bf16 activations (fp32 ones always take it)
+DECODE = os.environ.get("SHARDSPEC_FP8_DECODE", "w8a8")
 if DECODE not in ("w8a8", "weight-only"):
-    warnings.warn(f"SHARDSPEC_FP8_DECODE={DECODE!r} is neither 'w8a8' nor 'weight-only': weight-only", stacklevel=1)
-    DECODE = "weight-only"
+    warnings.warn(f"SHARDSPEC_FP8_DECODE={DECODE!r} is neither 'w8a8' nor 'weight-only': w8a8", stacklevel=1)
+    DECODE = "w8a8"
 
 
 @triton.jit

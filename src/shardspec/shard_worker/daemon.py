@@ -19,6 +19,7 @@ import struct
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -72,6 +73,8 @@ from shardspec.utils import memory_stats, parse_device, resolve_dtype
 
 log = logging.getLogger("shardspec.worker")
 
+# launch ahead: while the device runs a step's pass, how often the worker looks for the next request
+PEEK_POLL_S = 50e-6
 LINK_UP_S = 5.0  # at init: how long a stage link may take to connect before the worker says it cannot
 
 
@@ -297,12 +300,17 @@ class ShardWorker:
         if msg.op == "shutdown":
             raise LinkDropped("the orchestrator said goodbye")
 
-    def _peek_step(self) -> StepRequest | None:
-        """The next request, for the runner to launch its pass ahead (runner.py), when it is here
-        already, the owner's, and a step the runner will take as it is: no prompt tensor to check.
-        It stays queued, to be served next as usual."""
-        if self.deferred or not self.sock.poll(0):
+    def _peek_step(self, until: Callable[[], bool]) -> StepRequest | None:
+        """The next request, for the runner to launch its pass ahead (runner.py), as soon as it comes
+        (None once until() is true, or if another request is queued first), if it is the owner's and
+        a step the runner will take as it is: no prompt tensor to check. It stays queued, to be
+        served next as usual."""
+        if self.deferred:
             return None
+        while not self.sock.poll(0):
+            if until():
+                return None
+            time.sleep(PEEK_POLL_S)
         parts = self.sock.recv_multipart(copy=False)
         self.deferred.append(parts)
         if parts[0].bytes != self.owner:

@@ -95,6 +95,9 @@ class HostRows:
         done.record()
         return cls(host, done)
 
+    def ready(self) -> bool:
+        return self.done is None or self.done.query()
+
     def rows(self) -> list[list[int]]:
         """Wait for the copy (not for whatever the device queued after it) and read it."""
         if self.done is not None:
@@ -245,6 +248,7 @@ class StepPasses:
         """Drop every graph and what they hold (the pool's memory goes back once nothing else
         holds it: the caller also drops the layers' references to the last pass)."""
         self.buckets.clear()
+        self.last = None
 
     def _upload(self, rows: list[list[int]], context: int, x: torch.Tensor | None) -> _Bucket | None:
         """The rows, padded, and the input hidden states into a free copy of their bucket (None: no

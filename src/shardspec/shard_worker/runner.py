@@ -258,10 +258,10 @@ class ModelRunner:
         self.always_guess = lookahead == "on"
         self.kept_all = 1.0  # the last stage: moving share of lone steps that kept all k drafts (from 1: guess first)
         self.chain = 2 * draft_len + 1 if self.lookahead else draft_len  # drafts chained for a lone sequence
-        # launch ahead: `peek` (set by the worker where its TP group is one rank) returns the next request
-        # when it is already queued, else None
+        # launch ahead: `peek(until)` (set by the worker where its TP group is one rank) returns the next
+        # request as soon as it is queued, or None once until() is true (the current pass is done)
         self.launch_ahead = whole and (launch_ahead == "1" or (launch_ahead == "auto" and graphed))
-        self.peek: Callable[[], StepRequest | None] | None = None
+        self.peek: Callable[[Callable[[], bool]], StepRequest | None] | None = None
         self.launched: Launched | None = None  # the pass queued for the next step
         self.launches_ahead = 0  # passes launched ahead (a count, for the tests)
         # batch-invariant mode: the model's layers (CausalLM.set_batch_invariant), and prompts prefilled one
@@ -310,6 +310,7 @@ class ModelRunner:
     def close(self) -> None:
         """Free the caches, the fp8 head and the graphs (with what the passes saved in the graphs'
         memory pool), so that a new runner on the same model does not hold both."""
+        self.launched = None
         self.passes.close()
         self.model.allocate_caches(0, 0, self.cache_dtype, self.device)
         if self.model.lm_head is not None:
@@ -667,12 +668,14 @@ class ModelRunner:
     def _greedy(self, seqs: list[Sequence], context: int, x: torch.Tensor | None, with_guess: bool) -> list[list[int]]:
         """The greedy pass's [accepted, token, *drafts] of each sequence: the pass launched ahead for
         this step if there is one, else this step's; before reading it, the next step's launched ahead
-        where the next request continues this one."""
+        where the next request comes while this pass runs and continues this step."""
         launched, self.launched = self.launched, None
         if launched is None:
             rows = self._rows(seqs, [self._forced(s) for s in seqs], with_guess)
             launched = Launched([s.seq for s in seqs], HostRows.copy(self.passes.greedy(rows, context, x)))
-        following = self.peek() if self.launch_ahead and self.peek is not None else None
+        # the orchestrator sends the next step once it has read the reply before this one: while this
+        # pass runs, as a rule
+        following = self.peek(launched.out.ready) if self.launch_ahead and self.peek is not None else None
         if self._continues(following, launched.seqs):
             forced = [self._forced(self.sequences[seq]) for seq in launched.seqs] if self.forced is not None else None
             self.launched = Launched(launched.seqs, HostRows.copy(self.passes.again(forced)))
