@@ -39,6 +39,9 @@
 #           the teacher-forced agreement (16 prompts × 128 tokens, against the exact FP8 reference and the bf16 twin),
 #           then 9B-class bf16 and FP8 in one bench/decode.py run: batch 1/8, MTP off and k = 3 at 0.8, each against
 #           its floor; each part runs even if one before failed (the exit status says)
+#   parts   one H200, ~4 minutes: where a 9B-class step's device time goes by part against each part's floor
+#           (bench/profile_step.py, in-process), batch 1 and 8, MTP off and k = 3 at 0.8, with launch ahead and
+#           without (the peer); each part runs even if one before failed
 # Then, where matplotlib is: python bench/plot_decode.py OUT/decode-9b-tp1.json ... --out docs/decode.png
 set -euo pipefail
 if [ $# -lt 3 ]; then
@@ -49,8 +52,8 @@ wheels=$1 out=$2
 shift 2
 for stage in "$@"; do
     case $stage in
-    tests | 9b | 9b-tp2 | tp2-profile | 27b | floor | deterministic | pp | moe | moe-wide | fp8) ;;
-    *) echo "gpu.sh: unknown stage '$stage' (tests, 9b, 9b-tp2, tp2-profile, 27b, floor, deterministic, pp, moe, moe-wide, fp8)" >&2
+    tests | 9b | 9b-tp2 | tp2-profile | 27b | floor | deterministic | pp | moe | moe-wide | fp8 | parts) ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, 9b, 9b-tp2, tp2-profile, 27b, floor, deterministic, pp, moe, moe-wide, fp8, parts)" >&2
        exit 2 ;;
     esac
 done
@@ -182,6 +185,14 @@ for stage in "$@"; do
         timeout 260 python3 bench/decode.py --size 9b --ckpt .bench/9b --fp8 --fp8-ckpt .bench/9b-fp8 --fp8-decode w8a8 weight-only --tp 1 \
             --batch 1 8 --k 3 --forced 0.8 --prefill --out "$out/decode-9b-fp8.json" 2>&1 \
             | tee "$out/decode-9b-fp8.log" || failed=1
+        ;;
+    parts)
+        for batch in 1 8; do
+            for ahead in launch-ahead no-launch-ahead; do
+                timeout 110 python3 bench/profile_step.py --size 9b --batch $batch --k 0 3 --"$ahead" 2>&1 \
+                    | tee "$out/profile-9b-parts-b$batch-$ahead.log" || failed=1
+            done
+        done
         ;;
     esac
 done

@@ -3,10 +3,14 @@
     python bench/profile_step.py [--size 9b] [--batch 1] [--k 0 1 3] [--forced 0.8] [--tp 1] [--prefill 2048]
 
 Builds the model with random weights directly on the device (no checkpoint on disk), runs the
-ModelRunner's steps, and prints the median step time per k plus PyTorch's profiler table of the
-most expensive operators for the last configuration. With --tp N it starts N processes, one per
-GPU, in one NCCL group (each holding its own random shard); rank 0 prints, with the all-reduce
-kernels of both ranks side by side: how long each ran, and how far apart the ranks arrived. With
+ModelRunner's steps, and prints for each k the mean step time, PyTorch's profiler table of the
+most expensive operators, and where the step's device time goes by part (matmuls, Gated DeltaNet,
+attention, norms, ...) against each part's floor: the bytes it must move
+(shardspec.models.step_bytes) ÷ the copy bandwidth. The runner launches each step's pass ahead,
+behind the step before, as a worker does on a GPU (runner.py; --no-launch-ahead: the peer). With
+--tp N it starts N processes, one per GPU, in one NCCL group (each holding its own random shard);
+rank 0 prints, with the all-reduce kernels of both ranks side by side: how long each ran, and how
+far apart the ranks arrived. With
 --prefill it also times prefills of those prompt lengths and profiles the last.
 """
 
@@ -19,7 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from gpu_timing import sync
+from gpu_timing import copy_bandwidth, sync
 
 from shardspec.layers.parallel import TPGroup, use_symmetric_memory
 from shardspec.models.qwen3_5 import Qwen3_5Config, Qwen3_5Model, Qwen3_5MoeConfig
@@ -30,12 +34,61 @@ from shardspec.models.random_checkpoint import (
     tiny_moe_config,
     twenty_seven_b_config,
 )
+from shardspec.models.step_bytes import StepBytes, step_bytes
 from shardspec.orchestrator.workers import free_port
 from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepRequest
 from shardspec.shard_worker.runner import ModelRunner
 
 SIZES = {"tiny": tiny_config, "9b": nine_b_config, "27b": twenty_seven_b_config, "tiny-moe": tiny_moe_config,
          "35b-a3b": thirty_five_b_a3b_config}
+# a step's parts: the first whose name fragment a kernel's name holds (lower case) takes its time
+PARTS = {
+    "all-reduce": ("allreduce", "all_reduce", "nccl"),
+    "drafts' LM head": ("_argmax_kernel",),
+    "FP8 quantiser": ("_quantize_kernel",),
+    "matmuls (GEMV/GEMM, experts)": ("nvjet", "gemv", "gemm", "splitkreduce", "cutlass", "xmma", "_decode_kernel",
+                                     "_w8a8_kernel", "_gate_up_kernel", "_down_kernel"),
+    "MoE routing": ("_route_kernel",),
+    "Gated DeltaNet": ("_delta_rule", "_causal_conv", "_gated_rms_norm", "chunk"),
+    "attention": ("_cached_attention", "_qk_norm_rope", "flash", "fmha", "attention"),
+    "norms, SiLU·up": ("_rms_norm", "_silu_mul"),
+}
+
+
+def part_of(kernel: str) -> str:
+    name = kernel.lower()
+    return next((part for part, pieces in PARTS.items() if any(p in name for p in pieces)),
+                "other (elementwise, copies)")
+
+
+def part_floors(moved: StepBytes) -> dict[str, int]:
+    """The bytes each part must move in the step (the matmuls: every projection, the routed experts the
+    tokens hit, the target's LM head and the MTP module)."""
+    return {"matmuls (GEMV/GEMM, experts)": moved.weights + moved.mtp, "drafts' LM head": moved.draft_head,
+            "Gated DeltaNet": moved.recurrent_state, "attention": moved.kv_cache}
+
+
+def parts_table(prof, steps: int, wall_ms: float, moved: StepBytes, bandwidth: float, say) -> None:
+    """The profiled steps' device time by part, per step, against each part's floor; the gaps are the
+    time the device ran nothing (the profiler slows the host, so they read high)."""
+    times: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            part = part_of(e.key)
+            times[part] = times.get(part, 0.0) + e.self_device_time_total / steps
+            counts[part] = counts.get(part, 0) + e.count
+    floors = {part: 1e6 * nbytes / bandwidth for part, nbytes in part_floors(moved).items()}
+    say("| part | kernels per step | µs per step | floor µs | of floor |")
+    say("|---|---|---|---|---|")
+    for part in sorted(times, key=times.get, reverse=True):
+        floor = floors.get(part)
+        shown = f"{floor:.0f} | {floor / times[part]:.0%}" if floor else "- | -"
+        say(f"| {part} | {counts[part] / steps:.0f} | {times[part]:.0f} | {shown} |")
+    busy = sum(times.values())
+    say(f"| gaps (nothing on the device) | - | {1000 * wall_ms - busy:.0f} | - | - |")
+    say(f"| step | - | {1000 * wall_ms:.0f} | {1e6 * moved.total / bandwidth:.0f} | "
+        f"{1e6 * moved.total / bandwidth / (1000 * wall_ms):.0%} |")
 
 
 def random_model(size: str, device: torch.device, dtype: torch.dtype, tp: TPGroup | None = None) -> Qwen3_5Model:
@@ -123,6 +176,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one process per GPU)")
     parser.add_argument("--no-graphs", action="store_true")
+    parser.add_argument("--launch-ahead", action=argparse.BooleanOptionalAction, default=True,
+                        help="queue each step's pass behind the step before, as a worker on a GPU does (default)")
     parser.add_argument("--by-shape", action="store_true",
                         help="with --no-graphs: also the operators' device time by input shape (which matmul is which)")
     parser.add_argument("--prefill", type=int, nargs="*", default=[],
@@ -153,44 +208,52 @@ def run(rank: int, args: argparse.Namespace, address: str) -> None:
         torch.set_flush_denormal(True)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = random_model(args.size, device, dtype, tp)
+    bandwidth = copy_bandwidth(device) if device.type == "cuda" else 0.0
     for k in args.k:
         runner = ModelRunner(model, device, args.batch, 1024, 512, k, args.forced if k else None,
-                             cuda_graphs=not args.no_graphs)
+                             cuda_graphs=not args.no_graphs, launch_ahead="1" if args.launch_ahead else "0")
         seqs = list(range(args.batch))
+        runner.peek = lambda _until: StepRequest(decode=seqs)  # every next step is already here, as in the engine
         prefill = [PrefillSpec(seq=s, length=64, sampling=SamplingParams(seed=s), max_tokens=500) for s in seqs]
         torch.manual_seed(0)  # the same prompts on every rank
         runner.step(StepRequest(prefill=prefill), torch.randint(0, model.config.vocab_size, (64 * args.batch,)))
-        times = []
-        for _ in range(args.steps):
-            sync(device)
-            started = time.perf_counter()
+        for _ in range(3):  # warm-up
             runner.step(StepRequest(decode=seqs), torch.empty(0, dtype=torch.long))
+        sync(device)  # (with launch ahead a step returns with the next one queued: time them together)
+        started = time.perf_counter()
+        for _ in range(args.steps):
+            runner.step(StepRequest(decode=seqs), torch.empty(0, dtype=torch.long))
+        sync(device)
+        step_ms = 1000 * (time.perf_counter() - started) / args.steps
+        say(f"tp={args.tp} k={k} batch={args.batch}: mean step {step_ms:.2f} ms over {args.steps} "
+            f"(launch ahead {'on' if args.launch_ahead else 'off'})", flush=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA],
+                                    record_shapes=args.by_shape) as prof:
             sync(device)
-            times.append(time.perf_counter() - started)
-        median_ms = 1000 * statistics.median(times[3:])
-        say(f"tp={args.tp} k={k} batch={args.batch}: median step {median_ms:.2f} ms", flush=True)
-        if k == args.k[-1]:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                    torch.profiler.ProfilerActivity.CUDA],
-                                        record_shapes=args.by_shape) as prof:
-                sync(device)
-                began = time.perf_counter()
-                for _ in range(3):
-                    runner.step(StepRequest(decode=seqs), torch.empty(0, dtype=torch.long))
-                sync(device)
-                wall_ms = 1000 * (time.perf_counter() - began) / 3
-            sort = "self_device_time_total" if device.type == "cuda" else "cpu_time_total"
-            device_events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-            kernels = sum(e.count for e in device_events)
-            busy_ms = sum(e.self_device_time_total for e in device_events) / 1000 / 3
-            say(f"{kernels / 3:.0f} GPU kernels per step; device busy {busy_ms:.2f} ms of a {wall_ms:.2f} ms "
-                "step under the profiler")
-            say(prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=60))
-            if args.by_shape:
-                say(prof.key_averages(group_by_input_shape=True).table(
-                    sort_by="device_time_total", row_limit=40, max_name_column_width=40, max_shapes_column_width=60))
-            if args.tp > 1 and device.type == "cuda":
-                all_reduce_timing(prof, device, say)
+            began = time.perf_counter()
+            for _ in range(3):
+                runner.step(StepRequest(decode=seqs), torch.empty(0, dtype=torch.long))
+            sync(device)
+            wall_ms = 1000 * (time.perf_counter() - began) / 3
+        sort = "self_device_time_total" if device.type == "cuda" else "cpu_time_total"
+        device_events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels = sum(e.count for e in device_events)
+        busy_ms = sum(e.self_device_time_total for e in device_events) / 1000 / 3
+        say(f"{kernels / 3:.0f} GPU kernels per step; device busy {busy_ms:.2f} ms of a {wall_ms:.2f} ms "
+            "step under the profiler")
+        say(prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=60))
+        if device.type == "cuda":
+            context = max(s.length for s in runner.sequences.values())
+            moved = step_bytes(model.config, args.tp, args.batch, context, k, 2, runner.draft_head)
+            say(f"where a step's device time goes (k = {k}, batch {args.batch}; floors at "
+                f"{bandwidth / 1e9:,.0f} GB/s, the profiler's steps at {wall_ms:.2f} ms):")
+            parts_table(prof, 3, wall_ms, moved, bandwidth, say)
+        if args.by_shape:
+            say(prof.key_averages(group_by_input_shape=True).table(
+                sort_by="device_time_total", row_limit=40, max_name_column_width=40, max_shapes_column_width=60))
+        if args.tp > 1 and device.type == "cuda":
+            all_reduce_timing(prof, device, say)
         runner.close()
         del runner
     for chunk in args.prefill_chunk:
