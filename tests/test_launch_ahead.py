@@ -20,11 +20,13 @@ from shardspec.shard_worker.runner import ModelRunner
 NO_PROMPT = torch.empty(0, dtype=torch.long)
 
 
-def drive(runner: ModelRunner, arrivals: dict[int, list[tuple[PrefillSpec, list[int]]]], max_steps: int = 200):
+def drive(runner: ModelRunner, arrivals: dict[int, list[tuple[PrefillSpec, list[int]]]], max_steps: int = 200,
+          keep_finished: bool = False):
     """The replies of `runner` driven as the engine drives a worker: two steps on the wire (the next
     one sent before the current one's reply is read, naming the sequences not known finished then),
     a release sent for each sequence once a reply says it finished; `peek` sees the next message
-    when it is a step. arrivals: at the n-th step sent, the prompts it prefills."""
+    when it is a step. arrivals: at the n-th step sent, the prompts it prefills. keep_finished: as a
+    client may, keep finished sequences in the steps and release none (the worker skips them)."""
     wire: deque = deque()
     live: list[int] = []
     known_done: set[int] = set()
@@ -33,7 +35,7 @@ def drive(runner: ModelRunner, arrivals: dict[int, list[tuple[PrefillSpec, list[
     def send_step() -> None:
         nonlocal sent
         new = arrivals.get(sent, [])
-        decode = [seq for seq in live if seq not in known_done]
+        decode = [seq for seq in live if keep_finished or seq not in known_done]
         live.extend(spec.seq for spec, _ in new)
         prompts = torch.tensor([t for _, prompt in new for t in prompt], dtype=torch.long)
         wire.append(("step", StepRequest(prefill=[spec for spec, _ in new], decode=decode), prompts))
@@ -55,7 +57,7 @@ def drive(runner: ModelRunner, arrivals: dict[int, list[tuple[PrefillSpec, list[
         replies.append((reply.seqs, reply.tokens, reply.accepted, reply.drafts, reply.finished))
         done = [seq for seq, why in zip(reply.seqs, reply.finished) if why]
         known_done.update(done)
-        if done:
+        if done and not keep_finished:
             wire.append(("release", ReleaseRequest(seqs=done), None))
     return replies
 
@@ -108,6 +110,32 @@ def test_no_pass_is_launched_past_the_caches(small_vocab_model):
     starts = range(2, 24 - 1, 4)
     assert runner.launches_ahead == sum(n <= 24 - 2 * 4 for n in starts[:-1]) > 0
     runner.close()
+
+
+def test_finished_sequences_left_in_the_steps_are_not_run_on(small_vocab_model):
+    """A client may keep finished sequences in its steps (the worker skips them). Their rows must not
+    be launched ahead step after step: the host no longer advances their lengths, so the rows would
+    run past the caches' ends into other slots."""
+    model = load_model(small_vocab_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=True)
+
+    def replies(launch_ahead: str) -> list:
+        # every draft rejected: each step moves each row one position. Sequence 0 ends at its second
+        # token, at length 15, short of the 24 - 2 (k + 1) = 16 up to which a row may be launched ahead;
+        # sequence 1, from length 2, is launched ahead about 14 steps more: sequence 0's row with it
+        # would reach position 29 + k of a 30-position cache
+        runner = ModelRunner(model, torch.device("cpu"), 2, 24, 512, 3, forced_acceptance=0.0, deterministic=True,
+                             launch_ahead=launch_ahead)
+        prompts = {0: [5, 7] * 7, 1: [3, 9]}
+        specs = [PrefillSpec(seq=seq, length=len(prompts[seq]), sampling=SamplingParams(), max_tokens=budget)
+                 for seq, budget in ((0, 2), (1, 1000))]
+        try:
+            return drive(runner, {0: [(spec, prompts[spec.seq]) for spec in specs]}, keep_finished=True)
+        finally:
+            runner.close()
+
+    ahead = replies("1")
+    assert ahead == replies("0")
+    assert [why for _, _, _, _, finished in ahead for why in finished][-1] == "length"  # sequence 1 ran to the end
 
 
 def test_the_engine_launches_ahead_and_its_output_is_the_same(small_vocab_model, monkeypatch):

@@ -170,6 +170,14 @@ class StepPasses:
         packed = upload(rows, self.device) if bucket is None else bucket.packed
         return self._greedy(packed, len(rows), min(context, self.max_context), bucket, x)
 
+    def can_go_again(self) -> bool:
+        """Whether `again` can continue the last greedy pass: there is one, and its graph serves the
+        next pass's context (without the in-place attention kernel, graphs are per context bucket)."""
+        last = self.last
+        if last is None or last.bucket is None:
+            return last is not None
+        return self._context_bucket(last.context + self.draft_len + 1) == last.bucket.context
+
     def again(self, forced: list[int] | None = None) -> torch.Tensor:
         """The last greedy pass of a single stage once more, on the rows of the step after it, built on
         the device from its rows and result: [token, d1..dk, length + accepted + 1, slot, forced]

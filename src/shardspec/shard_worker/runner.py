@@ -328,6 +328,7 @@ class ModelRunner:
         result = StepResult()
         if self.launched is not None and (request.prefill or request.return_logits
                                           or request.decode != self.launched.seqs):
+            self.launched = None  # (its sequences' caches ran a step ahead of the host: a bug, said as one)
             raise RuntimeError("a pass was launched ahead for a step that did not come next")  # (_continues)
         self._prefill_all(request, prompts, result)
         running = [self.sequences[s] for s in request.decode if not self.sequences[s].finished]
@@ -686,12 +687,15 @@ class ModelRunner:
 
     def _continues(self, request: StepRequest | None, seqs: list[int]) -> bool:
         """Whether `request` is the step after this one over the same rows (the sequences `seqs`, in
-        order, no prefill, no logits), and none of its rows can run past the caches: it runs before
-        the host knows how far this step took them (at most k + 1 positions)."""
+        order, no prefill, no logits), none of them known to be finished (a finished sequence's row
+        would run on past its length, which the host no longer advances), none that can run past the
+        caches (the pass runs before the host knows how far this step took them: at most k + 1
+        positions), and the graph serves the next context."""
         if request is None or request.prefill or request.return_logits or request.decode != seqs:
             return False
         limit = self.max_seq_len - 2 * (self.draft_len + 1)
-        return all(self.sequences[seq].length <= limit for seq in seqs)
+        rows = [self.sequences[seq] for seq in seqs]
+        return all(not s.finished and s.length <= limit for s in rows) and self.passes.can_go_again()
 
     def _forced(self, s: Sequence) -> int:
         """Benchmark mode: the drafts this sequence keeps, drawn before the pass; -1 otherwise."""
