@@ -186,14 +186,10 @@ class StepPasses:
         last, k = self.last, self.draft_len
         if last is None:
             raise RuntimeError("again() continues a greedy pass of a single stage; there is none")
-        rows = last.packed[: len(last.out)]
-        if k:
-            length = rows[:, k + 1] + last.out[:, 0] + 1
-            tail = rows[:, k + 3 :] if forced is None else upload(forced, self.device)[:, None]
-            following = torch.cat([last.out[:, 1:], length[:, None], rows[:, k + 2 : k + 3], tail], 1)
-        else:  # rows [pending, length, slot, forced]
-            following = torch.cat([last.out[:, 1:], rows[:, 1:2] + 1, rows[:, 2:]], 1)
-        rows.copy_(following)
+        rows = last.packed[: len(last.out)]  # (at k = 0 the result's accepted column is 0)
+        length = rows[:, k + 1] + last.out[:, 0] + 1
+        tail = rows[:, k + 3 :] if forced is None else upload(forced, self.device)[:, None]
+        rows.copy_(torch.cat([last.out[:, 1:], length[:, None], rows[:, k + 2 : k + 3], tail], 1))
         return self._greedy(last.packed, len(last.out), min(last.context + k + 1, self.max_context), last.bucket)
 
     def _greedy(self, packed: torch.Tensor, n: int, context: int, bucket: _Bucket | None,
