@@ -283,7 +283,9 @@ def setup() -> dict:
             "allreduce": os.environ.get("SHARDSPEC_ALLREDUCE", "auto"),
             "fused_norm": os.environ.get("SHARDSPEC_FUSED_NORM", "1") != "0",  # with symm: all-reduce + norm
             "draft_head_requested": DRAFT_HEAD,  # the worker logs the one it could use
-            "kernels": os.environ.get("SHARDSPEC_KERNELS", "1") != "0"}
+            "kernels": os.environ.get("SHARDSPEC_KERNELS", "1") != "0",
+            "bf16_gemv": os.environ.get("SHARDSPEC_GEMV", "1") != "0",  # kernels.gemv (off: cuBLAS)
+            "launch_ahead": os.environ.get("SHARDSPEC_LAUNCH_AHEAD", "auto")}
 
 
 def main() -> None:

@@ -42,6 +42,10 @@
 #   parts   one H200, ~4 minutes: where a 9B-class step's device time goes by part against each part's floor
 #           (bench/profile_step.py, in-process), batch 1 and 8, MTP off and k = 3 at 0.8, with launch ahead and
 #           without (the peer); each part runs even if one before failed
+#   gemv    one H200, ~9 minutes: the bf16 decode GEMV against cuBLAS at the 9B shapes (bench/gemv.py, 1-32 rows;
+#           the 9B-class checkpoint written meanwhile), then 9B-class batch 1/8, MTP off and k = 3 at 0.8 with it and
+#           with cuBLAS (SHARDSPEC_GEMV=0, the peer), then the parts of the batch-1 and batch-8 steps with it
+#           (bench/profile_step.py); each part runs even if one before failed
 # Then, where matplotlib is: python bench/plot_decode.py OUT/decode-9b-tp1.json ... --out docs/decode.png
 set -euo pipefail
 if [ $# -lt 3 ]; then
@@ -52,8 +56,8 @@ wheels=$1 out=$2
 shift 2
 for stage in "$@"; do
     case $stage in
-    tests | 9b | 9b-tp2 | tp2-profile | 27b | floor | deterministic | pp | moe | moe-wide | fp8 | parts) ;;
-    *) echo "gpu.sh: unknown stage '$stage' (tests, 9b, 9b-tp2, tp2-profile, 27b, floor, deterministic, pp, moe, moe-wide, fp8, parts)" >&2
+    tests | 9b | 9b-tp2 | tp2-profile | 27b | floor | deterministic | pp | moe | moe-wide | fp8 | parts | gemv) ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, 9b, 9b-tp2, tp2-profile, 27b, floor, deterministic, pp, moe, moe-wide, fp8, parts, gemv)" >&2
        exit 2 ;;
     esac
 done
@@ -192,6 +196,21 @@ for stage in "$@"; do
                 timeout 110 python3 bench/profile_step.py --size 9b --batch $batch --k 0 3 --"$ahead" 2>&1 \
                     | tee "$out/profile-9b-parts-b$batch-$ahead.log" || failed=1
             done
+        done
+        ;;
+    gemv)
+        [ -f .bench/9b/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/9b --size 9b &
+        writer=$!   # on the CPUs, while the GEMVs take the GPU
+        (cd bench && timeout 100 python3 gemv.py --out "$out/gemv.json") 2>&1 | tee "$out/gemv.log" || failed=1
+        wait $writer || failed=1
+        for gemv in 1 0; do
+            SHARDSPEC_GEMV=$gemv timeout 200 python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 1 --batch 1 8 \
+                --k 3 --forced 0.8 --prefill --out "$out/decode-9b-gemv-$gemv.json" 2>&1 \
+                | tee "$out/decode-9b-gemv-$gemv.log" || failed=1
+        done
+        for batch in 1 8; do
+            timeout 100 python3 bench/profile_step.py --size 9b --batch $batch --k 0 3 2>&1 \
+                | tee "$out/profile-9b-parts-b$batch-gemv.log" || failed=1
         done
         ;;
     esac

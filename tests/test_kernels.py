@@ -435,6 +435,54 @@ def test_the_weight_only_plan_fills_the_sms_with_k_splits_that_never_depend_on_t
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("M", "N", "K"), [(1, 256, 512), (7, 200, 320), (20, 128, 1024)])  # ragged: 200 × 320
+@pytest.mark.parametrize(("split", "block_k"), [(1, 128), (3, 64), (8, 128)])  # 8: splits with nothing to add
+def test_the_decode_gemv_equals_the_matmul_at_every_split(dtype, M, N, K, split, block_k):
+    from shardspec.kernels import gemv
+
+    gen = torch.Generator().manual_seed(M * N + split)
+    x, weight = torch.randn(M, K, generator=gen).to(dtype), torch.randn(N, K, generator=gen).to(dtype)
+    launch = gemv.Plan(block_m=16 if M <= 16 else 32, block_n=64, split=split, block_k=block_k)
+    y = gemv.launch(x.to(DEVICE), weight.to(DEVICE), launch)
+    assert y.dtype == dtype
+    got = y.float().cpu()
+    expected, terms = x.float() @ weight.float().T, x.float().abs() @ weight.float().abs().T
+    output_rounding = 0 if dtype == torch.float32 else 2**-7 * expected.abs()  # (the interpreter truncates)
+    assert ((got - expected).abs() <= 2**-18 * terms + output_rounding).all()  # fp32 sums of exact products
+
+
+def test_the_decode_gemv_plan_gives_every_sm_a_program_with_k_splits_that_never_depend_on_the_rows():
+    from shardspec.kernels import gemv
+
+    down, out_proj = gemv.plan(1, 4096, 12288, 132), gemv.plan(1, 4096, 4096, 132)
+    gate_up = gemv.plan(1, 24576, 4096, 132)
+    assert (down.split, out_proj.split, gate_up.split) == (4, 4, 1)  # 64 strips ⨉ 4 ≥ 132 SMs; 384 strips
+    assert (down.stages, gemv.plan(1, 10240, 4096, 132).stages, gate_up.stages) == (3, 4, 3)  # 1.9, 1.2, 2.9 an SM
+    assert {gemv.plan(M, 4096, 12288, 132).split for M in (1, 8, 16)} == {down.split}
+    assert gemv.plan(1, 64, 256, 132).split == 1  # two K tiles: no split leaves each four
+
+
+def test_only_a_decodes_few_bf16_rows_on_cuda_take_the_decode_gemv():
+    from shardspec.kernels import gemv
+
+    weight = torch.empty(8, 64, dtype=torch.bfloat16)
+    cuda_like = type("CudaTensor", (), {})  # takes() reads only these attributes of x
+    for rows, dtype, expected in [(1, torch.bfloat16, True), (gemv.ROWS, torch.float16, False),
+                                  (gemv.ROWS, torch.bfloat16, True), (gemv.ROWS + 1, torch.bfloat16, False),
+                                  (1, torch.float32, False)]:
+        x = cuda_like()
+        x.is_cuda, x.dtype, x.shape = True, dtype, (rows, 64)
+        x.numel = lambda rows=rows: rows * 64
+        assert gemv.takes(x, weight) == (expected and gemv.ENABLED), (rows, dtype)
+    assert not gemv.takes(torch.empty(1, 64, dtype=torch.bfloat16), weight)  # a CPU tensor
+    x = cuda_like()
+    x.is_cuda, x.dtype, x.shape, x.numel = True, torch.bfloat16, (0, 64), lambda: 0
+    assert not gemv.takes(x, weight)  # no rows
+    x.shape, x.numel = (1, 8), lambda: 8
+    assert not gemv.takes(x, torch.empty(64, 8, dtype=torch.bfloat16).t())  # a transposed weight
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("M", "K", "rows"), [(3, 512, 3), (5, 320, 16)])  # 16: padded with zero rows
 def test_the_fp8_activation_quantiser_rounds_each_group_to_the_nearest_e4m3_at_max_over_448(dtype, M, K, rows):
     """Bit for bit the PyTorch rounding: scale = max |x| / 448 per token and 128 columns, q = the
@@ -470,15 +518,19 @@ def test_the_w8a8_kernel_equals_the_fp32_product_of_its_quantised_operands(M, N,
     assert ((got - rows @ w.T).abs() <= (2**-9 if GPU else 1e-6) * terms + 1e-30).all()
 
 
-def test_the_split_k_counter_is_taken_by_one_thread_and_the_partials_read_past_l1():
-    """The weight-only kernel's split-K protocol, in its compiled code for sm_90 (no GPU needed; a
-    process of its own, as the all-reduce's check below): one predicated acq_rel add per program
-    on the tile's counter, one predicated reset, and the other splits' partials loaded .cg (L2, where
-    they were stored; L1 may hold stale lines of the workspace)."""
-    lines = sm90_ptx("shardspec.kernels.fp8", "_decode_kernel",
-                     {"x_ptr": "*bf16", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "y_ptr": "*bf16",
-                      "part_ptr": "*fp32", "count_ptr": "*i32"},
-                     {"SPLIT": 4, "QUANT": False, "EXACT": False, "EVEN": True, "BM": 16, "BN": 64, "BK": 128},
+@pytest.mark.parametrize("weight", ["fp8e4nv", "bf16"])
+def test_the_split_k_counter_is_taken_by_one_thread_and_the_partials_read_past_l1(weight):
+    """The decode GEMV's split-K protocol, in its compiled code for sm_90 (no GPU needed; a
+    process of its own, as the all-reduce's check below), for an FP8 weight-only and a bf16 weight:
+    one predicated acq_rel add per program on the tile's counter, one predicated reset, and the
+    other splits' partials loaded .cg (L2, where they were stored; L1 may hold stale lines of the
+    workspace)."""
+    scaled = weight == "fp8e4nv"
+    lines = sm90_ptx("shardspec.kernels.gemv", "_gemv_kernel",
+                     {"x_ptr": "*bf16", "xs_ptr": "*fp32", "w_ptr": f"*{weight}", "ws_ptr": "*fp32",
+                      "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"},
+                     {"SCALED": scaled, "QUANT": False, "EXACT": False, "EVEN": True,
+                      "BM": 16, "BN": 64, "BK": 128},
                      other="i32")
     atomics = [line for line in lines if "atom." in line]
     assert len(atomics) == 2 and all(line.startswith("@%p") and ".gpu.acq_rel." in line for line in atomics), atomics

@@ -46,4 +46,4 @@ def rows(x: torch.Tensor) -> torch.Tensor:
 
 
 if HAVE_TRITON:  # the kernel modules need Triton to import; callers check enabled() first
-    from shardspec.kernels import attention, fp8, gdn, head, moe, norm  # noqa: F401
+    from shardspec.kernels import attention, fp8, gdn, gemv, head, moe, norm  # noqa: F401

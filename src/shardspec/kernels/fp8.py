@@ -1,16 +1,11 @@
 """Block-wise FP8 GEMMs: y = x @ (W8 · scale)^T for a float8 e4m3 weight W8 [N, K] with one fp32
 scale per 128 × 128 block (layers.fp8), x in bf16/fp16/fp32.
 
-- Decode (at most DECODE_ROWS rows, and every pass in batch-invariant mode): bound by the weight
-  bytes. Each program streams a strip of the weight over a slice of K (split-K: enough programs to
-  fill every SM even where N is only 4096) and multiplies it with the activations on the tensor
-  cores (the weight as the wide operand, "swap AB"), scaling each 128-column partial by its
-  block's scale in fp32. W8A8 (DECODE's default) rounds the activations first (`quantize_groups`)
-  and takes both e4m3 tiles straight from shared memory; weight-only (and every fp32 pass) widens
-  each FP8 tile in registers (exact: e4m3 fits in bf16).
-  The splits' partials meet in an fp32 workspace; the last split of a tile to finish (a counter per
-  tile) adds them in split order and writes y: one launch, and the same sum whichever split ends
-  last (deterministic, and batch-invariant: the plan depends on the weight's shape alone).
+- Decode (at most DECODE_ROWS rows, and every pass in batch-invariant mode): kernels.gemv's split-K
+  GEMV, each 128-column partial scaled by its block's scale in fp32. W8A8 (DECODE's default)
+  rounds the activations first (`quantize_groups`) and takes both e4m3 tiles straight from shared
+  memory; weight-only (and every fp32 pass) widens each FP8 tile in registers (exact: e4m3 fits
+  in bf16). The plan depends on the weight's shape alone (deterministic and batch-invariant).
 - Prefill: W8A8. The activations are quantised per token and 128-column group (dynamic scales,
   `quantize_groups`), then multiplied on the FP8 tensor cores: by torch's scaled_mm with
   (BlockWise1x128, BlockWise128x128) scales where cuBLAS has it for this weight's shape (Hopper,
@@ -23,17 +18,17 @@ from __future__ import annotations
 import functools
 import os
 import warnings
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-BLOCK = 128  # the scales' block (layers.fp8.BLOCK); the kernels' K tile
+from shardspec.kernels.gemv import BLOCK, Plan, prepare, sm_count  # noqa: F401
+from shardspec.kernels.gemv import launch as gemv_launch
+
 DECODE_ROWS = 64  # up to here the decode kernel: still bound by the weight bytes at 2·M flops a byte
 FP8_MAX = 448.0
 CUBLAS_ROWS = 16  # cuBLASLt refuses 1×128 scales whose leading dimension (the rows) is unaligned: pad rows to this
-COUNTERS = 1 << 20  # split-K tile counters per device (a GEMV with more tiles runs unsplit)
 PREFILL = os.environ.get("SHARDSPEC_FP8_PREFILL", "auto")  # auto: cuBLAS where it has blockwise FP8; triton: ours
 # w8a8: the activations rounded to e4m3 first, as the checkpoints' dynamic activation scheme and the
 # prefill; weight-only: bf16 activations (fp32 ones always take it)
@@ -41,54 +36,6 @@ DECODE = os.environ.get("SHARDSPEC_FP8_DECODE", "w8a8")
 if DECODE not in ("w8a8", "weight-only"):
     warnings.warn(f"SHARDSPEC_FP8_DECODE={DECODE!r} is neither 'w8a8' nor 'weight-only': w8a8", stacklevel=1)
     DECODE = "w8a8"
-
-
-@triton.jit
-def _decode_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_x, stride_xs, stride_w,
-                   stride_ws, stride_y, blocks_per_split, SPLIT: tl.constexpr, QUANT: tl.constexpr,
-                   EXACT: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    pid_n, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    n = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
-    m = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
-    kk = tl.arange(0, BK)
-    n_block = (pid_n * BN) // BK  # BN divides the block: one weight scale per tile and K step
-    first = pid_s * blocks_per_split
-    last = tl.minimum(first + blocks_per_split, tl.cdiv(K, BK))
-    acc = tl.zeros([BN, BM], dtype=tl.float32)
-    for kb in range(first, last):
-        k = kb * BK + kk
-        if EVEN:  # whole tiles: unmasked 16-byte loads of the weight
-            w = tl.load(w_ptr + n[:, None] * stride_w + k[None, :])
-        else:
-            w = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
-                        other=0.0)
-        x = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
-        if EXACT:  # fp32 activations, and Triton's CPU interpreter (its low-precision dots are wrong)
-            part = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
-        elif QUANT:  # W8A8, x in e4m3: both tiles go to the tensor cores straight from shared memory
-            part = tl.dot(w, tl.trans(x))
-        else:  # weight-only: the weight widened to x's dtype (exact)
-            part = tl.dot(w.to(x.dtype), tl.trans(x))
-        scale = tl.load(ws_ptr + n_block * stride_ws + kb)
-        if QUANT:  # and each row's scale of this 128-column group (quantize_groups)
-            scale = scale * tl.load(xs_ptr + m * stride_xs + kb, mask=m < M, other=0.0)[None, :]
-        acc += part * scale
-    y_offsets = m[None, :] * stride_y + n[:, None]
-    y_mask = (m[None, :] < M) & (n[:, None] < N)
-    if SPLIT == 1:
-        tl.store(y_ptr + y_offsets, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
-    else:
-        part_offsets = m[None, :] * N + n[:, None]
-        tl.store(part_ptr + pid_s * M * N + part_offsets, acc, mask=y_mask)
-        tl.debug_barrier()  # every thread's partial stored before the release below
-        tile = pid_m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT - 1:  # the last split of this tile: add all of them, in split order
-            total = tl.zeros([BN, BM], dtype=tl.float32)
-            for s in range(SPLIT):
-                total += tl.load(part_ptr + s * M * N + part_offsets, mask=y_mask, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptr + y_offsets, total.to(y_ptr.dtype.element_ty), mask=y_mask)
-            tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch (CUDA graph replays)
 
 
 @triton.jit
@@ -156,20 +103,6 @@ def quantize_groups(x: torch.Tensor, column_major: bool = False, rows: int | Non
     return q, scales
 
 
-@dataclass(frozen=True)
-class Plan:
-    """A decode launch: rows per program (block_m), weight rows per program (block_n), the K slices
-    (split) that fill the SMs, and whether the activations are rounded to e4m3 first (quantize:
-    W8A8 on the FP8 tensor cores) or multiplied as they are (weight-only)."""
-
-    block_m: int
-    block_n: int
-    split: int
-    stages: int = 3  # weight tiles in flight a program (fewer stages, more programs an SM: 3 beat 4 by 2–13 %)
-    quantize: bool = False
-    warps: int = 4
-
-
 def plan(M: int, N: int, K: int, sms: int, invariant: bool = False, quantize: bool = False) -> Plan:
     """The launch for x [M, K] @ W[N, K]^T: 64-row strips of the weight (16 or 32 for a narrower
     N), split along K until there are four programs per SM, each keeping at least 4 K blocks to
@@ -186,34 +119,6 @@ def plan(M: int, N: int, K: int, sms: int, invariant: bool = False, quantize: bo
     return Plan(block_m, block_n, split, quantize=quantize)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    """The split-K tile counters, zero between launches (the last split of a tile resets its own);
-    one set per device: FP8 GEMVs of one process run on one stream at a time."""
-    if device.type == "cuda" and device.index is None:  # one key for "cuda" and "cuda:N"
-        device = torch.device("cuda", torch.cuda.current_device())
-    return _device_counters(device)
-
-
-@functools.cache
-def _device_counters(device: torch.device) -> torch.Tensor:
-    return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-
-
-def prepare(device: torch.device) -> None:
-    """Allocate the device's counters now, before any CUDA graph is captured."""
-    _counters(device)
-
-
-def _capturing_without_counters(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing() and \
-        _device_counters.cache_info().currsize == 0
-
-
 def decode(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, invariant: bool = False,
            quantize: bool = False, launch: Plan | None = None) -> torch.Tensor:
     """x [M, K] @ (weight · scale)^T, the decode path: x as it is (weight-only, one launch), or with
@@ -221,26 +126,12 @@ def decode(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, invariant
     launches; fp32 x is never quantised); launch: the plan (default: `plan` for this shape and
     device)."""
     M, K = x.shape
-    N = weight.shape[0]
     quantize = quantize and x.dtype != torch.float32
-    launch = launch or plan(M, N, K, _sm_count(x.device), invariant, quantize)
-    out_dtype = x.dtype
-    x, x_scale = quantize_groups(x) if launch.quantize else (x, x)
-    tiles_n, tiles_m = triton.cdiv(N, launch.block_n), triton.cdiv(M, launch.block_m)
-    split = launch.split
-    if split > 1 and (tiles_n * tiles_m > COUNTERS or _capturing_without_counters(x.device)):
-        split = 1  # (no counters to share, or none allocated before this capture: unsplit, still correct)
-    y = torch.empty(M, N, dtype=out_dtype, device=x.device)
-    part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
-    count = _counters(x.device) if split > 1 else y
-    blocks = triton.cdiv(K, BLOCK)
-    even = N % launch.block_n == 0 and K % BLOCK == 0
-    exact = not x.is_cuda or out_dtype == torch.float32
-    _decode_kernel[(tiles_n, split, tiles_m)](
-        x, x_scale, weight, scale, y, part, count, M, N, K, x.stride(0), x_scale.stride(0), weight.stride(0),
-        scale.stride(0), y.stride(0), triton.cdiv(blocks, split), SPLIT=split, QUANT=launch.quantize, EXACT=exact,
-        EVEN=even, BM=launch.block_m, BN=launch.block_n, BK=BLOCK, num_warps=launch.warps, num_stages=launch.stages)
-    return y
+    launch = launch or plan(M, weight.shape[0], K, sm_count(x.device), invariant, quantize)
+    if not launch.quantize:
+        return gemv_launch(x, weight, launch, scale=scale)
+    q, x_scale = quantize_groups(x)
+    return gemv_launch(q, weight, launch, scale=scale, x_scale=x_scale, out_dtype=x.dtype)
 
 
 def w8a8_triton(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

@@ -6,13 +6,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardspec import kernels
 from shardspec.layers import invariant
 from shardspec.layers.parallel import Ranges, TPGroup, shard, stack
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, block_rows: int = 0) -> torch.Tensor:
-    """x @ weight.T; with block_rows > 0 batch-invariant (layers.invariant.matmul)."""
-    return invariant.matmul(x, weight, block_rows) if block_rows else F.linear(x, weight)
+    """x @ weight.T; with block_rows > 0 batch-invariant (layers.invariant.matmul); a decode's few
+    bf16 rows on CUDA by kernels.gemv."""
+    if block_rows:
+        return invariant.matmul(x, weight, block_rows)
+    if kernels.enabled(x) and kernels.gemv.takes(x, weight):
+        return kernels.gemv.linear(x, weight)
+    return F.linear(x, weight)
 
 
 class Linear(nn.Module):
