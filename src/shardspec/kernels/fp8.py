@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from shardspec.kernels import rows
 from shardspec.kernels.gemv import BLOCK, Plan, prepare, sm_count  # noqa: F401
 from shardspec.kernels.gemv import launch as gemv_launch
 
@@ -180,12 +181,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, invariant
     """x [..., K] @ (weight · scale)^T: the one-launch decode kernel up to DECODE_ROWS rows (always
     when `invariant`: each row's result then depends on that row alone), W8A8 (DECODE) or
     weight-only; above, the prefill's W8A8 GEMM."""
-    rows = x.reshape(-1, x.shape[-1])
-    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-    if invariant or rows.shape[0] <= DECODE_ROWS or x.dtype == torch.float32:
-        y = decode(rows, weight, scale, invariant, quantize=DECODE == "w8a8")
+    x2 = rows(x)
+    if invariant or x2.shape[0] <= DECODE_ROWS or x.dtype == torch.float32:
+        y = decode(x2, weight, scale, invariant, quantize=DECODE == "w8a8")
     else:
-        y = w8a8(rows, weight, scale, cublas_scale)
+        y = w8a8(x2, weight, scale, cublas_scale)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 

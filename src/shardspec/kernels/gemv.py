@@ -27,8 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
+from shardspec.kernels import rows
+
 BLOCK = 128  # the FP8 scales' block: the K tile wherever the weight is scaled
-ROWS = 16  # bf16 up to here: the rows a 16-row activation tile holds (above, cuBLAS's GEMM tiles win)
+ROWS = 16  # bf16 up to here: one 16-row activation tile (more rows were not swept: cuBLAS)
 COUNTERS = 1 << 20  # split-K tile counters per device (a GEMV with more tiles runs unsplit)
 ENABLED = os.environ.get("SHARDSPEC_GEMV", "1") != "0"
 
@@ -179,8 +181,7 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ weight^T (where `takes`)."""
-    rows = x.reshape(-1, x.shape[-1])
-    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-    M, K = rows.shape
-    y = launch(rows, weight, plan(M, weight.shape[0], K, sm_count(x.device)))
+    x2 = rows(x)
+    M, K = x2.shape
+    y = launch(x2, weight, plan(M, weight.shape[0], K, sm_count(x.device)))
     return y.view(*x.shape[:-1], weight.shape[0])
