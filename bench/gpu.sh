@@ -43,7 +43,7 @@
 #           (bench/profile_step.py, in-process), batch 1 and 8, MTP off and k = 3 at 0.8, with launch ahead and
 #           without (the peer); each part runs even if one before failed
 #   gemv    one H200, ~9 minutes: the bf16 decode GEMV against cuBLAS at the 9B shapes (bench/gemv.py, 1-32 rows;
-#           the 9B-class checkpoint written meanwhile), then 9B-class batch 1/8, MTP off and k = 3 at 0.8 with it and
+#           the 9B-class checkpoint written meanwhile) and the norm kernel's warps (bench/norm.py), then 9B-class batch 1/8, MTP off and k = 3 at 0.8 with it and
 #           with cuBLAS (SHARDSPEC_GEMV=0, the peer), then the parts of the batch-1 and batch-8 steps with it
 #           (bench/profile_step.py); each part runs even if one before failed
 # Then, where matplotlib is: python bench/plot_decode.py OUT/decode-9b-tp1.json ... --out docs/decode.png
@@ -201,7 +201,8 @@ for stage in "$@"; do
     gemv)
         [ -f .bench/9b/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/9b --size 9b &
         writer=$!   # on the CPUs, while the GEMVs take the GPU
-        (cd bench && timeout 100 python3 gemv.py --out "$out/gemv.json") 2>&1 | tee "$out/gemv.log" || failed=1
+        (cd bench && timeout 100 python3 gemv.py --out "$out/gemv.json" && timeout 40 python3 norm.py \
+            --out "$out/norm.json") 2>&1 | tee "$out/gemv.log" || failed=1
         wait $writer || failed=1
         for gemv in 1 0; do
             SHARDSPEC_GEMV=$gemv timeout 200 python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 1 --batch 1 8 \

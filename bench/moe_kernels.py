@@ -56,7 +56,7 @@ def timed(experts: Experts, backend: str, calls: list, blocks: kernel_moe.Blocks
     def one() -> torch.Tensor:
         x, weights, ids = next(feed)
         if blocks is not None:
-            return kernel_moe.experts(x, weights, ids, experts.gate_up_proj, experts.down_proj, blocks)
+            return kernel_moe.experts(x, weights, ids, experts.gate_up_proj, experts.down_proj, blocks=blocks)
         return EXPERT_BACKENDS[backend](experts, x, weights, ids)
 
     return graph_time(one, calls=CALLS)
@@ -90,7 +90,7 @@ def main() -> None:
         fields = {"tokens": N, "rows": N * TOP_K, "experts hit": f"{hit:.1f}"}
         row(out, {**fields, "backend": "grouped"}, timed(experts, "grouped", calls), floor_bytes, bandwidth)
         for name, blocks in variants.items():
-            fused = kernel_moe.experts(x, weights, ids, experts.gate_up_proj, experts.down_proj, blocks).float()
+            fused = kernel_moe.experts(x, weights, ids, experts.gate_up_proj, experts.down_proj, blocks=blocks).float()
             difference = (fused - grouped).abs().max().item() / scale
             tiles = f"gate_up {blocks.gate_up_i} × {blocks.gate_up_k} / {blocks.gate_up_warps}w, " \
                     f"down {blocks.down_h} × {blocks.down_i} / {blocks.down_warps}w"

@@ -434,6 +434,16 @@ def test_the_weight_only_plan_fills_the_sms_with_k_splits_that_never_depend_on_t
     assert fp8.plan(64, 4096, 12288, 132).block_m == 64 and fp8.plan(3, 4096, 12288, 132).block_m == 16
 
 
+def test_the_w8a8_plan_splits_k_only_to_two_programs_an_sm_and_never_by_the_rows():
+    from shardspec.kernels import fp8
+
+    down, gate_up = fp8.plan(1, 4096, 12288, 132, quantize=True), fp8.plan(1, 24576, 4096, 132, quantize=True)
+    assert 64 * down.split >= 2 * 132 > 64 * down.split // 2 and 96 // down.split >= 8
+    assert gate_up.split == 1 and gate_up.quantize  # 384 strips: already ~3 an SM
+    assert {fp8.plan(M, 4096, 12288, 132, quantize=True).split for M in (1, 8, 33, 64)} == {down.split}
+    assert (gate_up.stages, down.stages) == (4, 3)  # 32 and 12 blocks a program
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("M", "N", "K"), [(1, 256, 512), (7, 200, 320), (20, 128, 1024)])  # ragged: 200 × 320
 @pytest.mark.parametrize(("split", "block_k"), [(1, 128), (3, 64), (8, 128)])  # 8: splits with nothing to add

@@ -106,18 +106,22 @@ def quantize_groups(x: torch.Tensor, column_major: bool = False, rows: int | Non
 
 def plan(M: int, N: int, K: int, sms: int, invariant: bool = False, quantize: bool = False) -> Plan:
     """The launch for x [M, K] @ W[N, K]^T: 64-row strips of the weight (16 or 32 for a narrower
-    N), split along K until there are four programs per SM, each keeping at least 4 K blocks to
-    stream (the split depends on the weight's shape, never on M); W8A8 (quantize) takes 128-row
-    strips over the same K slices. All rows in one program up to 64 (the weight read once); 16 per
-    program in batch-invariant mode (a row's arithmetic then never depends on the batch)."""
+    N). Weight-only: split along K until there are four programs per SM, each keeping at least 4
+    K blocks to stream. W8A8 (quantize), whose e4m3 tiles go to the tensor cores as they are:
+    fewer, longer programs keep up, so split only until there are two programs per SM, each
+    keeping at least 8 blocks, with 4 tiles in flight where a program streams 16 blocks or more,
+    else 3 (bench/fp8_gemm.py --sweep stages: the best plan or within 0.4 µs of it at every 9B
+    shape at 1 and 8 rows). The split depends on the weight's shape, never on M. All rows in one
+    program up to 64 (the weight read once); 16 per program in batch-invariant mode (a row's
+    arithmetic then never depends on the batch)."""
     block_n = 64 if N > 32 else (32 if N > 16 else 16)
     tiles, blocks, split = triton.cdiv(N, block_n), triton.cdiv(K, BLOCK), 1
-    while tiles * split < 4 * sms and blocks // (2 * split) >= 4 and split < 16:
+    programs, min_blocks = (2, 8) if quantize else (4, 4)
+    while tiles * split < programs * sms and blocks // (2 * split) >= min_blocks and split < 16:
         split *= 2
-    if quantize and N > 64:  # e4m3 tiles go to the tensor cores as they are: half as many programs keep up
-        block_n = 128
+    stages = 4 if quantize and triton.cdiv(blocks, split) >= 16 else 3
     block_m = 16 if invariant else min(64, max(16, triton.next_power_of_2(M)))
-    return Plan(block_m, block_n, split, quantize=quantize)
+    return Plan(block_m, block_n, split, stages, quantize=quantize)
 
 
 def decode(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, invariant: bool = False,
