@@ -6,10 +6,10 @@ Hidden 2048, 256 experts, top 8, width 512, bf16. For each token count, the expe
 block (layers.moe: routing excluded, the grouped backend's sorting included) timed inside a CUDA
 graph, against its floor: the bytes of the distinct experts hit, x and out ÷ the copy bandwidth
 measured in the same run. Each captured call takes its own tokens and routes (20 of them, random),
-so one call's experts are not in L2 from the call before. --sweep adds the fused kernels at a few
-other tile sizes (kernels.moe.Blocks) next to the default. The fused result is checked against the
-grouped one first (max difference ÷ max |out|, printed). Printed as a markdown table, written to
---out as JSON.
+so one call's experts are not in L2 from the call before. --sweep adds the fused kernels at other
+tile sizes, warps and stages (kernels.moe.Blocks), one kernel's at a time, next to the default. The
+fused result is checked against the grouped one first (max difference ÷ max |out|, printed).
+Printed as a markdown table, written to --out as JSON.
 """
 
 from __future__ import annotations
@@ -30,13 +30,15 @@ from shardspec.layers.parallel import TPGroup
 HIDDEN, EXPERTS, TOP_K, WIDTH = 2048, 256, 8, 512
 CALLS = 20  # calls per graph, each on its own inputs
 
-SWEEP = {  # tile sizes next to the default: twice / half the columns or the step of each kernel
-    "gate_up 16 × 256": dict(gate_up_i=16),
-    "gate_up 8 × 512": dict(gate_up_k=512),
-    "gate_up 4 × 512": dict(gate_up_i=4, gate_up_k=512),
-    "down 16 × 128, 8 warps": dict(down_h=16, down_warps=8),
-    "down 4 × 128": dict(down_h=4),
-}
+def sweep() -> dict[str, dict]:
+    """Tile sizes around the default, one kernel at a time (the other keeps its default): gate/up
+    columns a program × step along H, down columns × step along the width, warps, stages."""
+    gate_up = {f"gate_up {i} × {k}, {warps}w, {stages}s": dict(gate_up_i=i, gate_up_k=k, gate_up_warps=warps,
+                                                               gate_up_stages=stages)
+               for i in (8, 16, 32) for k in (256, 512, 1024) for warps in (4, 8) for stages in (3, 4)}
+    down = {f"down {h} × {i}, {warps}w, {stages}s": dict(down_h=h, down_i=i, down_warps=warps, down_stages=stages)
+            for h in (2, 4, 8) for i in (128, 256, 512) for warps in (4, 8) for stages in (3,)}
+    return gate_up | down
 
 
 def inputs(N: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -79,7 +81,8 @@ def main() -> None:
     variants = {"fused": kernel_moe.BLOCKS}
     if args.sweep:
         variants |= {f"fused {name}": dataclasses.replace(kernel_moe.BLOCKS, **change)
-                     for name, change in SWEEP.items()}
+                     for name, change in sweep().items()}
+        variants = {name: blocks for name, blocks in variants.items() if name == "fused" or blocks != kernel_moe.BLOCKS}
     for N in args.tokens:
         calls = inputs(N, device)
         hit = sum(ids.unique().numel() for _, _, ids in calls) / len(calls)
@@ -92,8 +95,9 @@ def main() -> None:
         for name, blocks in variants.items():
             fused = kernel_moe.experts(x, weights, ids, experts.gate_up_proj, experts.down_proj, blocks=blocks).float()
             difference = (fused - grouped).abs().max().item() / scale
-            tiles = f"gate_up {blocks.gate_up_i} × {blocks.gate_up_k} / {blocks.gate_up_warps}w, " \
-                    f"down {blocks.down_h} × {blocks.down_i} / {blocks.down_warps}w"
+            tiles = f"gate_up {blocks.gate_up_i} × {blocks.gate_up_k} / {blocks.gate_up_warps}w " \
+                    f"{blocks.gate_up_stages}s, down {blocks.down_h} × {blocks.down_i} / {blocks.down_warps}w " \
+                    f"{blocks.down_stages}s"
             row(out, {**fields, "backend": name}, timed(experts, "fused", calls, blocks), floor_bytes, bandwidth,
                 f"{tiles}, difference {difference:.1e}")
     args.out.write_text(json.dumps(out, indent=1))

@@ -29,20 +29,25 @@ import triton.language as tl
 @dataclass(frozen=True)
 class Blocks:
     """Tile sizes: gate/up columns per program and its step along H; down columns per program and
-    its step along the width; warps of each kernel."""
+    its step along the width; warps and tiles in flight (stages) of each kernel."""
 
     # The fastest of the tiles bench/moe_kernels.py --sweep timed on an H200 at the 35B-A3B shapes
-    # (each kernel chosen on its own: they are separate launches). gate/up: 16 columns a program
-    # (32 programs an expert at width 512, 256 at one token's 8 rows), each loading 2 × 16 × 256 bf16
-    # = 16 KB a step; against 8 columns 6-22 % less time from 2 to 32 tokens, 6 % at 1.
+    # (each kernel chosen on its own: they are separate launches; 36 gate/up and 18 down variants at
+    # 1, 4, 8 and 32 tokens, docs/data/moe-kernels-sweep-stages.log). gate/up: 16 columns a program
+    # (32 programs an expert at width 512, 288 at one token's 8 rows and the shared expert), each
+    # loading 2 × 16 × 512 bf16 = 32 KB a step: against steps of 256, 8 % less time at 1 token,
+    # within 1 % at 4 to 32.
     gate_up_i: int = 16
-    gate_up_k: int = 256
+    gate_up_k: int = 512
     gate_up_warps: int = 4
-    # down: 4 output columns a program (512 programs at one token, H = 2048), each loading 8 slots ×
-    # 4 × 128 bf16 = 8 KB a step; against 8 columns 15 % less time at 1 token, 1-8 % at 2 to 32
-    down_h: int = 4
+    gate_up_stages: int = 3
+    # down: 2 output columns a program (1,024 programs at one token, H = 2048), each loading 8 slots ×
+    # 2 × 128 bf16 = 4 KB a step: against 4 columns 8 % less time at 1 token, 4 % at 4, 0.5 % at 8,
+    # 2 % more at 32
+    down_h: int = 2
     down_i: int = 128
     down_warps: int = 4
+    down_stages: int = 3
 
 
 BLOCKS = Blocks()
@@ -173,12 +178,13 @@ def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: 
     _gate_up_kernel[(h.shape[0], triton.cdiv(width, blocks.gate_up_i))](
         x, ids, gate_up, shared_gate_up, h, E, width, H, k, routed, x.stride(0), gate_up.stride(0),
         gate_up.stride(1), h.stride(0), EVEN=even, BLOCK_I=blocks.gate_up_i, BLOCK_K=blocks.gate_up_k,
-        num_warps=blocks.gate_up_warps)
+        num_warps=blocks.gate_up_warps, num_stages=blocks.gate_up_stages)
     even = H % blocks.down_h == 0 and width % blocks.down_i == 0
     _down_kernel[(N, triton.cdiv(H, blocks.down_h))](
         h, ids, weights, down, shared_down, gate, out, E, width, H, k, routed, h.stride(0), down.stride(0),
         down.stride(1), out.stride(0), EVEN=even, SLOTS=triton.next_power_of_2(k),
-        BLOCK_H=blocks.down_h, BLOCK_I=blocks.down_i, SHARED=shared is not None, num_warps=blocks.down_warps)
+        BLOCK_H=blocks.down_h, BLOCK_I=blocks.down_i, SHARED=shared is not None, num_warps=blocks.down_warps,
+        num_stages=blocks.down_stages)
     return out
 
 
