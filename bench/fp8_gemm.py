@@ -51,9 +51,9 @@ def variants(M: int, N: int, K: int, sms: int) -> dict[str, fp8.Plan]:
     other = {
         "w8a8 split ÷ 2": dataclasses.replace(w8a8, split=max(1, w8a8.split // 2)),
         "w8a8 split × 2": dataclasses.replace(w8a8, split=min(32, w8a8.split * 2)),
-        "w8a8 strips of 64": dataclasses.replace(w8a8, block_n=64),
+        "w8a8 strips of 128": dataclasses.replace(w8a8, block_n=128),
         "w8a8 8 warps": dataclasses.replace(w8a8, warps=8),
-        "w8a8 4 stages": dataclasses.replace(w8a8, stages=4),
+        f"w8a8 {7 - w8a8.stages} stages": dataclasses.replace(w8a8, stages=7 - w8a8.stages),  # 3 <-> 4
     }
     return {"weight-only": fp8.plan(M, N, K, sms), "w8a8": w8a8,
             **{name: plan for name, plan in other.items() if plan != w8a8}}

@@ -437,6 +437,9 @@ def test_the_weight_only_plan_fills_the_sms_with_k_splits_that_never_depend_on_t
 def test_the_w8a8_plan_splits_k_only_to_two_programs_an_sm_and_never_by_the_rows():
     from shardspec.kernels import fp8
 
+    assert {fp8.plan(M, 4096, 12288, 132, invariant=True, quantize=True) for M in (1, 8, 33, 64)} == \
+        {fp8.plan(1, 4096, 12288, 132, invariant=True, quantize=True)}  # batch-invariant: one plan
+
     down, gate_up = fp8.plan(1, 4096, 12288, 132, quantize=True), fp8.plan(1, 24576, 4096, 132, quantize=True)
     assert 64 * down.split >= 2 * 132 > 64 * down.split // 2 and 96 // down.split >= 8
     assert gate_up.split == 1 and gate_up.quantize  # 384 strips: already ~3 an SM
@@ -572,8 +575,8 @@ def _routed(N: int, H: int, E: int, k: int, dtype: torch.dtype, seed: int = 0):
 
 
 # (N, k, E, H, width, ep): one token at top 8; ragged dims; 16 tokens over 8 experts (every expert hit
-# by many tokens); whole tiles of the default blocks (H 256, width 128: the unmasked loads)
-MOE_SHAPES = [(1, 8, 16, 64, 32, 1), (5, 3, 8, 48, 24, 2), (16, 4, 8, 32, 16, 2), (2, 4, 4, 256, 128, 1)]
+# by many tokens); whole tiles of the default blocks (H 512, width 128: the unmasked loads)
+MOE_SHAPES = [(1, 8, 16, 64, 32, 1), (5, 3, 8, 48, 24, 2), (16, 4, 8, 32, 16, 2), (2, 4, 4, 512, 128, 1)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # tiny: bf16 too in the fast tests
