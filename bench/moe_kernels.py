@@ -67,9 +67,12 @@ def timed(experts: Experts, backend: str, calls: list, blocks: kernel_moe.Blocks
 @torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    parser.add_argument("--sweep", action="store_true", help="also the fused kernels at other tile sizes")
-    parser.add_argument("--out", type=Path, default=Path("moe-kernels.json"))
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32],
+                        help="tokens per call, each routed to the top 8 of 256 experts (default: 1 2 4 8 16 32)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also the fused kernels at other tiles, warps and stages, one kernel's at a time")
+    parser.add_argument("--out", type=Path, default=Path("moe-kernels.json"),
+                        help="the results as JSON (default moe-kernels.json)")
     args = parser.parse_args()
     device, bandwidth, out = start("moe_kernels.py", ["tokens", "rows", "experts hit", "backend"],
                                    after=("tiles, difference",))

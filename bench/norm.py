@@ -33,9 +33,10 @@ def eager(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32])
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--out", type=Path, default=Path("norm.json"))
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32],
+                        help="rows per call (default: 1 4 8 16 32)")
+    parser.add_argument("--hidden", type=int, default=4096, help="the row width (default: 4096, the 9B's)")
+    parser.add_argument("--out", type=Path, default=Path("norm.json"), help="the results as JSON (default norm.json)")
     args = parser.parse_args()
     device, bandwidth, out = start("norm.py", ["rows", "kernel"], after=("error",))
     D, eps = args.hidden, 1e-6
