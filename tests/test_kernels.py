@@ -513,6 +513,53 @@ def test_the_fp8_activation_quantiser_rounds_each_group_to_the_nearest_e4m3_at_m
     assert not q[M:].float().any()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_fp8_quantiser_of_silu_gate_times_up_equals_silu_mul_then_the_quantiser(dtype):
+    """The MLP's down projection quantises silu(gate) · up in the one launch: the same e4m3 bits and
+    scales as kernels.norm.silu_mul and then the quantiser, from gate and up as the merged
+    projection's halves (strided views), ragged groups (K = 320) and padding rows."""
+    from shardspec.kernels import fp8
+
+    M, K = 5, 320
+    merged = (torch.randn(M, 2 * K, generator=torch.Generator().manual_seed(5)) * 3).to(dtype).to(DEVICE)
+    gate, up = merged[:, :K], merged[:, K:]
+    q, scale = fp8.quantize_groups(gate, rows=16, up=up)
+    expected_q, expected_scale = fp8.quantize_groups(kernel_norm.silu_mul(gate, up), rows=16)
+    assert torch.equal(q.view(torch.uint8), expected_q.view(torch.uint8))
+    assert torch.equal(scale, expected_scale)
+
+
+def test_an_fp8_mlp_multiplies_silu_gate_times_up_inside_its_down_projection(monkeypatch):
+    """With the kernels on, an MLP whose down projection is FP8 hands it gate and up (no SiLU·up
+    launch) and gets the bits of down(silu_mul(gate, up)): W8A8 (the quantiser takes the SiLU·up)
+    and weight-only (the SiLU·up its own kernel first)."""
+    from shardspec.kernels import fp8
+    from shardspec.layers.fp8 import Fp8Linear
+    from shardspec.layers.mlp import MLP
+
+    torch.manual_seed(0)
+    mlp = MLP(256, 128, TPGroup()).to(torch.bfloat16)
+    mlp.gate_up_proj.weight.data.normal_(0, 0.1)
+    down = torch.randn(256, 128) * 0.1
+    mlp.down_proj = Fp8Linear(256, 128)
+    mlp.down_proj.weight.data, mlp.down_proj.weight_scale_inv.data = (down / 0.01).clamp(-448, 448).to(
+        torch.float8_e4m3fn), torch.full((2, 1), 0.01)
+    mlp = mlp.to(DEVICE)
+    x = torch.randn(3, 256, dtype=torch.bfloat16).to(DEVICE)
+    monkeypatch.setattr(kernels, "enabled", lambda x: True)  # (on the CPU: the kernels interpreted)
+    silu_mul_calls = []
+    silu_mul = kernel_norm.silu_mul
+    monkeypatch.setattr(kernel_norm, "silu_mul", lambda *a: (silu_mul_calls.append(1), silu_mul(*a))[1])
+    for mode in ("w8a8", "weight-only"):
+        monkeypatch.setattr(fp8, "DECODE", mode)
+        silu_mul_calls.clear()
+        got = mlp(x)
+        assert len(silu_mul_calls) == (0 if mode == "w8a8" else 1), mode
+        gate, up = mlp.gate_up_proj(x)
+        expected = mlp.down_proj(silu_mul(gate, up))
+        assert torch.equal(got, expected), mode
+
+
 @pytest.mark.parametrize(("M", "N", "K"), [(70, 256, 512), (65, 200, 320)])
 def test_the_w8a8_kernel_equals_the_fp32_product_of_its_quantised_operands(M, N, K):
     """Our FP8 × FP8 kernel against (q · scale) @ (W8 · scale)^T in fp32: to fp32 rounding through the

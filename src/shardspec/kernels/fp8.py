@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shardspec.kernels import rows
+from shardspec.kernels import norm, rows
 from shardspec.kernels.gemv import BLOCK, Plan, prepare, sm_count  # noqa: F401
 from shardspec.kernels.gemv import launch as gemv_launch
 
@@ -76,31 +76,41 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s_m, stride_s_k, BK: tl.constexpr):
+def _quantize_kernel(x_ptr, u_ptr, q_ptr, s_ptr, M, K, stride_x, stride_u, stride_q, stride_s_m, stride_s_k,
+                     GATED: tl.constexpr, BK: tl.constexpr):
     row, group = tl.program_id(0), tl.program_id(1)
     k = group * BK + tl.arange(0, BK)
     columns = K * (row < M).to(tl.int32)  # a padding row (row ≥ M) reads nothing: q 0
     x = tl.load(x_ptr + row * stride_x + k, mask=k < columns, other=0.0).to(tl.float32)
+    if GATED:  # x is the MLP's gate: silu(x) · up, each rounded to x's dtype as kernels.norm.silu_mul rounds
+        dtype = x_ptr.dtype.element_ty
+        act = (x * tl.sigmoid(x)).to(dtype).to(tl.float32)
+        up = tl.load(u_ptr + row * stride_u + k, mask=k < columns, other=0.0).to(tl.float32)
+        x = (act * up).to(dtype).to(tl.float32)
     scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12), 448.0)  # IEEE division: torch's rounding
     q = _round_to_e4m3(tl.clamp(tl.div_rn(x, scale), -448.0, 448.0))
     tl.store(q_ptr + row * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
     tl.store(s_ptr + row * stride_s_m + group * stride_s_k, scale)
 
 
-def quantize_groups(x: torch.Tensor, column_major: bool = False, rows: int | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_groups(x: torch.Tensor, column_major: bool = False, rows: int | None = None,
+                    up: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [rows, K], fp32 scales [rows, ⌈K/128⌉]) with x ≈ q · scale per token and
     group of 128 columns, each group's scale its max |x| / 448 (rounded to nearest, as is q);
     rows ≥ M: padded with zero rows; column_major: the scales stored K-group-major (what cuBLAS's
-    blockwise mode reads)."""
+    blockwise mode reads); up [M, K]: quantise silu(x) · up instead, bit for bit what
+    kernels.norm.silu_mul would give (the MLP's down projection: one launch, not two)."""
     M, K = x.shape
     rows = M if rows is None else rows
     groups = triton.cdiv(K, BLOCK)
     q = torch.empty(rows, K, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(groups, rows, dtype=torch.float32, device=x.device).t() if column_major else \
         torch.empty(rows, groups, dtype=torch.float32, device=x.device)
-    _quantize_kernel[(rows, groups)](x, q, scales, M, K, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
-                                     BK=BLOCK, num_warps=1)
+    if up is not None:
+        assert up.shape == x.shape and up.stride(-1) == 1 and up.dtype == x.dtype
+    _quantize_kernel[(rows, groups)](x, x if up is None else up, q, scales, M, K, x.stride(0),
+                                     0 if up is None else up.stride(0), q.stride(0), scales.stride(0),
+                                     scales.stride(1), GATED=up is not None, BK=BLOCK, num_warps=1)
     return q, scales
 
 
@@ -125,17 +135,17 @@ def plan(M: int, N: int, K: int, sms: int, invariant: bool = False, quantize: bo
 
 
 def decode(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, invariant: bool = False,
-           quantize: bool = False, launch: Plan | None = None) -> torch.Tensor:
+           quantize: bool = False, launch: Plan | None = None, up: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ (weight · scale)^T, the decode path: x as it is (weight-only, one launch), or with
     quantize first rounded to e4m3 per row and 128-column group by quantize_groups (W8A8, two
     launches; fp32 x is never quantised); launch: the plan (default: `plan` for this shape and
-    device)."""
+    device); up: multiply silu(x) · up instead (see `linear`)."""
     M, K = x.shape
     quantize = quantize and x.dtype != torch.float32
     launch = launch or plan(M, weight.shape[0], K, sm_count(x.device), invariant, quantize)
     if not launch.quantize:
-        return gemv_launch(x, weight, launch, scale=scale)
-    q, x_scale = quantize_groups(x)
+        return gemv_launch(x if up is None else norm.silu_mul(x, up), weight, launch, scale=scale)
+    q, x_scale = quantize_groups(x, up=up)
     return gemv_launch(q, weight, launch, scale=scale, x_scale=x_scale, out_dtype=x.dtype)
 
 
@@ -163,33 +173,38 @@ def w8a8_cublas(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, cu
 _CUBLAS_REFUSED: set[tuple[int, int]] = set()  # weight shapes cuBLAS refused at run time
 
 
-def w8a8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, cublas_scale: torch.Tensor | None = None):
+def w8a8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, cublas_scale: torch.Tensor | None = None,
+         up: torch.Tensor | None = None):
     """x [M, K] @ (weight · scale)^T with x quantised per token and 128-group (the prefill path);
-    cublas_scale: the weight's scales laid out for torch's scaled_mm (cublas_layout), None: our kernel.
-    A shape cuBLAS refuses after all (it fails before launching anything) takes our kernel from then on."""
+    cublas_scale: the weight's scales laid out for torch's scaled_mm (cublas_layout), None: our kernel;
+    up: multiply silu(x) · up instead. A shape cuBLAS refuses after all (it fails before launching
+    anything) takes our kernel from then on."""
     M = x.shape[0]
     if cublas_scale is not None and tuple(weight.shape) not in _CUBLAS_REFUSED:
-        q, x_scale = quantize_groups(x, column_major=True, rows=triton.cdiv(M, CUBLAS_ROWS) * CUBLAS_ROWS)
+        q, x_scale = quantize_groups(x, column_major=True, rows=triton.cdiv(M, CUBLAS_ROWS) * CUBLAS_ROWS, up=up)
         try:
             return w8a8_cublas(q, x_scale, weight, cublas_scale, x.dtype)[:M]
         except RuntimeError as exc:
             _CUBLAS_REFUSED.add(tuple(weight.shape))
             warnings.warn(f"cuBLAS block-scaled FP8 refused {M} × {tuple(weight.shape)} ({exc}); "
                           "the Triton kernel takes this shape from now on", RuntimeWarning, stacklevel=2)
-    q, x_scale = quantize_groups(x)
+    q, x_scale = quantize_groups(x, up=up)
     return w8a8_triton(q, x_scale, weight, scale, x.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, invariant: bool = False,
-           cublas_scale: torch.Tensor | None = None) -> torch.Tensor:
+           cublas_scale: torch.Tensor | None = None, up: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ (weight · scale)^T: the one-launch decode kernel up to DECODE_ROWS rows (always
     when `invariant`: each row's result then depends on that row alone), W8A8 (DECODE) or
-    weight-only; above, the prefill's W8A8 GEMM."""
+    weight-only; above, the prefill's W8A8 GEMM. With `up` (x's shape: the MLP's gate and up),
+    silu(x) · up @ (weight · scale)^T, the SiLU·up inside the activations' quantiser where they
+    are quantised (its own kernel where not)."""
     x2 = rows(x)
+    u2 = rows(up) if up is not None else None
     if invariant or x2.shape[0] <= DECODE_ROWS or x.dtype == torch.float32:
-        y = decode(x2, weight, scale, invariant, quantize=DECODE == "w8a8")
+        y = decode(x2, weight, scale, invariant, quantize=DECODE == "w8a8", up=u2)
     else:
-        y = w8a8(x2, weight, scale, cublas_scale)
+        y = w8a8(x2, weight, scale, cublas_scale, up=u2)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 

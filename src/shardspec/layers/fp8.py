@@ -30,11 +30,13 @@ def dequantize(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rows: 
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_rows: int = 0,
-               cublas_scale: torch.Tensor | None = None) -> torch.Tensor:
+               cublas_scale: torch.Tensor | None = None, up: torch.Tensor | None = None) -> torch.Tensor:
     """x @ (weight · scale).T in x's dtype; block_rows > 0: batch-invariant (layers.invariant);
-    cublas_scale: see prepare_kernels."""
+    cublas_scale: see prepare_kernels; up (with the kernels only): silu(x) · up @ (weight · scale).T,
+    the MLP's down projection with its SiLU·up in the activations' quantiser (kernels.fp8.linear)."""
     if kernels.enabled(x):
-        return kernels.fp8.linear(x, weight, scale, block_rows > 0, cublas_scale)
+        return kernels.fp8.linear(x, weight, scale, block_rows > 0, cublas_scale, up)
+    assert up is None, "silu(x) · up inside the projection is a kernel's (kernels.enabled)"
     return linear(x, dequantize(weight, scale, x.dtype), block_rows)
 
 
@@ -66,9 +68,11 @@ class Fp8Linear(nn.Module):
         self.outputs = outputs
         self.cublas_scale: torch.Tensor | None = None  # (prepare_kernels)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        y = fp8_linear(x, self.weight, self.weight_scale_inv, self.block_rows, self.cublas_scale)
+    def forward(self, x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """self(x); with `up` (one output, the kernels on: layers.mlp.MLP) self(silu(x) · up)."""
+        y = fp8_linear(x, self.weight, self.weight_scale_inv, self.block_rows, self.cublas_scale, up)
         if self.outputs is None:
             return y
+        assert up is None, "silu(x) · up goes to a projection of one output"
         rest = linear(x, self.rest, self.block_rows) if self.rest is not None else None
         return tuple((rest if from_rest else y)[..., start : start + size] for from_rest, start, size in self.outputs)

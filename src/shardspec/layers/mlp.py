@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardspec import kernels
+from shardspec.layers.fp8 import Fp8Linear
 from shardspec.layers.invariant import pointwise
 from shardspec.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from shardspec.layers.parallel import TPGroup
@@ -31,4 +32,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x)
+        if isinstance(self.down_proj, Fp8Linear) and kernels.enabled(gate):  # an FP8 checkpoint on the GPU:
+            return self.down_proj(gate, up=up)  # silu(gate) · up inside the activations' quantiser
         return self.down_proj(silu_mul(gate, up, self.invariant))
