@@ -25,7 +25,7 @@ from shardspec.layers.parallel import TPGroup
 from shardspec.models.loader import load_model
 from shardspec.orchestrator.tokenizer import Tokenizer
 from shardspec.protocol.messages import PrefillSpec, StepRequest
-from shardspec.shard_worker.runner import ModelRunner
+from shardspec.shard_worker.decoder import Decoder
 
 
 def prompts(count: int, length: int) -> list[list[int]]:
@@ -37,7 +37,7 @@ def prompts(count: int, length: int) -> list[list[int]]:
 @torch.inference_mode()
 def decode(model, texts: list[list[int]], tokens: int, k: int) -> tuple[list[list[int]], float]:
     """Greedy MTP decoding of each prompt alone: (outputs, mean acceptance length)."""
-    runner = ModelRunner(model, torch.device("cpu"), 1, 512, 512, k)
+    runner = Decoder(model, torch.device("cpu"), 1, 512, 512, k)
     outputs = []
     for text in texts:
         out = runner.step(StepRequest(prefill=[PrefillSpec(seq=0, length=len(text), max_tokens=tokens)]),

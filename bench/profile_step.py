@@ -3,7 +3,7 @@
     python bench/profile_step.py [--size 9b] [--batch 1] [--k 0 1 3] [--forced 0.8] [--tp 1] [--prefill 2048]
 
 Builds the model with random weights directly on the device (no checkpoint on disk), runs the
-ModelRunner's steps, and prints for each k the mean step time, PyTorch's profiler table of the
+the decoder's steps, and prints for each k the mean step time, PyTorch's profiler table of the
 most expensive operators, and where the step's device time goes by part (matmuls, Gated DeltaNet,
 attention, norms, ...) against each part's floor: the bytes it must move
 (shardspec.models.step_bytes) ÷ the copy bandwidth. The runner launches each step's pass ahead,
@@ -37,7 +37,7 @@ from shardspec.models.random_checkpoint import (
 from shardspec.models.step_bytes import StepBytes, step_bytes
 from shardspec.orchestrator.workers import free_port
 from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepRequest
-from shardspec.shard_worker.runner import ModelRunner
+from shardspec.shard_worker.decoder import Decoder
 
 SIZES = {"tiny": tiny_config, "9b": nine_b_config, "27b": twenty_seven_b_config, "tiny-moe": tiny_moe_config,
          "35b-a3b": thirty_five_b_a3b_config}
@@ -135,7 +135,7 @@ def all_reduce_timing(prof, device: torch.device, say) -> None:
 def prefill_profile(model: Qwen3_5Model, device: torch.device, length: int, chunk: int, say, profile: bool) -> None:
     """Median prefill tokens/s of one prompt through the runner, in chunks of `chunk` tokens (the
     engine's prefill_chunk), and the operators of one prefill by device time."""
-    runner = ModelRunner(model, device, 1, length + 8, chunk, 0, None)
+    runner = Decoder(model, device, 1, length + 8, chunk, 0, None)
     torch.manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (length,))
 
@@ -210,10 +210,10 @@ def run(rank: int, args: argparse.Namespace, address: str) -> None:
     model = random_model(args.size, device, dtype, tp)
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else 0.0
     for k in args.k:
-        runner = ModelRunner(model, device, args.batch, 1024, 512, k, args.forced if k else None,
-                             cuda_graphs=not args.no_graphs, launch_ahead="1" if args.launch_ahead else "0")
         seqs = list(range(args.batch))
-        runner.peek = lambda _until: StepRequest(decode=seqs)  # every next step is already here, as in the engine
+        runner = Decoder(model, device, args.batch, 1024, 512, k, args.forced if k else None,
+                         cuda_graphs=not args.no_graphs, launch_ahead="on" if args.launch_ahead else "off",
+                         peek=lambda _until: StepRequest(decode=seqs))  # every next step is already here
         prefill = [PrefillSpec(seq=s, length=64, sampling=SamplingParams(seed=s), max_tokens=500) for s in seqs]
         torch.manual_seed(0)  # the same prompts on every rank
         runner.step(StepRequest(prefill=prefill), torch.randint(0, model.config.vocab_size, (64 * args.batch,)))

@@ -294,12 +294,12 @@ def test_every_graph_a_step_replays_is_captured_at_load():
     verify + draft graphs where greedy ones take the fused one: no step may stop to capture."""
     from shardspec import kernels
     from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepRequest
-    from shardspec.shard_worker.runner import ModelRunner
+    from shardspec.shard_worker.decoder import Decoder
 
     if not kernels.ENABLED:
         pytest.skip("graphs are captured per context bucket on first use without the kernels")
     model = load_model(BUNDLED_MODEL, TPGroup(), torch.bfloat16, torch.device("cuda"), with_mtp=True)
-    runner = ModelRunner(model, torch.device("cuda"), max_slots=6, max_seq_len=128, prefill_chunk=128, draft_len=2)
+    runner = Decoder(model, torch.device("cuda"), max_slots=6, max_seq_len=128, prefill_chunk=128, draft_len=2)
     captured = {key: set(bucket.graphs) for key, bucket in runner.passes.buckets.items()}
     assert sorted(size for size, _, _ in captured) == [1, 2, 4, 8]
     assert all(names == {"fused", "verify", "draft"} for names in captured.values())

@@ -15,7 +15,7 @@ from shardspec.cli import BUNDLED_MODEL
 from shardspec.layers.parallel import TPGroup
 from shardspec.models.loader import load_model
 from shardspec.protocol.messages import PrefillSpec, StepRequest
-from shardspec.shard_worker.runner import ModelRunner
+from shardspec.shard_worker.decoder import Decoder
 
 TOKENS = 12
 
@@ -26,7 +26,7 @@ def decode_logits(model, prompts: list[list[int]], draft_len: int, deterministic
     position whose input token was kept (the pending token and the accepted drafts). On a GPU the
     passes replay CUDA graphs, as in a worker."""
     device = torch.device(device)
-    runner = ModelRunner(model, device, len(prompts), 128, 2048, draft_len, cuda_graphs=device.type == "cuda",
+    runner = Decoder(model, device, len(prompts), 128, 2048, draft_len, cuda_graphs=device.type == "cuda",
                          deterministic=deterministic)
     try:
         specs = [PrefillSpec(seq=i, length=len(p), max_tokens=TOKENS) for i, p in enumerate(prompts)]

@@ -174,10 +174,10 @@ def test_prompts_prefilled_together_share_the_prefill_chunk_down_to_64_tokens_ea
     from shardspec.layers.parallel import TPGroup
     from shardspec.models.loader import load_model
     from shardspec.protocol.messages import PrefillSpec, StepRequest
-    from shardspec.shard_worker.runner import ModelRunner
+    from shardspec.shard_worker.decoder import Decoder
 
     model = load_model(tiny_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=False)
-    runner = ModelRunner(model, torch.device("cpu"), 8, 512, 256, 0)
+    runner = Decoder(model, torch.device("cpu"), 8, 512, 256, 0)
     seen = []
     forward = model.forward
     model.forward = lambda ids, batch: (seen.append(tuple(ids.shape)), forward(ids, batch))[1]

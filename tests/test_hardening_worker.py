@@ -22,7 +22,7 @@ from shardspec.orchestrator.group import rendezvous
 from shardspec.orchestrator.requests import EngineError
 from shardspec.orchestrator.workers import WorkerClient, WorkerLost, free_port, wait_ready
 from shardspec.protocol import Message, decode, encode, transport
-from shardspec.shard_worker.daemon import _rendezvous_store
+from shardspec.shard_worker.group import rendezvous_store
 
 HELLO = encode(Message("hello", 1, {"client": "test"}))
 
@@ -190,7 +190,7 @@ def test_the_rendezvous_of_a_local_group_listens_on_loopback_only():
     from datetime import timedelta
 
     port = free_port()
-    store = _rendezvous_store(f"tcp://127.0.0.1:{port}", 0, 2, timedelta(seconds=5))
+    store = rendezvous_store(f"tcp://127.0.0.1:{port}", 0, 2, timedelta(seconds=5))
     try:
         rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
         listening = [row[1] for row in rows if row[3] == "0A"]  # state LISTEN

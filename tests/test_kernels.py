@@ -299,23 +299,21 @@ def test_the_lm_head_drafts_through_the_head_kernel(mode, monkeypatch):
 
 def test_the_draft_head_mode_falls_back_where_the_kernel_cannot_run(monkeypatch):
     """fp8 needs CUDA with compute capability 8.9 or later and a bf16/fp16 model; a bad
-    SHARDSPEC_DRAFT_HEAD is an error on every device, not only where the kernel runs."""
+    draft head is an error on every device, not only where the kernel runs."""
     from shardspec.shard_worker import runner
 
     with torch.device("meta"):
         model = Qwen3_5Model(Qwen3_5Config.from_dict(tiny_config()), TPGroup(), with_mtp=True)
     cpu = torch.device("cpu")
-    monkeypatch.setattr(runner, "DRAFT_HEAD", "fp8")  # the default, whatever this shell sets
-    assert runner.draft_head_mode(model, torch.bfloat16, cpu) == "cublas"  # no CUDA tensors here
+    assert runner.draft_head_mode(model, torch.bfloat16, cpu, "fp8") == "cublas"  # no CUDA tensors here
     monkeypatch.setattr(kernels, "enabled", lambda x: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert runner.draft_head_mode(model, torch.bfloat16, cpu) == "bf16"  # an A100: no fp8 loads
-    assert runner.draft_head_mode(model, torch.float32, cpu) == "cublas"
+    assert runner.draft_head_mode(model, torch.bfloat16, cpu, "fp8") == "bf16"  # an A100: no fp8 loads
+    assert runner.draft_head_mode(model, torch.float32, cpu, "fp8") == "cublas"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert runner.draft_head_mode(model, torch.bfloat16, cpu) == "fp8"
-    monkeypatch.setattr(runner, "DRAFT_HEAD", "fp9")
-    with pytest.raises(ValueError, match="SHARDSPEC_DRAFT_HEAD"):
-        runner.draft_head_mode(model, torch.bfloat16, cpu)
+    assert runner.draft_head_mode(model, torch.bfloat16, cpu, "fp8") == "fp8"
+    with pytest.raises(ValueError, match="draft_head"):
+        runner.draft_head_mode(model, torch.bfloat16, cpu, "fp9")
 
 SM90_PTX = """
 import importlib, json, sys

@@ -1,11 +1,12 @@
 """Launch ahead: a single stage queues the next step's pass on the device before it reads the current
-one's (runner.py). The replies must be those of running every step after the one before."""
+one's (decoder.LaunchAhead). The replies must be those of running every step after the one before."""
 
 from __future__ import annotations
 
 import asyncio
 import random
 from collections import deque
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -15,15 +16,16 @@ import shardspec
 from shardspec.layers.parallel import TPGroup
 from shardspec.models.loader import load_model
 from shardspec.protocol.messages import PrefillSpec, ReleaseRequest, SamplingParams, StepRequest
-from shardspec.shard_worker.runner import ModelRunner
+from shardspec.shard_worker.decoder import Decoder, Peek
 
 NO_PROMPT = torch.empty(0, dtype=torch.long)
 
 
-def drive(runner: ModelRunner, arrivals: dict[int, list[tuple[PrefillSpec, list[int]]]], max_steps: int = 200,
-          keep_finished: bool = False):
-    """The replies of `runner` driven as the engine drives a worker: two steps on the wire (the next
-    one sent before the current one's reply is read, naming the sequences not known finished then),
+def drive(make: Callable[[Peek], Decoder], arrivals: dict[int, list[tuple[PrefillSpec, list[int]]]],
+          max_steps: int = 200, keep_finished: bool = False):
+    """(The replies, the passes launched ahead) of the runner `make(peek)` driven as the engine drives
+    a worker: two steps on the wire (the next one sent before the current one's reply is read,
+    naming the sequences not known finished then),
     a release sent for each sequence once a reply says it finished; `peek` sees the next message
     when it is a step. arrivals: at the n-th step sent, the prompts it prefills. keep_finished: as a
     client may, keep finished sequences in the steps and release none (the worker skips them)."""
@@ -44,7 +46,7 @@ def drive(runner: ModelRunner, arrivals: dict[int, list[tuple[PrefillSpec, list[
     def peek(_until) -> StepRequest | None:  # (the next step is on the wire before the current one runs)
         return wire[0][1] if wire and wire[0][0] == "step" else None
 
-    runner.peek = peek
+    runner = make(peek)
     replies = []
     while sent < max_steps and (sent <= max(arrivals) or set(live) - known_done):
         while sum(kind == "step" for kind, *_ in wire) < 2:
@@ -59,7 +61,9 @@ def drive(runner: ModelRunner, arrivals: dict[int, list[tuple[PrefillSpec, list[
         known_done.update(done)
         if done and not keep_finished:
             wire.append(("release", ReleaseRequest(seqs=done), None))
-    return replies
+    launched = runner.stats().launched_ahead
+    runner.close()
+    return replies, launched
 
 
 def arrivals_of(vocab: int, seed: int) -> dict[int, list[tuple[PrefillSpec, list[int]]]]:
@@ -82,15 +86,12 @@ def test_replies_with_passes_launched_ahead_equal_replies_without(small_vocab_mo
     def replies(launch_ahead: str) -> tuple[list, int]:
         # deterministic: a launched pass also runs the rows of sequences the step before finished, so its
         # batch has more rows than the same step run after the step before (CPU matmuls may round by shape)
-        runner = ModelRunner(model, torch.device("cpu"), 4, 40, 512, draft_len, forced_acceptance=forced,
-                             deterministic=True, launch_ahead=launch_ahead)
-        try:
-            return drive(runner, arrivals_of(16, seed=draft_len)), runner.launches_ahead
-        finally:
-            runner.close()
+        return drive(lambda peek: Decoder(model, torch.device("cpu"), 4, 40, 512, draft_len, forced_acceptance=forced,
+                                          deterministic=True, launch_ahead=launch_ahead, peek=peek),
+                     arrivals_of(16, seed=draft_len))
 
-    ahead, launched = replies("1")
-    plain, none = replies("0")
+    ahead, launched = replies("on")
+    plain, none = replies("off")
     assert ahead == plain
     assert none == 0 and launched > len(plain) // 2  # most steps came next, as the engine sends them
     assert {why for step in plain for why in step[4]} >= {"length"}
@@ -101,15 +102,14 @@ def test_no_pass_is_launched_past_the_caches(small_vocab_model):
     """A sequence running to max_seq_len: the step after each step is launched before the host knows
     how far that step took it, so near the end of the context nothing may be launched ahead."""
     model = load_model(small_vocab_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=True)
-    runner = ModelRunner(model, torch.device("cpu"), 1, 24, 512, 3, forced_acceptance=1.0, launch_ahead="1")
     spec = PrefillSpec(seq=0, length=2, sampling=SamplingParams(), max_tokens=1000)
-    replies = drive(runner, {0: [(spec, [5, 7])]})
+    replies, launched = drive(lambda peek: Decoder(model, torch.device("cpu"), 1, 24, 512, 3, forced_acceptance=1.0,
+                                                   launch_ahead="on", peek=peek), {0: [(spec, [5, 7])]})
     assert sum(len(tokens[0]) for _, tokens, *_ in replies) == 24 - 2
     # every draft kept: the decode steps start at lengths 2, 6, .. 22; each but the last launches the next
     # ahead where it starts at most 2 (k + 1) positions before max_seq_len
     starts = range(2, 24 - 1, 4)
-    assert runner.launches_ahead == sum(n <= 24 - 2 * 4 for n in starts[:-1]) > 0
-    runner.close()
+    assert launched == sum(n <= 24 - 2 * 4 for n in starts[:-1]) > 0
 
 
 def test_finished_sequences_left_in_the_steps_are_not_run_on(small_vocab_model):
@@ -123,18 +123,15 @@ def test_finished_sequences_left_in_the_steps_are_not_run_on(small_vocab_model):
         # token, at length 15, short of the 24 - 2 (k + 1) = 16 up to which a row may be launched ahead;
         # sequence 1, from length 2, is launched ahead about 14 steps more: sequence 0's row with it
         # would reach position 29 + k of a 30-position cache
-        runner = ModelRunner(model, torch.device("cpu"), 2, 24, 512, 3, forced_acceptance=0.0, deterministic=True,
-                             launch_ahead=launch_ahead)
         prompts = {0: [5, 7] * 7, 1: [3, 9]}
         specs = [PrefillSpec(seq=seq, length=len(prompts[seq]), sampling=SamplingParams(), max_tokens=budget)
                  for seq, budget in ((0, 2), (1, 1000))]
-        try:
-            return drive(runner, {0: [(spec, prompts[spec.seq]) for spec in specs]}, keep_finished=True)
-        finally:
-            runner.close()
+        return drive(lambda peek: Decoder(model, torch.device("cpu"), 2, 24, 512, 3, forced_acceptance=0.0,
+                                          deterministic=True, launch_ahead=launch_ahead, peek=peek),
+                     {0: [(spec, prompts[spec.seq]) for spec in specs]}, keep_finished=True)[0]
 
-    ahead = replies("1")
-    assert ahead == replies("0")
+    ahead = replies("on")
+    assert ahead == replies("off")
     assert [why for _, _, _, _, finished in ahead for why in finished][-1] == "length"  # sequence 1 ran to the end
 
 

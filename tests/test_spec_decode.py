@@ -301,10 +301,10 @@ def test_a_sequence_that_fills_its_context_accepting_every_draft_finishes_cleanl
     from shardspec.layers.parallel import TPGroup
     from shardspec.models.loader import load_model
     from shardspec.protocol.messages import SamplingParams
-    from shardspec.shard_worker.runner import ModelRunner
+    from shardspec.shard_worker.decoder import Decoder
 
     model = load_model(small_vocab_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=True)
-    runner = ModelRunner(model, torch.device("cpu"), 2, 16, 512, draft_tokens, forced_acceptance=1.0)
+    runner = Decoder(model, torch.device("cpu"), 2, 16, 512, draft_tokens, forced_acceptance=1.0)
     spec = PrefillSpec(seq=0, length=2, sampling=SamplingParams(), max_tokens=1000)
     tokens = runner.step(StepRequest(prefill=[spec]), torch.tensor([5, 7])).tokens[0]
     while not runner.sequences[0].finished:

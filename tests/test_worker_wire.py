@@ -211,7 +211,6 @@ def test_unhashable_header_fields_are_bad_messages_not_internal_errors(spawn_wor
     ("SHARDSPEC_ALLREDUCE", "symmetric", "SHARDSPEC_ALLREDUCE must be auto, symm or nccl, not 'symmetric'"),
     ("SHARDSPEC_MOE_BACKEND", "loop", "SHARDSPEC_MOE_BACKEND must be auto or one of ['fused', 'gathered', "
                                       "'grouped', 'reference'], not 'loop'"),
-    ("SHARDSPEC_LAUNCH_AHEAD", "sometimes", "SHARDSPEC_LAUNCH_AHEAD must be auto, 0 or 1, not 'sometimes'"),
 ])
 def test_a_worker_with_an_unknown_setting_refuses_init_naming_the_choices(
         spawn_worker, sync_client, monkeypatch, variable, value, message):

@@ -180,3 +180,16 @@ def make_client(sock: zmq.Socket, pair: KeyPair, server_public: bytes) -> None:
     sock.curve_secretkey = pair.secret
     sock.curve_publickey = pair.public
     sock.curve_serverkey = server_public
+
+
+class AllowList:
+    """A ZAP credentials provider: a client may connect only with one of these public keys."""
+
+    def __init__(self, keys: list[bytes]):
+        self.keys = set(keys)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        allowed = key in self.keys
+        if not allowed:
+            log.warning("refused a client with an unknown CURVE key")
+        return allowed

@@ -280,7 +280,7 @@ class StatsReply:
     busy_s: float = 0.0  # in steps, not counting waits on stage links: 1 - Δbusy/Δwall is the idle fraction
     link_wait_s: float = 0.0  # waiting for another stage's hidden states or record
     forwarded_max: int = 0  # an earlier stage: the most steps run whose last-stage record was still to come
-    lookaheads: int = 0  # an earlier stage: verify passes run on the last stage's guess (ModelRunner's lookahead)
+    lookaheads: int = 0  # an earlier stage: verify passes run on the last stage's guess (stage.ForwardingStage)
     lookaheads_right: int = 0  # of them, those whose guess held (the others ran again)
     launched_ahead: int = 0  # passes queued before their step came, behind the step before (runner.py: launch ahead)
 

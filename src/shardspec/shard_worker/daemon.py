@@ -7,35 +7,25 @@ returns to idle. Only SIGINT/SIGTERM end the process.
 
 from __future__ import annotations
 
-import ctypes
-import fcntl
-import gc
-import ipaddress
 import logging
 import os
 import signal
 import socket
-import struct
 import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from datetime import timedelta
+from dataclasses import asdict
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from shardspec import __version__, security
 from shardspec.layers.moe import check_backend_setting
-from shardspec.layers.parallel import TPGroup, check_allreduce_setting, use_symmetric_memory
-from shardspec.models.base import CausalLM, Stage
-from shardspec.models.config import ConfigError
-from shardspec.models.loader import has_mtp, load_model, stage_of
+from shardspec.layers.parallel import TPGroup, check_allreduce_setting
 from shardspec.protocol import codec, transport
 from shardspec.protocol.codec import Message
 from shardspec.protocol.errors import ErrorCode, ProtocolError
@@ -57,38 +47,18 @@ from shardspec.protocol.messages import (
     parse,
     to_meta,
 )
-from shardspec.security import KeyPair
-from shardspec.shard_worker.links import (
-    LINK_DOMAIN,
-    SPIN_S,
-    DirectLinks,
-    LinkDropped,
-    RelayedLinks,
-    StageLinks,
-    bind_address,
-)
-from shardspec.shard_worker.profiling import StepProfiler, mark
-from shardspec.shard_worker.runner import ModelRunner, check_launch_ahead_setting
-from shardspec.utils import memory_stats, parse_device, resolve_dtype
+from shardspec.security import AllowList, KeyPair
+from shardspec.shard_worker import group
+from shardspec.shard_worker.links import SPIN_S, LinkDropped, RelayedLinks, StageLinks, open_direct
+from shardspec.shard_worker.loading import HeldModel, free_memory, make_runner
+from shardspec.shard_worker.profiling import StepProfiler, hang_for_test, mark
+from shardspec.shard_worker.runner import ModelRunner, RunnerStats
+from shardspec.utils import memory_stats, parse_device
 
 log = logging.getLogger("shardspec.worker")
 
 # launch ahead: while the device runs a step's pass, how often the worker looks for the next request
 PEEK_POLL_S = 50e-6
-LINK_UP_S = 5.0  # at init: how long a stage link may take to connect before the worker says it cannot
-
-
-class _AllowList:
-    """ZAP credentials provider: a client may connect only with one of these public keys."""
-
-    def __init__(self, keys: list[bytes]):
-        self.keys = set(keys)
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        allowed = key in self.keys
-        if not allowed:
-            log.warning("refused a client with an unknown CURVE key")
-        return allowed
 
 
 class ShardWorker:
@@ -128,17 +98,13 @@ class ShardWorker:
         self.links: StageLinks | None = None  # to the other stages, with more than one
         self.ctx: zmq.Context | None = None
         self.runner: ModelRunner | None = None
-        self.model: CausalLM | None = None
-        self.model_key: tuple | None = None  # (path, dtype, stage) of the loaded weights
-        self.model_mtp = False  # whether they include the MTP module (on the last stage)
-        self.weight_bytes = 0
+        self.held = HeldModel(self.device)
         self.steps = 0
         self.errors = 0
         self.gap_count, self.gap_total = 0, 0.0  # idle time between a step's reply and the next step
         self.step_total_s = 0.0  # time in steps (waits on stage links included)
         self.last_step_sent: float | None = None
         self.stopping = False
-        self.gloo_ifname = os.environ.get("GLOO_SOCKET_IFNAME")  # the user's choice, if any
         self.profiler = StepProfiler()  # SHARDSPEC_PROFILE_DIR: steps under PyTorch's profiler
         self.handlers = {op: getattr(self, f"_{op}") for op in REQUESTS}  # an op's handler: _<op>
 
@@ -150,7 +116,7 @@ class ShardWorker:
         if self.keys is not None:  # ZAP handler: only the allowed client keys get in
             authenticator = self.authenticator = ThreadAuthenticator(ctx)
             authenticator.start()
-            authenticator.configure_curve_callback(domain="*", credentials_provider=_AllowList(self.allow))
+            authenticator.configure_curve_callback(domain="*", credentials_provider=AllowList(self.allow))
         sock = self.sock = ctx.socket(zmq.ROUTER)
         transport.configure_worker(sock, self.max_message_bytes)
         if self.keys is not None:
@@ -223,12 +189,11 @@ class ShardWorker:
             return
         log.info("%s: releasing model and group, back to idle", why)
         self._drop_runner()
-        self.model = self.model_key = None
-        self.weight_bytes = 0
+        self.held.drop()
         self._close_links()
-        _leave_process_group()
+        group.leave_process_group()
         self.tp = None
-        self._free_memory()
+        free_memory(self.device)
         self.state, self.owner, self.owner_fd, self.owner_gone = "idle", None, None, False
 
     # --- one request ----------------------------------------------------------------------------
@@ -370,108 +335,37 @@ class ShardWorker:
     def _init(self, body: InitRequest, _tensors: dict) -> tuple[InitReply, None]:
         if self.state != "idle":
             raise ProtocolError(ErrorCode.BAD_STATE, f"worker is {self.state}; send shutdown before init")
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        self._share_cores(body.host_ranks)
+        if self.device.type == "cpu" and self.threads is None:
+            group.share_cores(body.host_ranks)
         try:
             check_allreduce_setting()
             check_backend_setting()
-            check_launch_ahead_setting()
         except ValueError as exc:
             raise ProtocolError(ErrorCode.BAD_STATE, f"this worker's {exc}") from None
-        if body.tp_size > 1:  # stages of one rank each share no collective (nor could ranks on one GPU: NCCL)
-            if not body.dist_addr.startswith("tcp://"):
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"dist_addr must be tcp://HOST:PORT, got {body.dist_addr!r}")
-            log.info("joining %s group at %s as rank %d/%d", backend, body.dist_addr, body.rank, body.world_size)
-            if backend == "gloo":
-                self._choose_gloo_interface(body.dist_addr)
-            self._join_process_group(backend, body)
+        self.tp, backend = group.join(body, self.device)
         try:
-            self.tp = self._tp_group(body)
             self.stage, self.stages = body.stage, body.stages
             if body.stages > 1:
                 self.links = self._open_links(body)
         except BaseException:
             self.tp = None
-            _leave_process_group()  # back to idle as it was
+            group.leave_process_group()  # back to idle as it was
             raise
         self.state = "initialized"
         return InitReply(rank=body.rank, world_size=body.world_size, backend=backend, stage=body.stage,
                          tp_rank=self.tp.rank, tp_size=self.tp.size), None
 
-    def _share_cores(self, host_ranks: int) -> None:
-        """A CPU worker started without --threads takes its share of the cores it may run on, so the
-        group's ranks on one host do not oversubscribe it (each torch would take them all)."""
-        if self.device.type != "cpu" or self.threads is not None:
-            return
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        threads = max(1, cores // host_ranks)
-        if threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
-        log.info("%d CPU threads: %d cores shared by the %d ranks of this group on this host (--threads to set)",
-                 threads, cores, host_ranks)
-
-    def _join_process_group(self, backend: str, body: InitRequest) -> None:
-        """torch.distributed's default group, through the rendezvous store at body.dist_addr (rank 0
-        hosts it); on any failure this worker is left as if it had never tried."""
-        timeout = timedelta(seconds=body.timeout_s)
-        try:
-            store = _rendezvous_store(body.dist_addr, body.rank, body.world_size, timeout)
-            dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=body.rank,
-                                    world_size=body.world_size, timeout=timeout,
-                                    device_id=self.device if self.device.type == "cuda" else None)
-        except ProtocolError:
-            _leave_process_group()
-            raise
-        except Exception as exc:  # a peer that never came
-            _leave_process_group()
-            raise ProtocolError(ErrorCode.BAD_STATE, f"could not join the process group: {exc}") from None
-
-    def _tp_group(self, body: InitRequest) -> TPGroup:
-        """This rank's group: its stage's ranks (every rank makes every stage's group, in order)."""
-        tp = body.tp_size
-        group = None
-        if body.stages > 1 and tp > 1:
-            groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(body.stages)]
-            group = groups[body.stage]
-        symmetric = use_symmetric_memory(self.device, tp, group)
-        if symmetric:
-            log.info("small all-reduces go through symmetric memory (SHARDSPEC_ALLREDUCE=nccl: NCCL only)")
-        return TPGroup(body.rank % tp, tp, group, symmetric=symmetric)
-
     def _open_links(self, body: InitRequest) -> StageLinks:
-        links = self._links(body)
-        if self.device.type == "cuda":
-            links.spin_s = SPIN_S
-        return links
-
-    def _links(self, body: InitRequest) -> StageLinks:
         if body.relay:
             log.info("stage %d of %d; stage links relayed through the orchestrator", body.stage, body.stages)
-            return RelayedLinks(self._relay_out, self._pump, body.timeout_s, abort=self._why_abort)
-        if self.keys is not None and not body.link_keys:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "this worker has CURVE keys: its stage links need every "
-                                "rank's public key (link_keys), or relay")
-        last = body.stage == body.stages - 1
-        peers = [body.peer(body.stage + 1)] if not last else [body.peer(s) for s in range(body.stage)]
-        senders = [body.peer(body.stage - 1)] if body.stage else []
-        if not last:
-            senders.append(body.peer(body.stages - 1))  # the last stage's records
-        keys = {body.links[r]: body.link_keys[r].encode() for r in peers} if body.link_keys else None
-        if self.authenticator is not None:  # the inbox lets in the ranks that send to it, and no one else
-            allowed = _AllowList([body.link_keys[r].encode() for r in senders])
-            self.authenticator.configure_curve_callback(domain=LINK_DOMAIN, credentials_provider=allowed)
-        bind = bind_address(body.links[body.rank], self.listen)
-        try:
-            links = DirectLinks(self.ctx, bind, None if last else body.links[peers[0]],
-                                [body.links[r] for r in peers] if last else [], body.timeout_s,
-                                self.heartbeat_timeout, abort=self._why_abort, keys=self.keys, peer_keys=keys)
-        except zmq.ZMQError as exc:
-            raise ProtocolError(ErrorCode.UNREACHABLE, f"cannot open the stage link at {bind}: {exc}") from None
-        if unreachable := links.unreachable(LINK_UP_S):
-            links.close()
-            raise ProtocolError(ErrorCode.UNREACHABLE, f"stage links to {', '.join(unreachable)} not up within "
-                                f"{LINK_UP_S:g}s")
-        log.info("stage %d of %d; stage link at %s%s", body.stage, body.stages, bind, " (CURVE)" if keys else "")
+            links: StageLinks = RelayedLinks(self._relay_out, self._pump, body.timeout_s, abort=self._why_abort)
+        else:
+            links = open_direct(self.ctx, body, self.listen, self.heartbeat_timeout, self._why_abort, self.keys,
+                                self.authenticator)
+            log.info("stage %d of %d; stage link at %s%s", body.stage, body.stages, body.links[body.rank],
+                     " (CURVE)" if body.link_keys else "")
+        if self.device.type == "cuda":
+            links.spin_s = SPIN_S
         return links
 
     def _why_abort(self) -> str | None:
@@ -487,64 +381,28 @@ class ShardWorker:
         if links is not None:
             links.close()
 
-    def _choose_gloo_interface(self, dist_addr: str) -> None:
-        """Gloo binds to the address of this host's name, which is often a loopback address that the
-        other hosts cannot reach: unless the user chose (GLOO_SOCKET_IFNAME), take the interface
-        that routes to the rendezvous host."""
-        if self.gloo_ifname is not None:
-            return
-        name = _interface_towards(dist_addr)
-        if name is None:
-            os.environ.pop("GLOO_SOCKET_IFNAME", None)
-        else:
-            os.environ["GLOO_SOCKET_IFNAME"] = name
-            log.info("Gloo uses interface %s (set GLOO_SOCKET_IFNAME to choose another)", name)
-
     def _load(self, body: LoadRequest, _tensors: dict) -> tuple[LoadReply, None]:
         """Load the model (or keep the one loaded, if it is the same) and build fresh caches."""
         if self.state == "idle":
             raise ProtocolError(ErrorCode.BAD_STATE, "worker is idle; load needs an initialized worker")
-        try:
-            dtype = resolve_dtype(body.dtype, body.model, self.device)
-        except ValueError as exc:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc)) from None
         started = time.perf_counter()
         self._drop_runner()  # a load replaces every sequence and cache
         self.state = "initialized"
-        self._free_memory()
-        try:
-            stage = stage_of(body.model, self.stage, self.stages, body.layer_split)
-            mtp = body.mtp == "on" or (body.mtp == "auto" and has_mtp(body.model))
-        except (ConfigError, OSError) as exc:
-            raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
-        key = (body.model, dtype, stage, body.expert_parallel)
-        if self.model is not None and self.model_key == key and (self.model_mtp or not mtp):
-            log.info("keeping the loaded weights of %s; new caches", body.model)
-        else:
-            self.model = self.model_key = None
-            self._free_memory()
-            self.model = self._read_model(body, dtype, stage, mtp)
-            self.model_key, self.model_mtp = key, mtp
-        model = self.model
-        self.weight_bytes = sum(p.nbytes for p in model.parameters())
-        config = model.config
+        free_memory(self.device)
+        model, dtype, mtp = self.held.load(body, self.tp, self.stage, self.stages)
         draft_len = body.draft_tokens if mtp else 0
-        forced = body.forced_acceptance if body.forced_acceptance >= 0 else None
-        if forced is not None:
-            log.warning("FORCED ACCEPTANCE %.2f: benchmark mode, the output is not the model's", forced)
-        max_seq_len = min(body.max_seq_len, config.max_position_embeddings)
-        self.runner = ModelRunner(model, self.device, body.max_slots, max_seq_len, body.prefill_chunk,
-                                  draft_len, forced, links=self.links, deterministic=body.deterministic,
-                                  lookahead=body.lookahead)
-        if self.tp.size == 1:  # (with more ranks, each would decide alone when its next request is here)
-            self.runner.peek = self._peek_step
+        # with more ranks, each would decide alone when its next request is here: no launch ahead
+        peek = self._peek_step if self.tp.size == 1 else None
+        self.runner = make_runner(model, self.device, body, draft_len, self.links, peek)
         self.state = "loaded"
         self.gap_count, self.gap_total, self.steps, self.step_total_s = 0, 0.0, 0, 0.0
         load_s = time.perf_counter() - started
+        weight_bytes = self.held.weight_bytes
         log.info("loaded %.1f MB of weights, %.1f MB of cache in %.1fs; MTP drafts per step: %d",
-                 self.weight_bytes / 1e6, self.runner.cache_bytes / 1e6, load_s, draft_len)
+                 weight_bytes / 1e6, self.runner.cache_bytes / 1e6, load_s, draft_len)
+        config, stage = model.config, model.stage
         reply = LoadReply(
-            weight_bytes=self.weight_bytes,
+            weight_bytes=weight_bytes,
             cache_bytes=self.runner.cache_bytes,
             dtype=str(dtype).removeprefix("torch."),
             vocab_size=config.vocab_size,
@@ -552,27 +410,12 @@ class ShardWorker:
             layers=[stage.start, stage.end],
             has_mtp=mtp,
             draft_tokens=draft_len,
-            max_seq_len=max_seq_len,
+            max_seq_len=self.runner.max_seq_len,
             eos_token_ids=config.eos_token_ids,
             load_s=load_s,
             rss_bytes=memory_stats()["rss_bytes"],
         )
         return reply, None
-
-    def _read_model(self, body: LoadRequest, dtype: torch.dtype, stage: Stage, mtp: bool) -> CausalLM:
-        log.info("loading %s as %s (rank %d of %d)", body.model, dtype, self.tp.rank, self.tp.size)
-        last_report = [0.0]
-
-        def progress(done: int, total: int) -> None:
-            if time.perf_counter() - last_report[0] > 2 or done == total:
-                last_report[0] = time.perf_counter()
-                log.info("loaded %d/%d tensors", done, total)
-
-        try:
-            return load_model(body.model, self.tp, dtype, self.device, with_mtp=mtp, progress=progress, stage=stage,
-                              expert_parallel=body.expert_parallel)
-        except (ConfigError, OSError) as exc:
-            raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
 
     def _drop_runner(self) -> None:
         self.profiler.close()
@@ -580,20 +423,13 @@ class ShardWorker:
         if runner is not None:
             runner.close()
 
-    def _free_memory(self) -> None:
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        elif _LIBC is not None:  # hand freed heap pages back to the system, not only to malloc
-            _LIBC.malloc_trim(0)
-
     def _step(self, body: StepRequest, tensors: dict) -> tuple[StepReply, dict]:
         runner = self._loaded()
         if set(tensors) - {"prompt_ids"}:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"step takes one tensor 'prompt_ids', got {sorted(tensors)}")
         prompt_ids = tensors.get("prompt_ids", torch.empty(0, dtype=torch.int64))
         started = time.perf_counter()
-        _hang_for_test()
+        hang_for_test()
         self.profiler.before(self.steps)
         with mark("step"):
             result = runner.step(body, prompt_ids)
@@ -607,13 +443,12 @@ class ShardWorker:
     def _release(self, body: ReleaseRequest, _tensors: dict) -> tuple[ReleaseReply, None]:
         runner = self._loaded()
         released = runner.release(body.seqs)
-        return ReleaseReply(released=released, free_slots=len(runner.slots.free)), None
+        return ReleaseReply(released=released, free_slots=len(runner.table.slots.free)), None
 
     def _stats(self, _body: Any, _tensors: dict) -> tuple[StatsReply, None]:
         mem = memory_stats()
-        runner = self.runner
-        counters = runner.counters if runner else None
         link_wait = self.links.waited_s if self.links is not None else 0.0
+        runner = self.runner.stats() if self.runner is not None else RunnerStats()
         reply = StatsReply(
             state=self.state,
             device=str(self.device),
@@ -622,26 +457,14 @@ class ShardWorker:
             rss_bytes=mem["rss_bytes"],
             rss_anon_bytes=mem["rss_anon_bytes"],
             device_bytes=torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0,
-            weight_bytes=self.weight_bytes,
-            cache_bytes=runner.cache_bytes if runner else 0,
-            slots_total=runner.slots.total if runner else 0,
-            slots_free=len(runner.slots.free) if runner else 0,
-            live_sequences=sorted(runner.sequences) if runner else [],
+            weight_bytes=self.held.weight_bytes,
             steps=self.steps,
             errors=self.errors,
-            draft_len=runner.draft_len if runner else 0,
-            drafts=counters.drafts if runner else 0,
-            draft_tokens=counters.draft_tokens if runner else 0,
-            accepted_tokens=counters.accepted_tokens if runner else 0,
-            accepted_per_position=list(counters.accepted_per_position) if runner else [],
             step_gaps=self.gap_count,
             step_gap_total_s=self.gap_total,
             busy_s=self.step_total_s - link_wait,
             link_wait_s=link_wait,
-            forwarded_max=runner.forwarded_max if runner else 0,
-            lookaheads=runner.lookaheads if runner else 0,
-            lookaheads_right=runner.lookaheads_right if runner else 0,
-            launched_ahead=runner.launches_ahead if runner else 0,
+            **asdict(runner),
         )
         return reply, None
 
@@ -655,106 +478,8 @@ class ShardWorker:
         return self.runner
 
 
-def _interface_towards(address: str) -> str | None:
-    """The name of the (IPv4) interface this host reaches tcp://HOST:PORT through; None for a
-    loopback route or when it cannot be told (Linux ioctl)."""
-    host, port = address[len("tcp://") :].rsplit(":", 1)
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, int(port)))  # sends nothing: only picks the route
-            local = probe.getsockname()[0]
-        if ipaddress.ip_address(local).is_loopback:
-            return None
-        for _, name in socket.if_nameindex():
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                try:
-                    packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
-                except OSError:  # no IPv4 address on this interface
-                    continue
-            if socket.inet_ntoa(packed[20:24]) == local:
-                return name
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def _rendezvous_store(dist_addr: str, rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
-    """The group's key-value store at tcp://HOST:PORT. Rank 0 serves it on a socket it binds itself:
-    on HOST only when HOST is a loopback address (a group on one machine is not reachable from
-    others), on every interface otherwise; a port in use fails at once, naming the port."""
-    host, port = dist_addr[len("tcp://") :].rsplit(":", 1)
-    host = host.strip("[]")
-    if rank != 0:
-        return dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timeout)
-    listener = _rendezvous_listener(host, int(port))
-    fd = listener.detach()  # the store owns the descriptor from here on
-    return dist.TCPStore(host, int(port), world_size, is_master=True, timeout=timeout, wait_for_workers=False,
-                         master_listen_fd=fd)
-
-
-def _rendezvous_listener(host: str, port: int) -> socket.socket:
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = host == "localhost"
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((host if loopback else "", port))
-        listener.listen(128)
-    except OSError as exc:
-        listener.close()
-        raise ProtocolError(ErrorCode.BAD_STATE, f"cannot host the process group's rendezvous on port {port}: "
-                            f"{exc.strerror or exc}; choose a free port with --dist-port") from None
-    return listener
-
-
-def _leave_process_group() -> None:
-    """Destroy the process group, if any, and reset torch.distributed's group counter: a failed init
-    counts a group too, and a counter one ahead of the peers' names every key of the next group
-    differently (the next init then waits for keys nobody writes)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    c10d._world.group_count = 0
-
-
 def _source_fd(frames: list) -> int | None:
     """The file descriptor of the connection a message came on (libzmq's SRCFD), if any."""
     return frames[0].get(zmq.SRCFD) if frames else None
-TEST_HANG_ENV = "SHARDSPEC_TEST_HANG_STEP"  # tests only: "N:S" sleeps S seconds in this process's Nth step, once
-
-
-def _test_hang() -> list[float] | None:
-    value = os.environ.get(TEST_HANG_ENV)
-    if not value:
-        return None
-    step, _, seconds = value.partition(":")
-    return [int(step), float(seconds or 60)]
-
-
-_TEST_HANG = _test_hang()
-
-
-def _hang_for_test() -> None:
-    """Tests of the step watchdog only: hang once, outside any collective; heartbeats keep flowing."""
-    if _TEST_HANG is not None:
-        _TEST_HANG[0] -= 1
-        if _TEST_HANG[0] == 0:
-            log.warning("%s: hanging in this step for %gs (a test hook)", TEST_HANG_ENV, _TEST_HANG[1])
-            time.sleep(_TEST_HANG[1])
-
-
-def _libc() -> Any:
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-    return libc if hasattr(libc, "malloc_trim") else None  # glibc only
-
-
-_LIBC = _libc()
-
-
 def _error(request_id: int, code: ErrorCode, message: str) -> Message:
     return Message(op="error", id=request_id, meta=to_meta(ErrorReply(code=str(code), message=message)))

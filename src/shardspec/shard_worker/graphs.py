@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from shardspec import kernels
+from shardspec.shard_worker.sequences import Rows
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MIN_CONTEXT_BUCKET = 256
@@ -137,8 +138,7 @@ class _Bucket:
 class StepPasses:
     """greedy(rows, context, x), or verify(rows, context, x) then its follow(accepts); eager or from
     graphs; outputs are valid until the next call (a held copy's, until its follow). rows:
-    [pending, d1..dk, length, slot, forced] per sequence (eagerly, the runner's lookahead appends a
-    guess: ModelRunner._unpack); accepts: [accepted, new token]; x: the
+    one per sequence, as sequences.Rows lays them out; accepts: [accepted, new token]; x: the
     stage before's hidden states [B, k + 1, H] on the host, None on the first stage.
 
     `inputs` (hidden size, dtype): the stage reads the stage before's hidden states, not token ids.
@@ -146,12 +146,13 @@ class StepPasses:
     last: its steps in flight); one more runs eagerly. fused_fn None: the stage has no fused pass."""
 
     def __init__(self, verify_fn: VerifyFn, draft_fn: DraftFn, fused_fn: FusedFn | None, device: torch.device,
-                 draft_len: int, scratch_slot: int, max_context: int, graphs: bool,
+                 rows: Rows, scratch_slot: int, max_context: int, graphs: bool,
                  inputs: tuple[int, torch.dtype] | None = None, copies: int = 1):
         self.verify_fn, self.draft_fn, self.fused_fn = verify_fn, draft_fn, fused_fn
         self.device = device
-        self.draft_len = draft_len
-        self.pad_row = [0] * (draft_len + 2) + [scratch_slot, -1]
+        self.rows = rows
+        self.draft_len = rows.draft_len
+        self.pad_row = rows.padding(scratch_slot)
         self.max_context = max_context
         self.graphs = graphs and device.type == "cuda"
         self.inputs, self.copies = inputs, copies
@@ -178,18 +179,16 @@ class StepPasses:
             return last is not None
         return self._context_bucket(last.context + self.draft_len + 1) == last.bucket.context
 
-    def again(self, forced: list[int] | None = None) -> torch.Tensor:
+    def again(self, forced: list[list[int]] | None = None) -> torch.Tensor:
         """The last greedy pass of a single stage once more, on the rows of the step after it, built on
-        the device from its rows and result: [token, d1..dk, length + accepted + 1, slot, forced]
-        (`forced` per row, k > 0; None: as before). The caller has queued the copy of the result it
+        the device from its rows and result (Rows.following; `forced` [[n]] per row, k > 0; None: as
+        before). The caller has queued the copy of the result it
         reads (HostRows.copy): this pass overwrites it. Returns what `greedy` returns."""
         last, k = self.last, self.draft_len
         if last is None:
             raise RuntimeError("again() continues a greedy pass of a single stage; there is none")
         rows = last.packed[: len(last.out)]  # (at k = 0 the result's accepted column is 0)
-        length = rows[:, k + 1] + last.out[:, 0] + 1
-        tail = rows[:, k + 3 :] if forced is None else upload(forced, self.device)[:, None]
-        rows.copy_(torch.cat([last.out[:, 1:], length[:, None], rows[:, k + 2 : k + 3], tail], 1))
+        rows.copy_(self.rows.following(rows, last.out, None if forced is None else upload(forced, self.device)))
         return self._greedy(last.packed, len(last.out), min(last.context + k + 1, self.max_context), last.bucket)
 
     def _greedy(self, packed: torch.Tensor, n: int, context: int, bucket: _Bucket | None,

@@ -30,8 +30,8 @@ from zmq.utils.monitor import recv_monitor_message
 from shardspec.protocol import codec, transport
 from shardspec.protocol.codec import Message
 from shardspec.protocol.errors import ErrorCode, ProtocolError
-from shardspec.protocol.messages import LINKS, AcceptRecord, HiddenStates, StepReply, parse, to_meta
-from shardspec.security import KeyPair, make_client, make_server
+from shardspec.protocol.messages import LINKS, AcceptRecord, HiddenStates, InitRequest, StepReply, parse, to_meta
+from shardspec.security import AllowList, KeyPair, make_client, make_server
 from shardspec.shard_worker.profiling import mark
 
 POLL_S = 0.1  # how often a wait on a link looks at what could end it
@@ -41,6 +41,7 @@ POLL_S = 0.1  # how often a wait on a link looks at what could end it
 # would take the cores its peers compute on)
 SPIN_S = 0.02
 LINK_DOMAIN = "shardspec-links"  # the ZAP domain of the stage links' CURVE check
+LINK_UP_S = 5.0  # at init: how long a stage link may take to connect before the worker says it cannot
 
 
 def bind_address(link: str, listen: str) -> str:
@@ -308,3 +309,34 @@ class PinnedStaging:
 
     def close(self) -> None:
         self.buffers.clear()
+
+
+def open_direct(ctx: zmq.Context, body: InitRequest, listen: str, heartbeat_timeout: float,
+                abort: Callable[[], str | None], keys: KeyPair | None, authenticator: Any) -> DirectLinks:
+    """This rank's links worker to worker, up: its inbox bound, its outgoing sockets connected to the
+    next stage's rank (or, on the last stage, to the earlier stages' ranks at its TP place). With
+    CURVE (`keys`), the inbox lets in the ranks that send to it and no one else."""
+    if keys is not None and not body.link_keys:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "this worker has CURVE keys: its stage links need every "
+                            "rank's public key (link_keys), or relay")
+    last = body.stage == body.stages - 1
+    peers = [body.peer(body.stage + 1)] if not last else [body.peer(s) for s in range(body.stage)]
+    senders = [body.peer(body.stage - 1)] if body.stage else []
+    if not last:
+        senders.append(body.peer(body.stages - 1))  # the last stage's records
+    peer_keys = {body.links[r]: body.link_keys[r].encode() for r in peers} if body.link_keys else None
+    if authenticator is not None:
+        allowed = AllowList([body.link_keys[r].encode() for r in senders])
+        authenticator.configure_curve_callback(domain=LINK_DOMAIN, credentials_provider=allowed)
+    bind = bind_address(body.links[body.rank], listen)
+    try:
+        links = DirectLinks(ctx, bind, None if last else body.links[peers[0]],
+                            [body.links[r] for r in peers] if last else [], body.timeout_s,
+                            heartbeat_timeout, abort=abort, keys=keys, peer_keys=peer_keys)
+    except zmq.ZMQError as exc:
+        raise ProtocolError(ErrorCode.UNREACHABLE, f"cannot open the stage link at {bind}: {exc}") from None
+    if unreachable := links.unreachable(LINK_UP_S):
+        links.close()
+        raise ProtocolError(ErrorCode.UNREACHABLE, f"stage links to {', '.join(unreachable)} not up within "
+                            f"{LINK_UP_S:g}s")
+    return links

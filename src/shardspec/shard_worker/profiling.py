@@ -113,3 +113,26 @@ class StepProfiler:
             shutil.copyfileobj(raw, packed)
         trace.unlink()
         log.info("profile of %d steps written to %s.txt and .json.gz", steps, self.folder / name)
+
+
+TEST_HANG_ENV = "SHARDSPEC_TEST_HANG_STEP"  # tests only: "N:S" sleeps S seconds in this process's Nth step, once
+
+
+def _test_hang() -> list[float] | None:
+    value = os.environ.get(TEST_HANG_ENV)
+    if not value:
+        return None
+    step, _, seconds = value.partition(":")
+    return [int(step), float(seconds or 60)]
+
+
+_TEST_HANG = _test_hang()
+
+
+def hang_for_test() -> None:
+    """Tests of the step watchdog only: hang once, outside any collective; heartbeats keep flowing."""
+    if _TEST_HANG is not None:
+        _TEST_HANG[0] -= 1
+        if _TEST_HANG[0] == 0:
+            log.warning("%s: hanging in this step for %gs (a test hook)", TEST_HANG_ENV, _TEST_HANG[1])
+            time.sleep(_TEST_HANG[1])

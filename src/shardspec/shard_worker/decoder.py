@@ -1,0 +1,353 @@
+"""The last stage's role (a single stage's too): prefill, verify, accept, draft; the replies.
+
+One step verifies each sequence's k drafts with the target model, accepts a prefix (greedy: while a
+draft equals the target's argmax; sampled: rejection sampling), commits it (the recurrent layers
+replay the accepted tokens), re-runs the MTP layer over the accepted positions with the target's
+true hidden states, and chains the MTP head k times to draft again. Nothing but token ids leaves
+the worker. With pipeline stages the step's result also goes to the earlier stages as an
+acceptance record (links.StageLinks.send_record).
+
+Launch ahead (LaunchAhead): a single stage whose next request is already queued (the orchestrator
+keeps the next step on the wire) and continues the current one (the same sequences, greedy, no
+prefill) queues that step's pass on the device right behind the current one, its rows built on the
+device from the current pass's outputs (graphs.StepPasses.again). The host then reads this step's
+outputs, replies and takes the next request while the device runs the next pass, instead of the
+device waiting for the host between steps. The next step's rows hold the sequences this one may
+finish; their rows run on and are dropped (a finished sequence's caches are never read again).
+
+Lookahead (pipeline stages, eager passes): while one sequence decodes alone, the chain runs 2k + 1
+drafts, the last k + 1 a guess of the step after the next, on which the stages before run that
+step's pass before this step's record reaches them (stage.ForwardingStage).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from shardspec.layers.batch import Batch
+from shardspec.layers.sampling import accept_greedy, accept_sampled, resample, sample, target_probs
+from shardspec.protocol.messages import PrefillSpec, StepRequest
+from shardspec.shard_worker.graphs import HostRows
+from shardspec.shard_worker.logprobs import prompt_rows, token_rows
+from shardspec.shard_worker.penalties import TokenCounts
+from shardspec.shard_worker.runner import ModelRunner, RunnerStats, StepResult
+from shardspec.shard_worker.sequences import Sequence
+
+# lookahead "auto": the last stage guesses while the moving share of a lone sequence's steps that kept
+# all k drafts (a guess can hold only then; over about the last KEPT_ALL_STEPS steps) is at least this
+KEPT_ALL_TO_GUESS = 0.5
+KEPT_ALL_STEPS = 16
+LAUNCH_AHEAD_MODES = ("auto", "on", "off")
+
+# the next request as soon as it is queued, or None once until() is true (the current pass is done)
+Peek = Callable[[Callable[[], bool]], StepRequest | None]
+
+
+@dataclass
+class Launched:
+    """A pass queued ahead of its step: the sequences of its rows, its outputs' copy."""
+
+    seqs: list[int]
+    out: HostRows
+
+
+class LaunchAhead:
+    """Queues the next step's greedy pass behind the current one when the next request, seen through
+    `peek` while the current pass runs, continues it (Decoder._continues)."""
+
+    def __init__(self, peek: Peek):
+        self.peek = peek
+        self.launched: Launched | None = None  # the pass queued for the next step
+        self.count = 0  # passes launched ahead
+
+    def take(self, request: StepRequest) -> Launched | None:
+        """The pass launched for this step, if any (a step that is not the one it was launched for is
+        a bug: said as one)."""
+        launched, self.launched = self.launched, None
+        if launched is not None and (request.prefill or request.return_logits or request.decode != launched.seqs):
+            raise RuntimeError("a pass was launched ahead for a step that did not come next")
+        return launched
+
+    def follow(self, decoder: Decoder, current: Launched) -> None:
+        """While `current` runs: queue the next step's pass if the next request continues it."""
+        following = self.peek(current.out.ready)
+        if decoder._continues(following, current.seqs):
+            forced = None
+            if decoder.forced is not None:
+                forced = [[decoder.sequences[seq].forced(decoder.forced)] for seq in current.seqs]
+            self.launched = Launched(current.seqs, HostRows.copy(decoder.passes.again(forced)))
+            self.count += 1
+
+    def drop(self) -> None:
+        self.launched = None
+
+
+class NoLaunchAhead:
+    count = 0
+
+    def take(self, request: StepRequest) -> None:
+        return None
+
+    def follow(self, decoder: Decoder, current: Launched) -> None:
+        pass
+
+    def drop(self) -> None:
+        pass
+
+
+class Decoder(ModelRunner):
+    """The last stage: samples, accepts and drafts, replies, and sends the earlier stages the step's
+    record. `launch_ahead` ("auto": on a GPU; "on"; "off") takes effect on a single stage given `peek`."""
+
+    def __init__(self, *args, launch_ahead: str = "auto", peek: Peek | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if launch_ahead not in LAUNCH_AHEAD_MODES:
+            raise ValueError(f"launch_ahead must be one of {', '.join(LAUNCH_AHEAD_MODES)}, got {launch_ahead!r}")
+        whole = self.model.stage.first
+        wanted = launch_ahead == "on" or (launch_ahead == "auto" and self.graphed)
+        self.ahead = LaunchAhead(peek) if whole and wanted and peek is not None else NoLaunchAhead()
+        self.kept_all = 1.0  # moving share of lone steps that kept all k drafts (from 1: guess first)
+
+    def close(self) -> None:
+        self.ahead.drop()
+        super().close()
+
+    def stats(self) -> RunnerStats:
+        stats = super().stats()
+        stats.launched_ahead = self.ahead.count
+        return stats
+
+    @torch.inference_mode()
+    def step(self, request: StepRequest, prompt_ids: torch.Tensor) -> StepResult:
+        prompts = self._begin(request, prompt_ids)
+        result = StepResult()
+        launched = self.ahead.take(request)
+        self._prefill_all(request, prompts, result)
+        running = self.table.running(request)
+        if running:
+            self._verify(running, result, request.return_logits, launched)
+        else:
+            self.ahead.drop()  # (all its rows' sequences have finished)
+        if self.links is not None and result.seqs:  # a step of finished sequences only has no record
+            self.links.send_record(self.steps, result.reply(), result.guesses if any(result.guesses) else None)
+        return result
+
+    # --- prefill --------------------------------------------------------------------------------
+
+    def _prefill_slots(self, seqs: list[Sequence], specs: list[PrefillSpec], prompts: torch.Tensor,
+                       slots: torch.Tensor, result: StepResult, want_logits: bool) -> None:
+        """The prompts [B, L] through the model, the MTP layer's cache filled one position behind; the
+        first tokens sampled and drafted from."""
+        hidden_before = None  # the target's hidden state just before the current chunk (for MTP)
+        for ids, batch in self._chunks(prompts, slots):
+            hidden = self._forward(ids, batch)
+            start = batch.kv_len - ids.shape[1]
+            if want_logits:
+                result.logits.append(self.model.lm_head.logits(hidden).reshape(-1, self.model.config.vocab_size))
+            self._prompt_logprobs(specs, prompts, start, hidden, result)
+            if self.draft_len:  # MTP entry i pairs hidden i with token i+1: one position behind
+                pairs = hidden[:, :-1] if hidden_before is None else torch.cat([hidden_before, hidden[:, :-1]], 1)
+                if pairs.shape[1]:
+                    n = pairs.shape[1]
+                    self._mtp(ids[:, -n:], pairs, slots, batch.positions[:, -n:] - 1, batch.kv_len - 1, tail=True)
+                hidden_before = hidden[:, -1:]
+        last_logits = self.model.lm_head.logits(hidden[:, -1])
+        for b, (seq, spec, logits) in enumerate(zip(seqs, specs, last_logits)):
+            if spec.sampling.penalised:
+                seq.counts = TokenCounts(prompts[b], self.model.config.vocab_size)
+            seq.next_token = sample(seq.penalise(logits[None], [])[0], spec.sampling, seq.generator)
+            seq.seen(seq.emit([seq.next_token]))
+            if seq.logprobs >= 0:
+                token = torch.tensor([seq.next_token])
+                result.pending_rows.setdefault(seq.seq, []).append(token_rows(logits[None], token, seq.logprobs))
+        if self.draft_len:
+            length = prompts.shape[1]
+            first = torch.tensor([[s.next_token] for s in seqs], device=self.device)
+            heads = self._mtp(first, hidden_before, slots, torch.full_like(first, length - 1), length)[:, 0]
+            lengths = torch.full_like(slots, length)
+            drafts = self._chain(heads, slots, lengths, min(length + self.draft_len, self.context)).tolist()
+            for seq, d in zip(seqs, drafts):
+                seq.drafts = [] if seq.finished else d
+        for seq in seqs:
+            result.add(seq, [seq.next_token], -1)
+
+    def _prompt_logprobs(self, specs: list[PrefillSpec], prompts: torch.Tensor, start: int, hidden: torch.Tensor,
+                         result: StepResult) -> None:
+        """The rows of the prompt tokens after this prefill chunk's positions, for the sequences that
+        asked (every rank takes the same branch: the specs are the same on all)."""
+        for b, spec in enumerate(specs):
+            if spec.prompt_logprobs >= 0:
+                targets = prompts[b, start + 1 : start + 1 + hidden.shape[1]]
+                rows = prompt_rows(self.model.lm_head.logits, hidden[b, : len(targets)], targets, spec.prompt_logprobs)
+                result.pending_rows.setdefault(spec.seq, []).extend(rows)
+
+    # --- verify, accept, draft ------------------------------------------------------------------
+
+    def _verify(self, seqs: list[Sequence], result: StepResult, want_logits: bool, launched: Launched | None) -> None:
+        k = self.draft_len
+        # lookahead: the chain of the one live sequence runs 2k + 1 drafts, the last k + 1 the guess of the
+        # step after the next, for the stages before to run that step's pass on before this step's record
+        # reaches them (with more live sequences, even in micro-batches of one, they have other work)
+        ahead = self.lookahead and self.table.live() == 1  # (seqs: that one)
+        guessing = ahead and (self.always_guess or self.kept_all >= KEPT_ALL_TO_GUESS)
+        # the rows carry the guess (the chain then runs 2k + 1 drafts) when this step makes one, and when
+        # the one it made before may hold: the chain must then keep the guessed drafts
+        with_guess = guessing or (ahead and bool(seqs[0].guess))
+        x = self._receive(self._next_pass(), (len(seqs), k + 1), guess_held=ahead and seqs[0].guess_held)
+        context = self._context(seqs, chain=self.chain if ahead else k)
+        wants_logprobs = any(s.logprobs >= 0 for s in seqs)
+        plain = all(s.sampling.greedy and not s.sampling.penalised for s in seqs)
+        if not want_logits and not wants_logprobs and plain:
+            # greedy (or forced) acceptance needs no host decision: the whole step is one pass
+            out = self._greedy(seqs, context, x, with_guess, launched)
+            accepted, tokens, drafts = [r[0] for r in out], [r[1] for r in out], [r[2:] for r in out]
+        else:
+            hidden, argmax, draft = self.passes.verify(self._rows(seqs, with_guess), context, x)
+            accepted, tokens, logits = self._accept(seqs, hidden, argmax, result if want_logits else None,
+                                                    wants_logprobs or not plain)
+            if k:
+                drafts = draft([[n, token] for n, token in zip(accepted, tokens)]).tolist()
+        if k:
+            self.counters.count(accepted, k)
+        emitted = []
+        for s, n, token in zip(seqs, accepted, tokens):
+            emitted.append(s.emit([*s.drafts[:n], token]))
+            s.seen(emitted[-1])
+            s.length += n + 1
+            s.next_token = token
+            s.drafts = []
+        if k:
+            for s, n, token, d in zip(seqs, accepted, tokens, drafts):
+                # the guess the stages before ran this step's successor on holds when this step kept all
+                # its drafts and its new token is the guessed one (the chain then kept the guessed drafts)
+                s.guess_held = ahead and bool(s.guess) and n == k and token == s.guess[0]
+                s.drafts = [] if s.finished else d[:k]
+                s.guess = d[k:] if guessing and not s.finished else []
+                if ahead:
+                    self.kept_all += (float(n == k) - self.kept_all) / KEPT_ALL_STEPS
+        for i, (s, n, new) in enumerate(zip(seqs, accepted, emitted)):
+            if s.logprobs >= 0:  # token j of [d1..dn, bonus] was drawn from the target's logits at position j
+                result.pending_rows[s.seq] = [token_rows(logits[i, : len(new)], torch.tensor(new), s.logprobs)]
+            result.add(s, new, n if k else -1)
+
+    def _rows(self, seqs: list[Sequence], with_guess: bool, forced: bool = False) -> list[list[int]]:
+        """The verify rows (sequences.Rows), with each row's forced count when `forced` and its guess
+        when `with_guess` (the chain then runs 2k + 1 drafts: _draft_pass)."""
+        rows = [self.rows.row(s, s.forced(self.forced) if forced else -1) for s in seqs]
+        return [self.rows.with_guess(row, s) for row, s in zip(rows, seqs)] if with_guess else rows
+
+    def _greedy(self, seqs: list[Sequence], context: int, x: torch.Tensor | None, with_guess: bool,
+                launched: Launched | None) -> list[list[int]]:
+        """The greedy pass's [accepted, token, *drafts] of each sequence: the pass launched ahead for
+        this step if there is one, else this step's; before reading it, the next step's launched ahead
+        where the next request comes while this pass runs and continues this step."""
+        if launched is None:
+            rows = self._rows(seqs, with_guess, forced=True)
+            launched = Launched([s.seq for s in seqs], HostRows.copy(self.passes.greedy(rows, context, x)))
+        # the orchestrator sends the next step once it has read the reply before this one: while this
+        # pass runs, as a rule
+        self.ahead.follow(self, launched)
+        out = launched.out.rows()
+        row = {seq: i for i, seq in enumerate(launched.seqs)}
+        return [out[row[s.seq]] for s in seqs]
+
+    def _continues(self, request: StepRequest | None, seqs: list[int]) -> bool:
+        """Whether `request` is the step after this one over the same rows (the sequences `seqs`, in
+        order, no prefill, no logits), none of them known to be finished (a finished sequence's row
+        would run on past its length, which the host no longer advances), none that can run past the
+        caches (the pass runs before the host knows how far this step took them: at most k + 1
+        positions), and the graph serves the next context."""
+        if request is None or request.prefill or request.return_logits or request.decode != seqs:
+            return False
+        limit = self.max_seq_len - 2 * (self.draft_len + 1)
+        rows = [self.sequences[seq] for seq in seqs]
+        return all(not s.finished and s.length <= limit for s in rows) and self.passes.can_go_again()
+
+    def _accept(self, seqs: list[Sequence], hidden: torch.Tensor, argmax: torch.Tensor,
+                logits_out: StepResult | None, wants_logits: bool = False):
+        """Per sequence: (drafts accepted, the token after them), and the target's logits [B, k+1, V]
+        where they were computed (None where they were not)."""
+        sampled = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
+        logits = None
+        if logits_out is not None or sampled or wants_logits:
+            logits = self.model.lm_head.logits(hidden)  # [B, k+1, V]
+            if logits_out is not None:
+                logits_out.logits.append(logits.reshape(-1, logits.shape[-1]))
+        argmax = argmax.tolist()
+        accepted, tokens = [], []
+        for i, s in enumerate(seqs):
+            target = None if logits is None else s.penalise(logits[i], s.drafts)  # None: greedy, no penalties
+            if s.counts is not None and s.sampling.greedy:
+                argmax[i] = target.argmax(-1).tolist()
+            probs = None if s.sampling.greedy else target_probs(target, s.sampling)
+            if self.forced is not None:
+                n = s.forced(self.forced)
+            elif probs is None:
+                n = accept_greedy(argmax[i], s.drafts)
+            else:
+                n = accept_sampled(probs, s.drafts, s.generator)
+            if probs is None:
+                token = argmax[i][n]
+            else:
+                token = resample(probs, s.drafts, n, s.generator)
+            accepted.append(n)
+            tokens.append(token)
+        return accepted, tokens, logits
+
+    # --- the device passes (graphs.StepPasses captures them) -------------------------------------
+
+    def _follow_pass(self, packed: torch.Tensor, accepts: torch.Tensor, hidden: torch.Tensor, saved: dict,
+                     context: int) -> torch.Tensor:
+        """The draft pass: commit the accepted prefix, run the MTP layer over it with the target's
+        hidden states, and chain k new drafts: [B, k] (with a guess: 2k + 1)."""
+        ids, positions, slots = self.rows.ids(packed), self.rows.positions(packed), self.rows.slots(packed)
+        index, new_tokens = accepts[:, 0], accepts[:, 1]
+        self.model.commit(saved, slots, index)
+        # MTP entry j pairs hidden j with token j+1: the accepted drafts, then the new token
+        following = torch.cat([ids[:, 1:], ids[:, -1:]], 1).scatter(1, index[:, None], new_tokens[:, None])
+        heads = self._mtp(following, hidden, slots, positions, context)
+        head = heads.gather(1, index[:, None, None].expand(-1, 1, heads.shape[-1]))[:, 0]
+        lengths = positions[:, 0] + index + 1
+        guess = self.rows.guess(packed)
+        if guess is None:
+            return self._chain(head, slots, lengths, context)
+        # lookahead (one sequence, eagerly): where the guess holds (all drafts kept, the new token the
+        # guessed one) the chain keeps the guessed drafts, which the stages before already run the next
+        # pass on, and drafts on
+        holds = bool(guess[0, 0] == new_tokens[0]) and int(index[0]) == self.draft_len
+        return self._chain(head, slots, lengths, context, self.chain, guess[:, 1:] if holds else None)
+
+    def _fused_pass(self, packed: torch.Tensor, context: int, x: torch.Tensor | None) -> torch.Tensor:
+        """Verify, accept on the device (drafts while they equal the target's argmax, or the forced
+        count when it is >= 0), and draft: [B, 2 + k] = (accepted, token, drafts)."""
+        hidden, argmax, saved = self._verify_pass(packed, context, x)
+        k = self.draft_len
+        matches = (argmax[:, :k] == self.rows.ids(packed)[:, 1:]).long().cumprod(1).sum(1)
+        forced = self.rows.forced(packed)
+        accepted = torch.where(forced >= 0, forced, matches)
+        accepts = torch.stack([accepted, argmax.gather(1, accepted[:, None])[:, 0]], 1)
+        return torch.cat([accepts, self._follow_pass(packed, accepts, hidden, saved, context)], 1)
+
+    def _mtp(self, next_ids: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+             context: int, tail: bool = False):
+        """MTP layer over (token t+1, target hidden t) pairs at positions t < context; -> its normed output."""
+        return self.model.draft(next_ids, hidden, Batch(slots, positions, context, tail=tail))
+
+    def _chain(self, head: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, context: int,
+               length: int | None = None, kept: torch.Tensor | None = None) -> torch.Tensor:
+        """Chain the MTP head `length` (default k) times: draft i is its argmax, or kept[:, i] for the
+        drafts `kept` gives; its output and draft i feed draft i+1 ([B, length])."""
+        length = length or self.draft_len
+        drafts = []
+        for i in range(length):
+            if kept is not None and i < kept.shape[1]:
+                token = kept[:, i]
+            else:
+                token = self.model.lm_head.draft_argmax(head)  # vocabulary-parallel: (max, index) per rank
+            drafts.append(token)
+            if i + 1 < length:
+                head = self._mtp(token[:, None], head[:, None], slots, (lengths + i)[:, None], context)[:, 0]
+        return torch.stack(drafts, 1)

@@ -1,0 +1,164 @@
+"""A worker's torch.distributed group: the rendezvous, the Gloo interface, the TP group of its stage.
+
+Rank 0 hosts the rendezvous store on a socket it binds itself; every rank joins the default group
+through it and then makes its stage's TP group (layers.parallel.TPGroup). On any failure a worker is
+left as if it had never tried, so that the next init starts clean.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import logging
+import os
+import socket
+import struct
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from shardspec.layers.parallel import TPGroup, use_symmetric_memory
+from shardspec.protocol.errors import ErrorCode, ProtocolError
+from shardspec.protocol.messages import InitRequest
+
+log = logging.getLogger("shardspec.worker")
+GLOO_IFNAME = os.environ.get("GLOO_SOCKET_IFNAME")  # the user's choice of Gloo's interface, if any
+
+
+def join(body: InitRequest, device: torch.device) -> tuple[TPGroup, str]:
+    """This rank's TP group, after joining the process group when the stage has more than one rank
+    (stages of one rank each share no collective, nor could ranks on one GPU: NCCL); and the backend."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if body.tp_size > 1:
+        if not body.dist_addr.startswith("tcp://"):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"dist_addr must be tcp://HOST:PORT, got {body.dist_addr!r}")
+        log.info("joining %s group at %s as rank %d/%d", backend, body.dist_addr, body.rank, body.world_size)
+        if backend == "gloo":
+            choose_gloo_interface(body.dist_addr)
+        join_process_group(backend, body, device)
+    try:
+        return tp_group(body, device), backend
+    except BaseException:
+        leave_process_group()  # back to idle as it was
+        raise
+
+
+def share_cores(host_ranks: int) -> None:
+    """A CPU worker started without --threads takes its share of the cores it may run on, so the
+    group's ranks on one host do not oversubscribe it (each torch would take them all)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // host_ranks)
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+    log.info("%d CPU threads: %d cores shared by the %d ranks of this group on this host (--threads to set)",
+             threads, cores, host_ranks)
+
+
+def join_process_group(backend: str, body: InitRequest, device: torch.device) -> None:
+    """torch.distributed's default group, through the rendezvous store at body.dist_addr (rank 0
+    hosts it); on any failure this worker is left as if it had never tried."""
+    timeout = timedelta(seconds=body.timeout_s)
+    try:
+        store = rendezvous_store(body.dist_addr, body.rank, body.world_size, timeout)
+        dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=body.rank,
+                                world_size=body.world_size, timeout=timeout,
+                                device_id=device if device.type == "cuda" else None)
+    except ProtocolError:
+        leave_process_group()
+        raise
+    except Exception as exc:  # a peer that never came
+        leave_process_group()
+        raise ProtocolError(ErrorCode.BAD_STATE, f"could not join the process group: {exc}") from None
+
+
+def tp_group(body: InitRequest, device: torch.device) -> TPGroup:
+    """This rank's group: its stage's ranks (every rank makes every stage's group, in order)."""
+    tp = body.tp_size
+    group = None
+    if body.stages > 1 and tp > 1:
+        groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(body.stages)]
+        group = groups[body.stage]
+    symmetric = use_symmetric_memory(device, tp, group)
+    if symmetric:
+        log.info("small all-reduces go through symmetric memory")
+    return TPGroup(body.rank % tp, tp, group, symmetric=symmetric)
+
+
+def leave_process_group() -> None:
+    """Destroy the process group, if any, and reset torch.distributed's group counter: a failed init
+    counts a group too, and a counter one ahead of the peers' names every key of the next group
+    differently (the next init then waits for keys nobody writes)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    c10d._world.group_count = 0
+
+
+def choose_gloo_interface(dist_addr: str) -> None:
+    """Gloo binds to the address of this host's name, which is often a loopback address that the
+    other hosts cannot reach: unless the user chose (GLOO_SOCKET_IFNAME), take the interface that
+    routes to the rendezvous host."""
+    if GLOO_IFNAME is not None:
+        return
+    name = interface_towards(dist_addr)
+    if name is None:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
+    else:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+        log.info("Gloo uses interface %s (set GLOO_SOCKET_IFNAME to choose another)", name)
+
+
+def interface_towards(address: str) -> str | None:
+    """The name of the (IPv4) interface this host reaches tcp://HOST:PORT through; None for a
+    loopback route or when it cannot be told (Linux ioctl)."""
+    host, port = address[len("tcp://") :].rsplit(":", 1)
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, int(port)))  # sends nothing: only picks the route
+            local = probe.getsockname()[0]
+        if ipaddress.ip_address(local).is_loopback:
+            return None
+        for _, name in socket.if_nameindex():
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                try:
+                    packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+                except OSError:  # no IPv4 address on this interface
+                    continue
+            if socket.inet_ntoa(packed[20:24]) == local:
+                return name
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def rendezvous_store(dist_addr: str, rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """The group's key-value store at tcp://HOST:PORT. Rank 0 serves it on a socket it binds itself:
+    on HOST only when HOST is a loopback address (a group on one machine is not reachable from
+    others), on every interface otherwise; a port in use fails at once, naming the port."""
+    host, port = dist_addr[len("tcp://") :].rsplit(":", 1)
+    host = host.strip("[]")
+    if rank != 0:
+        return dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timeout)
+    listener = _rendezvous_listener(host, int(port))
+    fd = listener.detach()  # the store owns the descriptor from here on
+    return dist.TCPStore(host, int(port), world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=fd)
+
+
+def _rendezvous_listener(host: str, port: int) -> socket.socket:
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host if loopback else "", port))
+        listener.listen(128)
+    except OSError as exc:
+        listener.close()
+        raise ProtocolError(ErrorCode.BAD_STATE, f"cannot host the process group's rendezvous on port {port}: "
+                            f"{exc.strerror or exc}; choose a free port with --dist-port") from None
+    return listener

@@ -1,0 +1,116 @@
+"""What a `load` request builds on a worker: its shard of the model (kept across loads of the same
+weights) and the runner of its pipeline role with fresh caches."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from shardspec.layers.parallel import TPGroup
+from shardspec.models.base import CausalLM, Stage
+from shardspec.models.config import ConfigError
+from shardspec.models.loader import has_mtp, load_model, stage_of
+from shardspec.protocol.errors import ErrorCode, ProtocolError
+from shardspec.protocol.messages import LoadRequest
+from shardspec.shard_worker.decoder import Decoder, Peek
+from shardspec.shard_worker.links import StageLinks
+from shardspec.shard_worker.runner import ModelRunner
+from shardspec.shard_worker.stage import ForwardingStage
+from shardspec.utils import resolve_dtype
+
+log = logging.getLogger("shardspec.worker")
+PROGRESS_EVERY_S = 2.0  # how often a load logs its progress
+
+
+class HeldModel:
+    """The weights a worker holds, kept when the next load asks for the same ones."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.model: CausalLM | None = None
+        self.key: tuple | None = None  # (path, dtype, stage, expert groups) of the loaded weights
+        self.mtp = False  # whether they include the MTP module (on the last stage)
+
+    @property
+    def weight_bytes(self) -> int:
+        return 0 if self.model is None else sum(p.nbytes for p in self.model.parameters())
+
+    def load(self, body: LoadRequest, tp: TPGroup, stage_index: int, stages: int) -> tuple[CausalLM, torch.dtype, bool]:
+        """The model a load request asks for: (model, dtype, whether it drafts with MTP)."""
+        try:
+            dtype = resolve_dtype(body.dtype, body.model, self.device)
+        except ValueError as exc:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc)) from None
+        try:
+            stage = stage_of(body.model, stage_index, stages, body.layer_split)
+            mtp = body.mtp == "on" or (body.mtp == "auto" and has_mtp(body.model))
+        except (ConfigError, OSError) as exc:
+            raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
+        key = (body.model, dtype, stage, body.expert_parallel)
+        if self.model is not None and self.key == key and (self.mtp or not mtp):
+            log.info("keeping the loaded weights of %s; new caches", body.model)
+        else:
+            self.drop()
+            self.model = self._read(body, tp, dtype, stage, mtp)
+            self.key, self.mtp = key, mtp
+        return self.model, dtype, mtp
+
+    def drop(self) -> None:
+        self.model = self.key = None
+        free_memory(self.device)
+
+    def _read(self, body: LoadRequest, tp: TPGroup, dtype: torch.dtype, stage: Stage, mtp: bool) -> CausalLM:
+        log.info("loading %s as %s (rank %d of %d)", body.model, dtype, tp.rank, tp.size)
+        last_report = [0.0]
+
+        def progress(done: int, total: int) -> None:
+            if time.perf_counter() - last_report[0] > PROGRESS_EVERY_S or done == total:
+                last_report[0] = time.perf_counter()
+                log.info("loaded %d/%d tensors", done, total)
+
+        try:
+            return load_model(body.model, tp, dtype, self.device, with_mtp=mtp, progress=progress, stage=stage,
+                              expert_parallel=body.expert_parallel)
+        except (ConfigError, OSError) as exc:
+            raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
+
+
+def make_runner(model: CausalLM, device: torch.device, body: LoadRequest, draft_len: int, links: StageLinks | None,
+                peek: Peek | None) -> ModelRunner:
+    """The runner of the model's pipeline role: the last stage decodes (a single stage is one), an
+    earlier one forwards. `peek` (the next request while a pass runs) lets a single stage launch ahead."""
+    forced = body.forced_acceptance if body.forced_acceptance >= 0 else None
+    if forced is not None:
+        log.warning("FORCED ACCEPTANCE %.2f: benchmark mode, the output is not the model's", forced)
+    max_seq_len = min(body.max_seq_len, model.config.max_position_embeddings)
+    common = dict(forced_acceptance=forced, links=links, deterministic=body.deterministic, lookahead=body.lookahead)
+    if model.stage.last:
+        launch_ahead = {"1": "on", "0": "off"}.get(os.environ.get("SHARDSPEC_LAUNCH_AHEAD", ""), "auto")
+        return Decoder(model, device, body.max_slots, max_seq_len, body.prefill_chunk, draft_len, peek=peek,
+                       launch_ahead=launch_ahead, **common)
+    return ForwardingStage(model, device, body.max_slots, max_seq_len, body.prefill_chunk, draft_len, **common)
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    elif _LIBC is not None:  # hand freed heap pages back to the system, not only to malloc
+        _LIBC.malloc_trim(0)
+
+
+def _libc() -> Any:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "malloc_trim") else None  # glibc only
+
+
+_LIBC = _libc()

@@ -1,0 +1,204 @@
+"""The sequence table of one rank: cache slots, the live sequences, and the rows a step's passes take.
+
+Every rank holds the same table and receives the same commands, so every check here has the same
+outcome on every rank and the collectives inside the model always line up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shardspec.layers.sampling import forced_accepts
+from shardspec.protocol.errors import ErrorCode, ProtocolError
+from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepRequest
+from shardspec.shard_worker.penalties import TokenCounts
+
+
+@dataclass
+class Sequence:
+    seq: int
+    slot: int
+    length: int  # tokens whose state is in the target cache
+    next_token: int  # sampled but not yet fed through the model
+    sampling: SamplingParams
+    generator: torch.Generator | None  # on the device: sampling
+    remaining: int  # tokens it may still emit
+    stop_ids: frozenset[int]
+    drafts: list[int] = field(default_factory=list)
+    finished: str = ""  # "", "stop" or "length"
+    logprobs: int = -1  # top log-probabilities per emitted token in the replies; -1: none
+    counts: TokenCounts | None = None  # with penalties: the tokens seen so far
+    # lookahead: the last stage's guess of the tokens of the step after the next ([pending, d1..dk] if the
+    # next keeps all its drafts), from its chain of 2k + 1 drafts; [] when it made none
+    guess: list[int] = field(default_factory=list)
+    guess_held: bool = False  # the last stage: its last step proved the guess the next step's lookahead ran on
+    draws: torch.Generator | None = None  # on the host: benchmark-only forced acceptance (drawn with no device sync)
+
+    def penalise(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
+        """logits [P, V] as this sequence samples from them (penalised, row j after drafts[:j])."""
+        return logits if self.counts is None else self.counts.penalise(logits, drafts, self.sampling)
+
+    def seen(self, tokens: list[int]) -> None:
+        if self.counts is not None:
+            self.counts.add(tokens)
+
+    def emit(self, tokens: list[int]) -> list[int]:
+        """Cut `tokens` at a stop id or the token budget, and mark the sequence finished there."""
+        for i, token in enumerate(tokens):
+            if token in self.stop_ids:
+                tokens, self.finished = tokens[: i + 1], "stop"
+                break
+        tokens = tokens[: self.remaining]
+        self.remaining -= len(tokens)
+        if not self.finished and self.remaining == 0:
+            self.finished = "length"
+        return tokens
+
+    def forced(self, rate: float | None) -> int:
+        """Benchmark mode: the drafts this sequence keeps, drawn before the pass; -1 otherwise."""
+        return -1 if rate is None else forced_accepts(len(self.drafts), rate, self.draws)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The columns of the int64 rows a verify pass takes, one row per sequence:
+
+        [pending, d1..dk | length | slot | forced | guess g0..gk]
+
+    forced: the drafts to keep (benchmark mode), -1 to let the model decide; guess (only with
+    lookahead, eager passes of the last stage): the tokens the stages before verify next, -1s for none."""
+
+    draft_len: int
+
+    @property
+    def width(self) -> int:
+        """Columns of a row without a guess."""
+        return self.draft_len + 4
+
+    def row(self, s: Sequence, forced: int = -1) -> list[int]:
+        return [s.next_token, *s.drafts, s.length, s.slot, forced]
+
+    def with_guess(self, row: list[int], s: Sequence) -> list[int]:
+        return [*row, *(s.guess or [-1] * (self.draft_len + 1))]
+
+    def padding(self, scratch_slot: int) -> list[int]:
+        """A row that touches only the scratch slot (graphed batches pad with it)."""
+        return [0] * (self.draft_len + 2) + [scratch_slot, -1]
+
+    def ids(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows[:, : self.draft_len + 1]
+
+    def lengths(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows[:, self.draft_len + 1]
+
+    def positions(self, rows: torch.Tensor) -> torch.Tensor:
+        """[B, k + 1]: the positions of each row's pending token and drafts."""
+        return self.lengths(rows)[:, None] + torch.arange(self.draft_len + 1, device=rows.device)
+
+    def slots(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows[:, self.draft_len + 2].contiguous()  # (the kernels index slots[b]: a contiguous copy)
+
+    def forced(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows[:, self.draft_len + 3]
+
+    def guess(self, rows: torch.Tensor) -> torch.Tensor | None:
+        return rows[:, self.width :] if rows.shape[1] > self.width else None
+
+    def following(self, rows: torch.Tensor, out: torch.Tensor, forced: torch.Tensor | None) -> torch.Tensor:
+        """The rows of the step after a greedy pass over `rows` with result `out` [B, 2 + k] =
+        (accepted, token, drafts): [token, drafts, length + accepted + 1, slot, forced] (`forced`
+        [B, 1]; None: as before)."""
+        length = self.lengths(rows) + out[:, 0] + 1
+        slot = rows[:, self.draft_len + 2 : self.draft_len + 3]
+        tail = rows[:, self.draft_len + 3 :] if forced is None else forced
+        return torch.cat([out[:, 1:], length[:, None], slot, tail], 1)
+
+
+class SlotAllocator:
+    def __init__(self, num_slots: int):
+        self.total = num_slots
+        self.free = list(range(num_slots - 1, -1, -1))
+
+    def take(self) -> int:
+        return self.free.pop()
+
+    def give_back(self, slot: int) -> None:
+        self.free.append(slot)
+
+
+class SequenceTable:
+    """The live sequences by id, and the cache slots they hold."""
+
+    def __init__(self, max_slots: int, max_seq_len: int, vocab_size: int, device: torch.device,
+                 forced_acceptance: float | None):
+        self.slots = SlotAllocator(max_slots)
+        self.sequences: dict[int, Sequence] = {}
+        self.max_seq_len = max_seq_len
+        self.vocab_size = vocab_size
+        self.device = device
+        self.forced = forced_acceptance
+
+    def __getitem__(self, seq: int) -> Sequence:
+        return self.sequences[seq]
+
+    def running(self, request: StepRequest) -> list[Sequence]:
+        """The step's decoding sequences that have not finished."""
+        return [s for s in (self.sequences[seq] for seq in request.decode) if not s.finished]
+
+    def live(self) -> int:
+        return sum(not s.finished for s in self.sequences.values())
+
+    def check(self, request: StepRequest, prompt_ids: torch.Tensor) -> list[torch.Tensor]:
+        """The step's prompts, one tensor each, once the request is one this table can take."""
+        new = [spec.seq for spec in request.prefill]
+        if len(set(new)) != len(new) or len(set(request.decode)) != len(request.decode):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "a sequence id appears twice in one step")
+        for seq in new:
+            if seq in self.sequences or seq in request.decode:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"sequence {seq} is already live")
+        for seq in request.decode:
+            if seq not in self.sequences:
+                raise ProtocolError(ErrorCode.NOT_FOUND, f"sequence {seq} is not live on this worker")
+        if len(new) > len(self.slots.free):
+            raise ProtocolError(ErrorCode.CAPACITY, f"{len(new)} new sequences but {len(self.slots.free)} free slots")
+        lengths = [spec.length for spec in request.prefill]
+        if prompt_ids.dim() != 1 or prompt_ids.dtype not in (torch.int32, torch.int64):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "prompt_ids must be a 1-D int32/int64 tensor")
+        if sum(lengths) != prompt_ids.numel():
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"prefill lengths sum to {sum(lengths)}, prompt_ids has {prompt_ids.numel()}"
+            )
+        vocab = self.vocab_size
+        if prompt_ids.numel() and (int(prompt_ids.min()) < 0 or int(prompt_ids.max()) >= vocab):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"prompt token ids must lie in [0, {vocab})")
+        too_long = [s.seq for s in request.prefill if s.length >= self.max_seq_len]
+        if too_long:
+            raise ProtocolError(ErrorCode.CAPACITY, f"prompts of {too_long} do not fit max_seq_len {self.max_seq_len}")
+        return list(prompt_ids.long().split(lengths)) if lengths else []
+
+    def new(self, spec: PrefillSpec, slot: int, length: int) -> Sequence:
+        """A sequence for a prompt of `length` tokens prefilled into `slot` (not yet in the table)."""
+        generator = draws = None
+        if not spec.sampling.greedy:
+            generator = torch.Generator(self.device).manual_seed(spec.sampling.seed)
+        if self.forced is not None:
+            draws = torch.Generator().manual_seed(spec.sampling.seed)
+        budget = min(spec.max_tokens, self.max_seq_len - length)
+        return Sequence(spec.seq, slot, length, -1, spec.sampling, generator, budget, frozenset(spec.stop_ids),
+                        logprobs=spec.logprobs, draws=draws)
+
+    def add(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            self.sequences[s.seq] = s
+
+    def release(self, seqs: list[int]) -> list[int]:
+        """Free the slots of those of `seqs` that are live; returns them."""
+        released = [s for s in dict.fromkeys(seqs) if s in self.sequences]
+        for seq in released:
+            self.slots.give_back(self.sequences.pop(seq).slot)
+        return released
+
+    def clear(self) -> None:
+        self.sequences.clear()

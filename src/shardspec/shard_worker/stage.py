@@ -1,0 +1,194 @@
+"""The role of a pipeline stage before the last: its layers over every pass of a step, sent on.
+
+The last stage decides (decoder.Decoder) and sends each step's result to the earlier stages as an
+acceptance record. An earlier stage does not wait for it: it replies at once and runs the next step,
+of another micro-batch, while the later stages finish this one. It applies a record (commits its
+speculative state, takes the next tokens and drafts) when a later step or a release names one of
+that step's sequences (_settle).
+
+Lookahead: when a step advances one sequence alone, the stage runs its next verify pass on the last
+stage's guess of its tokens instead of waiting for the step's record, and runs it again when the
+record proves the guess wrong (_lookahead_step, _resolve).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardspec.protocol.errors import ErrorCode, ProtocolError
+from shardspec.protocol.messages import PrefillSpec, StepRequest
+from shardspec.shard_worker.runner import ModelRunner, RunnerStats, StepResult
+from shardspec.shard_worker.sequences import Sequence
+
+# graph copies per batch bucket, one per step whose record is still to come (one per micro-batch in
+# flight: pp of them by default); more at once run eagerly
+STAGE_COPIES = 4
+
+
+@dataclass
+class Forwarded:
+    """A step this stage has run its layers over, until the last stage's record comes."""
+
+    step: int
+    new: list[int]  # the sequences it prefilled
+    running: list[Sequence]  # the sequences it verified
+    commit: Callable[[list[list[int]]], Any] | None  # its verify pass's commit (accepts -> None)
+    guessed: list[int] | None = None  # a lookahead: the tokens it verified, the last stage's guess
+    snapshot: Any = None  # a lookahead ran after it, as if it kept all its drafts: the state before (CausalLM.snapshot)
+
+    def names(self, seqs: set[int]) -> bool:
+        return any(seq in seqs for seq in self.new) or any(s.seq in seqs for s in self.running)
+
+
+class ForwardingStage(ModelRunner):
+    COPIES = STAGE_COPIES
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.forwarded: deque[Forwarded] = deque()  # steps whose record is to come
+        self.forwarded_max = 0
+        self.lookaheads = self.lookaheads_right = 0  # verify passes run on a guess; those whose guess held
+
+    def stats(self) -> RunnerStats:
+        stats = super().stats()
+        stats.forwarded_max, stats.lookaheads, stats.lookaheads_right = (self.forwarded_max, self.lookaheads,
+                                                                         self.lookaheads_right)
+        return stats
+
+    @torch.inference_mode()
+    def step(self, request: StepRequest, prompt_ids: torch.Tensor) -> StepResult:
+        """The stage's layers over every pass of the step, sent on; its result is the last stage's (an
+        empty reply here), its record applied later (_settle)."""
+        prompts = self._begin(request, prompt_ids)
+        if (ahead := self._ahead_of(request)) is not None:
+            self._lookahead_step(ahead)
+            return StepResult()
+        self._settle(set(request.decode))
+        before = set(self.sequences)
+        self._prefill_all(request, prompts, StepResult())
+        running = self.table.running(request)
+        commit = None
+        if running:
+            commit = self._stage_verify(self._next_pass(), self._verify_rows(running), self._context(running))
+        new = [s for s in self.sequences if s not in before]
+        if new or running:  # else the last stage has nothing to run either (the same finished flags): no record
+            self._forwarded(Forwarded(self.steps, new, running, commit))
+        return StepResult()
+
+    @torch.inference_mode()  # (a commit it settles writes into the graphs' inference tensors)
+    def release(self, seqs: list[int]) -> list[int]:
+        self._settle(set(seqs))  # a slot is free once the commit of its last step has landed
+        return super().release(seqs)
+
+    def _prefill_slots(self, seqs: list[Sequence], specs: list[PrefillSpec], prompts: torch.Tensor,
+                       slots: torch.Tensor, result: StepResult, want_logits: bool) -> None:
+        """The layers over the prompts; the first tokens and drafts come with the last stage's record."""
+        for ids, batch in self._chunks(prompts, slots):
+            self._forward(ids, batch)
+
+    def _send(self, index: int, hidden: torch.Tensor, kind: str = "pass") -> None:
+        self.links.send_hidden(self.steps, index, hidden, kind)  # (one copy off the device)
+
+    def _follow_pass(self, packed: torch.Tensor, accepts: torch.Tensor, hidden: torch.Tensor, saved: dict,
+                     context: int) -> None:
+        """The commit pass: keep the accepted prefix of the verify pass (the record's counts)."""
+        self.model.commit(saved, self.rows.slots(packed), accepts[:, 0])
+
+    def _stage_verify(self, index: int, rows: list[list[int]], context: int, kind: str = "pass") -> Callable:
+        """The layers over a verify pass (pass `index` of the step, sequences.Rows), sent on as a `kind`
+        message; returns the pass's commit."""
+        x = self._receive(index, (len(rows), self.draft_len + 1), kind)
+        hidden, _, commit = self.passes.verify(rows, context, x)
+        self._send(index, hidden, kind)
+        return commit
+
+    def _forwarded(self, step: Forwarded) -> None:
+        self.forwarded.append(step)
+        self.forwarded_max = max(self.forwarded_max, len(self.forwarded))
+
+    # --- the last stage's records ---------------------------------------------------------------
+
+    def _settle(self, seqs: set[int]) -> None:
+        """Apply the records of the forwarded steps that name any of `seqs`, and of every step before
+        them (records come in step order)."""
+        last = max((i for i, f in enumerate(self.forwarded) if f.names(seqs)), default=-1)
+        for _ in range(last + 1):
+            self._apply(self.forwarded.popleft())
+
+    def _apply(self, step: Forwarded) -> None:
+        """The last stage's record of a forwarded step: commit the accepted prefixes, take the next
+        tokens, drafts and guesses."""
+        body = self.links.recv_record(step.step)
+        record, running, new = body.reply, step.running, step.new
+        if record.seqs != new + [s.seq for s in running]:
+            raise ProtocolError(ErrorCode.INTERNAL, "the last stage's record does not list this step's sequences")
+        guesses = body.guesses or [[] for _ in record.seqs]
+        vocab = self.model.config.vocab_size
+        if any(g and (len(g) != self.draft_len + 1 or not all(0 <= t < vocab for t in g)) for g in guesses):
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"a record's guess is not {self.draft_len + 1} token ids")
+        for seq, tokens, drafts, finished, guess in zip(new, record.tokens, record.drafts, record.finished, guesses):
+            s = self.sequences[seq]
+            s.next_token, s.drafts, s.finished, s.guess = tokens[0], drafts, finished, guess
+        accepted = [max(n, 0) for n in record.accepted[len(new) :]]
+        if self.draft_len and running:
+            if step.snapshot is None:  # (else the lookahead committed it as if it kept all; _resolve)
+                step.commit([[n, 0] for n in accepted])  # without drafts the pass wrote its state itself
+            self.counters.count(accepted, self.draft_len)
+        tail = zip(running, accepted, record.tokens[len(new) :], record.drafts[len(new) :], record.finished[len(new) :],
+                   guesses[len(new) :])
+        for s, n, tokens, drafts, finished, guess in tail:
+            s.length += n + 1
+            s.next_token, s.drafts, s.finished, s.guess = tokens[-1], drafts, finished, guess
+        if step.snapshot is not None:
+            self._resolve(step, accepted[0])
+
+    # --- lookahead ------------------------------------------------------------------------------
+
+    def _ahead_of(self, request: StepRequest) -> Sequence | None:
+        """The sequence a step runs a lookahead for: it advances one sequence alone, whose previous
+        step, of it alone, is the one step still waiting for its record, and whose record before
+        that carried a guess. Every stage before the last sees the same commands and records, so
+        they all decide alike."""
+        if not self.lookahead or request.prefill or len(request.decode) != 1 or len(self.forwarded) != 1:
+            return None
+        s, previous = self.sequences[request.decode[0]], self.forwarded[0]
+        if s.finished or not s.guess or previous.new or [r.seq for r in previous.running] != [s.seq]:
+            return None
+        return s
+
+    def _lookahead_step(self, s: Sequence) -> None:
+        """Run this step's verify pass on the guess of the record before the last (as if the step
+        still in flight keeps all its drafts and its new token is the guessed one), send it on, then
+        apply the record of the step in flight: a wrong guess sends the pass again (_resolve)."""
+        k, previous = self.draft_len, self.forwarded[0]
+        slots = torch.tensor([s.slot], device=self.device)
+        previous.snapshot = self.model.snapshot(slots)
+        previous.commit([[k, 0]])  # as if it keeps all its drafts
+        guessed = list(s.guess)
+        # (sequences.Rows) at the positions after the in-flight step's
+        rows = [[*guessed, s.length + k + 1, s.slot, -1]]
+        commit = self._stage_verify(self._next_pass(), rows, self._context([s], k + 1), "lookahead")
+        self.lookaheads += 1
+        self._forwarded(Forwarded(self.steps, [], [s], commit, guessed=guessed))
+        self._apply(self.forwarded.popleft())
+
+    def _resolve(self, step: Forwarded, accepted: int) -> None:
+        """The record of a step a lookahead ran on top of, which committed it as if it kept all its
+        drafts: the guess was right when it did and its new token and drafts are the guessed ones.
+        Else put the state back, commit what was kept and run the next step's pass again on the
+        record's tokens. A finished sequence leaves the lookahead with no record to come."""
+        s, ahead = step.running[0], self.forwarded[0]
+        if s.finished:  # the last stage skips it from now on
+            self.forwarded.popleft()
+        elif accepted != self.draft_len or [s.next_token, *s.drafts] != ahead.guessed:
+            self.model.restore(step.snapshot, torch.tensor([s.slot], device=self.device))
+            step.commit([[accepted, 0]])
+            # the lookahead's pass again, as pass 0 of its step (a lookahead step has no other)
+            ahead.commit = self._stage_verify(0, self._verify_rows([s]), self._context([s]), "redo")
+        else:
+            self.lookaheads_right += 1
