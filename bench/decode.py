@@ -8,7 +8,7 @@ the device's copy bandwidth (bytes read + written by a large device-to-device co
 the real engine (local workers, NCCL): decode tokens/s without MTP at each batch size, with MTP at
 k drafts under forced acceptance (benchmark mode: each draft kept with probability P — random
 weights never draft right), and prefill tokens/s at the given prompt lengths. Every decode figure
-is set against its floor: the bytes a step must read and write (shardspec.models.step_bytes: the
+is set against its floor: the bytes a step must read and write (shardspec.testing.step_bytes: the
 weights it reads — of the embedding table only the rows looked up, the MTP module and the drafts'
 head once per draft pass, none of them at k = 0 —, the KV it attends over, the recurrent state
 read and written) ÷ the copy bandwidth measured with CUDA events. With --hf, transformers'
@@ -56,7 +56,9 @@ from shardspec.kernels import fp8 as fp8_kernels
 from shardspec.models import registry
 from shardspec.models.base import split_config
 from shardspec.models.qwen3_5 import HybridConfig, Qwen3_5MoeConfig
-from shardspec.models.random_checkpoint import (
+from shardspec.orchestrator.config import FORCED_ACCEPTANCE_ENV
+from shardspec.shard_worker.runner import DRAFT_HEAD
+from shardspec.testing.random_checkpoint import (
     nine_b_config,
     thirty_five_b_a3b_config,
     tiny_config,
@@ -64,9 +66,7 @@ from shardspec.models.random_checkpoint import (
     twenty_seven_b_config,
     write_random_checkpoint,
 )
-from shardspec.models.step_bytes import StepBytes, step_bytes
-from shardspec.orchestrator.config import FORCED_ACCEPTANCE_ENV
-from shardspec.shard_worker.runner import DRAFT_HEAD
+from shardspec.testing.step_bytes import StepBytes, step_bytes
 
 SIZES = {"tiny": tiny_config, "9b": nine_b_config, "27b": twenty_seven_b_config, "tiny-moe": tiny_moe_config,
          "35b-a3b": thirty_five_b_a3b_config}

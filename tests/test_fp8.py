@@ -21,7 +21,7 @@ from shardspec.layers.fp8 import Fp8Linear
 from shardspec.layers.parallel import TPGroup
 from shardspec.models.config import ConfigError
 from shardspec.models.loader import check_quantization, load_model
-from shardspec.models.random_checkpoint import (
+from shardspec.testing.random_checkpoint import (
     fp8_quantized,
     parameter_shapes,
     random_state_dict,
@@ -254,7 +254,7 @@ def test_fp8_tensors_without_a_quantization_config_or_without_scales_are_refused
 def test_an_moe_whose_router_is_fp8_gives_the_logits_of_its_router_dequantised_at_load(tmp_path, monkeypatch):
     """Releases keep the router and the shared gate in 16 bits; a checkpoint that quantises them
     turns the block's stacked router into an FP8 projection, whose parts the block joins again."""
-    import shardspec.models.random_checkpoint as random_checkpoint
+    import shardspec.testing.random_checkpoint as random_checkpoint
 
     keep = tuple(k for k in random_checkpoint.FP8_KEEP if k not in ("mlp.gate.", "shared_expert_gate"))
     monkeypatch.setattr(random_checkpoint, "FP8_KEEP", keep)

@@ -29,7 +29,7 @@ from shardspec.layers.batch import Batch
 from shardspec.layers.norm import GatedRMSNorm, RMSNorm
 from shardspec.layers.parallel import TPGroup
 from shardspec.models.qwen3_5 import Qwen3_5Config, Qwen3_5Model, mixer
-from shardspec.models.random_checkpoint import tiny_config
+from shardspec.testing.random_checkpoint import tiny_config
 
 DEVICE = torch.device("cuda" if GPU else "cpu")
 # bf16 through the interpreter (which emulates it op by op) takes most of this file's time on a CPU:

@@ -10,7 +10,7 @@ import torch
 from shardspec.layers.parallel import TPGroup
 from shardspec.models.config import ConfigError
 from shardspec.models.loader import load_model
-from shardspec.models.random_checkpoint import random_state_dict, tiny_config, write_checkpoint
+from shardspec.testing.random_checkpoint import random_state_dict, tiny_config, write_checkpoint
 
 
 @pytest.fixture(scope="module")
