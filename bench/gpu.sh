@@ -11,7 +11,7 @@
 #           and the cuBLAS draft head
 #   9b      9B-class, TP = 1: batch 1/8/32, MTP off and k = 1..4 at 0.6 and 0.8, prefill 2k/8k,
 #           transformers' generate in the same run; the in-process batch-8 step and prefill profile;
-#           the drafts' LM head (bench/lm_head.py), the delta rule's tiles (bench/kernels.py), and batch 1/8
+#           the drafts' LM head (bench/lm_head.py), the delta rule's tiles (bench/gdn_tiles.py), and batch 1/8
 #           MTP with the cuBLAS draft head (the peer)
 #   9b-tp2  9B-class, TP = 2, batch 1/8/32, MTP off and k = 3 at 0.8: the symmetric-memory all-reduce
 #           fused with the norm, the same unfused (SHARDSPEC_FUSED_NORM=0, the peer), NCCL; and TP = 1
@@ -82,7 +82,7 @@ for stage in "$@"; do
         python3 bench/profile_step.py --size 9b --batch 8 --k 0 3 --prefill 2048 8192 --prefill-chunk 512 2048 2>&1 \
             | tee "$out/profile-9b-prefill.log"   # the batch-8 step in-process, and where a prefill's time goes
         python3 bench/lm_head.py --out "$out/lm-head.json"    # the drafts' LM head, cuBLAS against the kernel
-        python3 bench/kernels.py --out "$out/kernels.json"    # the gated delta rule's tile shapes
+        python3 bench/gdn_tiles.py --out "$out/kernels.json"    # the gated delta rule's tile shapes
         SHARDSPEC_DRAFT_HEAD=cublas python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 1 --batch 1 8 --k 3 \
             --forced 0.8 --prefill --out "$out/decode-9b-tp1-cublas-head.json" 2>&1 | grep -v -i warn
         ;;

@@ -161,7 +161,7 @@ def test_the_convolution_over_several_token_blocks_matches_the_reference(dtype, 
 
 
 def test_the_delta_rule_gives_the_same_result_at_every_tile_shape():
-    """bench/kernels.py times other (block_v, warps) tiles: each must compute the same thing."""
+    """bench/gdn_tiles.py times other (block_v, warps) tiles: each must compute the same thing."""
     inputs = gdn_inputs(torch.float32, 4)
     mixed = reference_gdn.causal_conv(inputs["x"], None, inputs["conv_weight"], inputs["slots"]).contiguous()
     results = []
