@@ -34,8 +34,9 @@ from shardspec import __version__, security
 from shardspec.layers.moe import check_backend_setting
 from shardspec.layers.parallel import TPGroup, check_allreduce_setting, use_symmetric_memory
 from shardspec.models.base import CausalLM, Stage
+from shardspec.models.checkpoint import Checkpoint
 from shardspec.models.config import ConfigError
-from shardspec.models.loader import has_mtp, load_model, stage_of
+from shardspec.models.loader import load_model
 from shardspec.protocol import codec, transport
 from shardspec.protocol.codec import Message
 from shardspec.protocol.errors import ErrorCode, ProtocolError
@@ -505,7 +506,11 @@ class ShardWorker:
         if self.state == "idle":
             raise ProtocolError(ErrorCode.BAD_STATE, "worker is idle; load needs an initialized worker")
         try:
-            dtype = resolve_dtype(body.dtype, body.model, self.device)
+            checkpoint = Checkpoint.open(body.model)
+        except (ConfigError, OSError) as exc:
+            raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
+        try:
+            dtype = resolve_dtype(body.dtype, checkpoint.dtype, self.device)
         except ValueError as exc:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc)) from None
         started = time.perf_counter()
@@ -513,8 +518,8 @@ class ShardWorker:
         self.state = "initialized"
         self._free_memory()
         try:
-            stage = stage_of(body.model, self.stage, self.stages, body.layer_split)
-            mtp = body.mtp == "on" or (body.mtp == "auto" and has_mtp(body.model))
+            stage = checkpoint.stage(self.stage, self.stages, body.layer_split)
+            mtp = body.mtp == "on" or (body.mtp == "auto" and checkpoint.has_mtp)
         except (ConfigError, OSError) as exc:
             raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
         key = (body.model, dtype, stage, body.expert_parallel)
@@ -523,7 +528,7 @@ class ShardWorker:
         else:
             self.model = self.model_key = None
             self._free_memory()
-            self.model = self._read_model(body, dtype, stage, mtp)
+            self.model = self._read_model(checkpoint, body, dtype, stage, mtp)
             self.model_key, self.model_mtp = key, mtp
         model = self.model
         self.weight_bytes = sum(p.nbytes for p in model.parameters())
@@ -559,7 +564,8 @@ class ShardWorker:
         )
         return reply, None
 
-    def _read_model(self, body: LoadRequest, dtype: torch.dtype, stage: Stage, mtp: bool) -> CausalLM:
+    def _read_model(self, checkpoint: Checkpoint, body: LoadRequest, dtype: torch.dtype, stage: Stage,
+                    mtp: bool) -> CausalLM:
         log.info("loading %s as %s (rank %d of %d)", body.model, dtype, self.tp.rank, self.tp.size)
         last_report = [0.0]
 
@@ -569,7 +575,7 @@ class ShardWorker:
                 log.info("loaded %d/%d tensors", done, total)
 
         try:
-            return load_model(body.model, self.tp, dtype, self.device, with_mtp=mtp, progress=progress, stage=stage,
+            return load_model(checkpoint, self.tp, dtype, self.device, with_mtp=mtp, progress=progress, stage=stage,
                               expert_parallel=body.expert_parallel)
         except (ConfigError, OSError) as exc:
             raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
