@@ -8,7 +8,7 @@ the device's copy bandwidth (bytes read + written by a large device-to-device co
 the real engine (local workers, NCCL): decode tokens/s without MTP at each batch size, with MTP at
 k drafts under forced acceptance (benchmark mode: each draft kept with probability P — random
 weights never draft right), and prefill tokens/s at the given prompt lengths. Every decode figure
-is set against its floor: the bytes a step must read and write (shardspec.models.step_bytes: the
+is set against its floor: the bytes a step must read and write (shardspec.testing.step_bytes: the
 weights it reads — of the embedding table only the rows looked up, the MTP module and the drafts'
 head once per draft pass, none of them at k = 0 —, the KV it attends over, the recurrent state
 read and written) ÷ the copy bandwidth measured with CUDA events. With --hf, transformers'
@@ -53,10 +53,11 @@ from gpu_timing import copy_bandwidth, sync
 
 import shardspec
 from shardspec.kernels import fp8 as fp8_kernels
-from shardspec.models import registry
 from shardspec.models.base import split_config
+from shardspec.models.checkpoint import Checkpoint
 from shardspec.models.qwen3_5 import HybridConfig, Qwen3_5MoeConfig
-from shardspec.models.random_checkpoint import (
+from shardspec.orchestrator.config import FORCED_ACCEPTANCE_ENV
+from shardspec.testing.random_checkpoint import (
     nine_b_config,
     thirty_five_b_a3b_config,
     tiny_config,
@@ -64,10 +65,9 @@ from shardspec.models.random_checkpoint import (
     twenty_seven_b_config,
     write_random_checkpoint,
 )
-from shardspec.models.step_bytes import StepBytes, step_bytes
-from shardspec.orchestrator.config import FORCED_ACCEPTANCE_ENV
-from shardspec.shard_worker.runner import DRAFT_HEAD
+from shardspec.testing.step_bytes import StepBytes, step_bytes
 
+DRAFT_HEAD = os.environ.get("SHARDSPEC_DRAFT_HEAD", "fp8")  # the workers' drafts LM head
 SIZES = {"tiny": tiny_config, "9b": nine_b_config, "27b": twenty_seven_b_config, "tiny-moe": tiny_moe_config,
          "35b-a3b": thirty_five_b_a3b_config}
 PROMPT_LEN = 128
@@ -150,7 +150,7 @@ def transformers_decode(model: str, batches: list[int], new_tokens: int, vocab: 
     from transformers import GenerationConfig, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 
     placed = {} if device == "cpu" else {"device_map": device}  # device_map needs accelerate
-    moe = isinstance(registry.read(model)[1], Qwen3_5MoeConfig)
+    moe = isinstance(Checkpoint.open(model).config, Qwen3_5MoeConfig)
     hf = (Qwen3_5MoeForCausalLM if moe else Qwen3_5ForCausalLM).from_pretrained(model, dtype=torch.bfloat16,
                                                                                **placed).eval()
     rows = []
@@ -209,7 +209,7 @@ async def run(args: argparse.Namespace, out: dict, save) -> None:
     out["bandwidth_GBps"] = copy_bandwidth(device) / 1e9
     print(f"copy bandwidth {out['bandwidth_GBps']:.0f} GB/s", flush=True)
     if args.link_cost:
-        out["link_cost"] = link_costs(registry.read(args.ckpt)[1], args.batch, sorted({0, *args.k}), device)
+        out["link_cost"] = link_costs(Checkpoint.open(args.ckpt).config, args.batch, sorted({0, *args.k}), device)
         save()
     out["decode"], out["prefill"] = [], []
     if not args.fp8_only:
@@ -222,7 +222,7 @@ async def run(args: argparse.Namespace, out: dict, save) -> None:
 async def run_checkpoint(args: argparse.Namespace, ckpt: Path, weights: str, out: dict, save,
                          fp8_decode: str | None = None) -> None:
     """Every decode and prefill row of one checkpoint; `weights` (bf16 or fp8) and `fp8_decode` tag its rows."""
-    config = split_config(registry.read(ckpt)[1], args.tp, args.ep)  # the floor counts a rank's experts
+    config = split_config(Checkpoint.open(ckpt).config, args.tp, args.ep)  # the floor counts a rank's experts
     max_seq_len = max([PROMPT_LEN + args.new_tokens + 64, *(p + 8 for p in args.prefill)])
     stages = {"micro_batches": args.micro_batches} if args.micro_batches else {}
     async with shardspec.connect(model=str(ckpt), local=args.tp * args.pp, pp=args.pp, tp=args.tp, ep=args.ep,
@@ -339,7 +339,7 @@ def main() -> None:
         args.out.write_text(json.dumps(out, indent=1))
 
     if args.hf:  # first, so that a run cut short still has its peer
-        vocab = registry.read(args.ckpt)[1].vocab_size
+        vocab = Checkpoint.open(args.ckpt).config.vocab_size
         try:
             out["transformers"] = transformers_decode(str(args.ckpt), [b for b in args.batch if b <= 8],
                                                       min(args.new_tokens, 32), vocab, args.device)

@@ -13,7 +13,7 @@ passes (the weight-only GEMMs). References:
   FP8 path should compute; a gap here is ours (the bf16 activations, the W8A8 rounding, kernels);
 - bf16: the bf16 twin the FP8 checkpoint was quantised from (the issue's agreement criterion), as
   served (prefill and decode, bf16).
-Agreement is reported overall and at the reference's confident positions (shardspec.models.agreement).
+Agreement is reported overall and at the reference's confident positions (shardspec.testing.agreement).
 Printed and written to --out as JSON.
 """
 
@@ -27,8 +27,8 @@ import torch
 
 from shardspec.layers.batch import Batch
 from shardspec.layers.parallel import TPGroup
-from shardspec.models.agreement import CONFIDENT_SIGMAS, top1_agreement
 from shardspec.models.loader import load_model
+from shardspec.testing.agreement import CONFIDENT_SIGMAS, top1_agreement
 
 PROMPT = 16
 

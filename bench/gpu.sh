@@ -11,7 +11,7 @@
 #           and the cuBLAS draft head
 #   9b      9B-class, TP = 1: batch 1/8/32, MTP off and k = 1..4 at 0.6 and 0.8, prefill 2k/8k,
 #           transformers' generate in the same run; the in-process batch-8 step and prefill profile;
-#           the drafts' LM head (bench/lm_head.py), the delta rule's tiles (bench/kernels.py), and batch 1/8
+#           the drafts' LM head (bench/lm_head.py), the delta rule's tiles (bench/gdn_tiles.py), and batch 1/8
 #           MTP with the cuBLAS draft head (the peer)
 #   9b-tp2  9B-class, TP = 2, batch 1/8/32, MTP off and k = 3 at 0.8: the symmetric-memory all-reduce
 #           fused with the norm, the same unfused (SHARDSPEC_FUSED_NORM=0, the peer), NCCL; and TP = 1
@@ -82,7 +82,7 @@ for stage in "$@"; do
         python3 bench/profile_step.py --size 9b --batch 8 --k 0 3 --prefill 2048 8192 --prefill-chunk 512 2048 2>&1 \
             | tee "$out/profile-9b-prefill.log"   # the batch-8 step in-process, and where a prefill's time goes
         python3 bench/lm_head.py --out "$out/lm-head.json"    # the drafts' LM head, cuBLAS against the kernel
-        python3 bench/kernels.py --out "$out/kernels.json"    # the gated delta rule's tile shapes
+        python3 bench/gdn_tiles.py --out "$out/kernels.json"    # the gated delta rule's tile shapes
         SHARDSPEC_DRAFT_HEAD=cublas python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 1 --batch 1 8 --k 3 \
             --forced 0.8 --prefill --out "$out/decode-9b-tp1-cublas-head.json" 2>&1 | grep -v -i warn
         ;;
@@ -106,7 +106,7 @@ for stage in "$@"; do
             --k 0 3 2>&1 | tee "$out/profile-9b-tp2-unfused.log"
         ;;
     27b)
-        [ -f .bench/27b/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/27b --size 27b
+        [ -f .bench/27b/config.json ] || python3 -m shardspec.testing.random_checkpoint .bench/27b --size 27b
         SHARDSPEC_ALLREDUCE=symm python3 bench/decode.py --size 27b --ckpt .bench/27b --tp 2 --batch 1 8 32 --k 3 \
             --forced 0.8 --prefill --out "$out/decode-27b-tp2-symm.json" 2>&1 | tee "$out/decode-27b-tp2-symm.log"
         python3 bench/decode.py --size 27b --ckpt .bench/27b --tp 1 --batch 1 8 32 --k 3 --forced 0.8 --prefill \
@@ -116,7 +116,7 @@ for stage in "$@"; do
             | tee "$out/decode-27b-tp2-symm-unfused.log"
         ;;
     floor)
-        [ -f .bench/9b/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/9b --size 9b &
+        [ -f .bench/9b/config.json ] || python3 -m shardspec.testing.random_checkpoint .bench/9b --size 9b &
         writer=$!   # on the CPUs, while the tests take the GPU
         timeout 270 python3 -m pytest -q tests/test_cuda.py tests/test_kernels.py --durations=10 --timeout 200 2>&1 \
             | tee "$out/tests.log" || failed=1
@@ -127,7 +127,7 @@ for stage in "$@"; do
             || failed=1
         ;;
     deterministic)
-        [ -f .bench/9b/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/9b --size 9b &
+        [ -f .bench/9b/config.json ] || python3 -m shardspec.testing.random_checkpoint .bench/9b --size 9b &
         writer=$!   # on the CPUs, while the tests take the GPU
         timeout 240 python3 -m pytest -q tests/test_cuda.py --durations=10 --timeout 200 2>&1 \
             | tee "$out/tests-deterministic.log" || failed=1
@@ -137,7 +137,7 @@ for stage in "$@"; do
             | tee "$out/decode-9b-deterministic.log" || failed=1
         ;;
     pp)
-        [ -f .bench/9b/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/9b --size 9b &
+        [ -f .bench/9b/config.json ] || python3 -m shardspec.testing.random_checkpoint .bench/9b --size 9b &
         writer=$!   # on the CPUs, while the tests take the GPU
         python3 -m pytest -q tests/test_cuda.py --durations=10 --timeout 300 2>&1 | tee "$out/tests-pp.log" || failed=1
         wait $writer || failed=1
@@ -149,7 +149,7 @@ for stage in "$@"; do
             --forced 0.8 --prefill --out "$out/decode-9b-pp2-mb1.json" 2>&1 | tee "$out/decode-9b-pp2-mb1.log" || failed=1
         ;;
     moe)
-        [ -f .bench/35b-a3b/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/35b-a3b \
+        [ -f .bench/35b-a3b/config.json ] || python3 -m shardspec.testing.random_checkpoint .bench/35b-a3b \
             --size 35b-a3b --zero-experts &
         writer=$!   # on the CPUs, while the tests take the GPU
         timeout 160 python3 -m pytest -q tests/test_cuda.py -k moe --durations=10 --timeout 150 2>&1 \
@@ -162,7 +162,7 @@ for stage in "$@"; do
             | tee "$out/decode-35b-a3b.log" || failed=1   # ~3 minutes, most of it the load and graph capture
         ;;
     moe-wide)
-        [ -f .bench/35b-a3b/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/35b-a3b \
+        [ -f .bench/35b-a3b/config.json ] || python3 -m shardspec.testing.random_checkpoint .bench/35b-a3b \
             --size 35b-a3b --zero-experts || failed=1
         timeout 200 python3 bench/decode.py --size 35b-a3b --ckpt .bench/35b-a3b --tp 1 --batch 32 --k 3 \
             --forced 0.8 --prefill 2048 8192 --zero-experts --out "$out/decode-35b-a3b-b32.json" 2>&1 \
@@ -173,9 +173,9 @@ for stage in "$@"; do
         ;;
     fp8)
         {   # on the CPUs, while the tests take the GPU: the bf16 checkpoint and its FP8 twin (same seed) side by side
-            [ -f .bench/9b/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/9b --size 9b &
+            [ -f .bench/9b/config.json ] || python3 -m shardspec.testing.random_checkpoint .bench/9b --size 9b &
             bf16=$!
-            [ -f .bench/9b-fp8/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/9b-fp8 --size 9b --fp8
+            [ -f .bench/9b-fp8/config.json ] || python3 -m shardspec.testing.random_checkpoint .bench/9b-fp8 --size 9b --fp8
             written=$?
             wait $bf16 && exit $written
         } &
@@ -199,7 +199,7 @@ for stage in "$@"; do
         done
         ;;
     gemv)
-        [ -f .bench/9b/config.json ] || python3 -m shardspec.models.random_checkpoint .bench/9b --size 9b &
+        [ -f .bench/9b/config.json ] || python3 -m shardspec.testing.random_checkpoint .bench/9b --size 9b &
         writer=$!   # on the CPUs, while the GEMVs take the GPU
         (cd bench && timeout 100 python3 gemv.py --out "$out/gemv.json" && timeout 40 python3 norm.py \
             --out "$out/norm.json") 2>&1 | tee "$out/gemv.log" || failed=1

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 import shardspec
-from shardspec.models.random_checkpoint import tiny_config, write_random_checkpoint
+from shardspec.testing.random_checkpoint import tiny_config, write_random_checkpoint
 
 CONFIG = tiny_config(
     vocab_size=32768, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,

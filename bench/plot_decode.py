@@ -12,11 +12,6 @@ import json
 import re
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -24,6 +19,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/decode.png"))
     parser.add_argument("--k", type=int, default=3, help="the MTP draft length plotted against batch size")
     args = parser.parse_args()
+    import matplotlib  # here, so that --help answers where matplotlib is not installed
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, (by_batch, by_k) = plt.subplots(1, 2, figsize=(14, 4.6))
     peer = False
     series: dict[str, dict] = {}  # decode-27b-tp1.json and decode-27b-tp1-b8.json: one series, 27b-tp1

@@ -6,7 +6,7 @@ Builds the model with random weights directly on the device (no checkpoint on di
 the decoder's steps, and prints for each k the mean step time, PyTorch's profiler table of the
 most expensive operators, and where the step's device time goes by part (matmuls, Gated DeltaNet,
 attention, norms, ...) against each part's floor: the bytes it must move
-(shardspec.models.step_bytes) ÷ the copy bandwidth. The runner launches each step's pass ahead,
+(shardspec.testing.step_bytes) ÷ the copy bandwidth. The runner launches each step's pass ahead,
 behind the step before, as a worker does on a GPU (runner.py; --no-launch-ahead: the peer). With
 --tp N it starts N processes, one per GPU, in one NCCL group (each holding its own random shard);
 rank 0 prints, with the all-reduce kernels of both ranks side by side: how long each ran, and how
@@ -27,17 +27,17 @@ from gpu_timing import copy_bandwidth, sync
 
 from shardspec.layers.parallel import TPGroup, use_symmetric_memory
 from shardspec.models.qwen3_5 import Qwen3_5Config, Qwen3_5Model, Qwen3_5MoeConfig
-from shardspec.models.random_checkpoint import (
+from shardspec.orchestrator.workers import free_port
+from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepRequest
+from shardspec.shard_worker.decoder import Decoder
+from shardspec.testing.random_checkpoint import (
     nine_b_config,
     thirty_five_b_a3b_config,
     tiny_config,
     tiny_moe_config,
     twenty_seven_b_config,
 )
-from shardspec.models.step_bytes import StepBytes, step_bytes
-from shardspec.orchestrator.workers import free_port
-from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepRequest
-from shardspec.shard_worker.decoder import Decoder
+from shardspec.testing.step_bytes import StepBytes, step_bytes
 
 SIZES = {"tiny": tiny_config, "9b": nine_b_config, "27b": twenty_seven_b_config, "tiny-moe": tiny_moe_config,
          "35b-a3b": thirty_five_b_a3b_config}

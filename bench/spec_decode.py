@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 import shardspec
-from shardspec.models.random_checkpoint import tiny_config, write_random_checkpoint
 from shardspec.orchestrator.config import FORCED_ACCEPTANCE_ENV
+from shardspec.testing.random_checkpoint import tiny_config, write_random_checkpoint
 
 BENCH_CONFIG = tiny_config(  # ~60M parameters: big enough that compute, not Python, dominates a step
     vocab_size=8192, hidden_size=768, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,

@@ -18,7 +18,7 @@ import zmq
 if not torch.cuda.is_available():  # before anything imports Triton: its kernels then run interpreted
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from shardspec.models.random_checkpoint import tiny_config, write_random_checkpoint
+from shardspec.testing.random_checkpoint import tiny_config, write_random_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))  # tools/hosts.py: the emulated hosts
 

@@ -16,7 +16,7 @@ from transformers import (
     Qwen3_5TextConfig,
 )
 
-from shardspec.models.random_checkpoint import text_layout_name
+from shardspec.testing.random_checkpoint import text_layout_name
 
 
 def read_checkpoint(path: str | Path, fuse: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -1,10 +1,10 @@
-"""Top-1 agreement where the reference is confident beyond the noise (shardspec.models.agreement)."""
+"""Top-1 agreement where the reference is confident beyond the noise (shardspec.testing.agreement)."""
 
 from __future__ import annotations
 
 import torch
 
-from shardspec.models.agreement import CONFIDENT_SIGMAS, top1_agreement
+from shardspec.testing.agreement import CONFIDENT_SIGMAS, top1_agreement
 
 
 def test_only_margins_beyond_the_noise_count_as_confident_and_agreement_is_counted_there():

@@ -12,7 +12,7 @@ from conftest import pooled
 
 import shardspec
 from shardspec.cli import BUNDLED_MODEL
-from shardspec.models.qwen3_5 import Qwen3_5Config
+from shardspec.models.checkpoint import Checkpoint
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -27,7 +27,7 @@ def test_bundled_model_is_a_small_bf16_qwen3_5_folder_with_mtp():
     files = {p.name for p in BUNDLED_MODEL.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md"} <= files
     assert (BUNDLED_MODEL / "model.safetensors").stat().st_size <= 50 * 10**6  # the weights stay under 50 MB
-    config = Qwen3_5Config.from_folder(BUNDLED_MODEL)
+    config = Checkpoint.open(BUNDLED_MODEL).config
     assert config.dtype == "bfloat16" and config.mtp_num_hidden_layers == 1
     assert set(config.layer_types) == {"linear_attention", "full_attention"}
 

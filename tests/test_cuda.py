@@ -18,11 +18,11 @@ import shardspec
 from shardspec.cli import BUNDLED_MODEL
 from shardspec.layers.batch import Batch
 from shardspec.layers.parallel import SymmetricReducer, TPGroup, use_symmetric_memory
-from shardspec.models.agreement import top1_agreement
 from shardspec.models.loader import load_model
-from shardspec.models.random_checkpoint import tiny_config, write_random_checkpoint
 from shardspec.orchestrator.tokenizer import Tokenizer
 from shardspec.orchestrator.workers import free_port
+from shardspec.testing.agreement import top1_agreement
+from shardspec.testing.random_checkpoint import tiny_config, write_random_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef main():\n"]
@@ -351,7 +351,7 @@ def test_deterministic_greedy_output_on_the_gpu_is_the_same_alone_and_among_othe
 def moe_model(tmp_path_factory) -> Path:
     """A tiny random mixture of experts (8 experts, top 3), fused experts in the layers and per expert in the
     MTP layer."""
-    from shardspec.models.random_checkpoint import tiny_moe_config
+    from shardspec.testing.random_checkpoint import tiny_moe_config
 
     path = tmp_path_factory.mktemp("tiny-moe")
     write_random_checkpoint(path, tiny_moe_config(), seed=2, experts="mixed")
@@ -378,7 +378,7 @@ def test_moe_fp32_on_the_gpu_gives_the_cpu_logits(moe_model):
 @torch.inference_mode()
 def test_moe_bf16_logits_agree_with_the_fp32_reference_teacher_forced(moe_model):
     # at the positions where the reference's top-1 margin is beyond bf16's noise: elsewhere a random
-    # model's near-ties flip under any rounding (shardspec.models.agreement)
+    # model's near-ties flip under any rounding (shardspec.testing.agreement)
     ids = torch.randint(0, 512, (4, 48), generator=torch.Generator().manual_seed(1))
     reference = cpu_logits(moe_model, ids)
     gpu = load_model(moe_model, TPGroup(), torch.bfloat16, torch.device("cuda"), with_mtp=False)

@@ -5,6 +5,7 @@ supported."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -19,12 +20,17 @@ import shardspec
 from shardspec.layers.batch import Batch
 from shardspec.layers.fp8 import Fp8Linear
 from shardspec.layers.parallel import TPGroup
+from shardspec.models import fp8, registry
+from shardspec.models.base import Stage
+from shardspec.models.checkpoint import Checkpoint
 from shardspec.models.config import ConfigError
-from shardspec.models.loader import check_quantization, load_model
-from shardspec.models.random_checkpoint import (
+from shardspec.models.loader import _plan, load_model
+from shardspec.testing.random_checkpoint import (
     fp8_quantized,
+    nine_b_config,
     parameter_shapes,
     random_state_dict,
+    thirty_five_b_a3b_config,
     tiny_config,
     tiny_moe_config,
     write_checkpoint,
@@ -197,12 +203,64 @@ def test_a_tp_degree_that_splits_fp8_blocks_is_refused_on_the_gpu_path_naming_th
     # the tiny model's q heads are 16 rows each: at TP = 2 a rank's q slice ends inside a block
     with pytest.raises(ConfigError, match=r"tensor-parallel degree 2 splits .* are \[1\]"):
         load_model(fp8_model, TPGroup(1, 2), torch.float32, torch.device("cpu"), fp8_native=True)
-    check_quantization(fp8_model, 2, fp8_native=False)  # dequantised at load, any degree
+    Checkpoint.open(fp8_model).check_quantization(2, fp8_native=False)  # dequantised at load, any degree
 
 
 def test_the_engine_refuses_an_fp8_tp_degree_for_gpu_workers_before_starting_them(fp8_model):
     with pytest.raises(ValueError, match="tensor-parallel degree 2 splits"):
         shardspec.EngineConfig(model=str(fp8_model), local=2, device="cuda").check_model_folder()
+
+
+def converts_on_every_rank(raw: dict, tp: int, quantized: set[str]) -> bool:
+    """Whether every rank's model, built on the meta device, takes the FP8 weights as they are (the
+    check made at load, fp8.convert)."""
+    family = registry.resolve(raw)
+    config = family.parse_config(raw)
+    files = dict.fromkeys(parameter_shapes(raw), Path("model.safetensors"))
+    stage = Stage.whole(config.num_hidden_layers)
+    try:
+        for rank in range(tp):
+            model, _, plan = _plan(family, config, TPGroup(rank, tp), stage, True, files)
+            fp8.convert(model, plan, quantized, tp)
+    except fp8.BlockSplitError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("raw", [tiny_config(), ALIGNED, nine_b_config(), tiny_moe_config(),
+                                 thirty_five_b_a3b_config()], ids=["tiny", "aligned", "9b", "tiny-moe", "35b-a3b"])
+@pytest.mark.parametrize("quantised", ["as releases", "every matrix"])
+def test_the_config_says_which_tp_degrees_keep_fp8_blocks_whole_as_converting_each_rank_does(raw, quantised):
+    """The orchestrator decides from the config (fp8.split_problem), the loader by converting its
+    rank's model: at every degree that splits the model, on every rank, they agree."""
+    shapes = parameter_shapes(raw)
+    every = quantised == "every matrix"
+    quantized = {name for name, shape in shapes.items()
+                 if (every and name.endswith(".weight") and len(shape) == 2) or fp8_quantized(name, shape)}
+    config = registry.resolve(raw).parse_config(raw)
+    degrees = [tp for tp in (1, 2, 3, 4, 8) if _splits(config, tp)]
+    by_config = [tp for tp in degrees if fp8.split_problem(config, tp, quantized) is None]
+    assert by_config == [tp for tp in degrees if converts_on_every_rank(raw, tp, quantized)]
+    assert by_config[0] == 1
+
+
+def _splits(config, tp: int) -> bool:
+    try:
+        config.check_tp(tp)
+    except ConfigError:
+        return False
+    return True
+
+
+def test_the_engine_checks_an_fp8_checkpoint_without_building_a_model(fp8_model, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the orchestrator built a model")
+
+    monkeypatch.setattr(registry, "_families", {f.name: dataclasses.replace(f, build=refuse)
+                                                for f in registry.families()})
+    with pytest.raises(ValueError, match=r"tensor-parallel degree 2 splits .* blocks are \[1\]"):
+        shardspec.EngineConfig(model=str(fp8_model), local=2, device="cuda").check_model_folder()
+    shardspec.EngineConfig(model=str(fp8_model), local=2).check_model_folder()  # CPU workers dequantise
 
 
 def _with_quantization(tmp_path: Path, source: Path, **fields) -> Path:
@@ -254,7 +312,7 @@ def test_fp8_tensors_without_a_quantization_config_or_without_scales_are_refused
 def test_an_moe_whose_router_is_fp8_gives_the_logits_of_its_router_dequantised_at_load(tmp_path, monkeypatch):
     """Releases keep the router and the shared gate in 16 bits; a checkpoint that quantises them
     turns the block's stacked router into an FP8 projection, whose parts the block joins again."""
-    import shardspec.models.random_checkpoint as random_checkpoint
+    import shardspec.testing.random_checkpoint as random_checkpoint
 
     keep = tuple(k for k in random_checkpoint.FP8_KEEP if k not in ("mlp.gate.", "shared_expert_gate"))
     monkeypatch.setattr(random_checkpoint, "FP8_KEEP", keep)

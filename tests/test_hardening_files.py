@@ -28,6 +28,7 @@ from shardspec import security
 from shardspec.cli import BUNDLED_MODEL, UsageError, _engine_config, build_parser
 from shardspec.layers.parallel import TPGroup
 from shardspec.models import loader
+from shardspec.models.checkpoint import checkpoint_files
 from shardspec.models.config import ConfigError, read_config
 from shardspec.orchestrator import workers
 from shardspec.orchestrator.engine import EngineError
@@ -91,7 +92,7 @@ def test_a_model_file_linked_to_dev_zero_is_refused_without_reading_it(tiny_mode
     (folder / name).unlink()
     (folder / name).symlink_to("/dev/zero")
     read = {"config.json": read_config, "tokenizer_config.json": Tokenizer.from_folder,
-            "tokenizer.json": Tokenizer.from_folder, "model.safetensors": loader.checkpoint_files}[name]
+            "tokenizer.json": Tokenizer.from_folder, "model.safetensors": checkpoint_files}[name]
     with pytest.raises(ConfigError, match=f"{name}: it is a device, not a regular file"):
         read(folder)
 
@@ -125,7 +126,7 @@ def test_a_safetensors_header_claiming_more_bytes_than_the_file_holds_is_refused
                                                        "data_offsets": [0, 4]}}).encode()
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
     with pytest.raises(ConfigError, match="shape, dtype and data offsets must agree"):
-        loader.checkpoint_files(tmp_path)
+        checkpoint_files(tmp_path)
 
 
 @pytest.mark.parametrize("shard", ["../outside.safetensors", "/dev/zero"])
@@ -133,7 +134,7 @@ def test_a_checkpoint_index_cannot_name_a_file_outside_the_model_folder(tmp_path
     index = {"weight_map": {"model.embed_tokens.weight": shard}}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ConfigError, match="inside the model folder"):
-        loader.checkpoint_files(tmp_path)
+        checkpoint_files(tmp_path)
 
 
 # --- the step watchdog -------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from shardspec.layers.batch import Batch
 from shardspec.layers.norm import GatedRMSNorm, RMSNorm
 from shardspec.layers.parallel import TPGroup
 from shardspec.models.qwen3_5 import Qwen3_5Config, Qwen3_5Model, mixer
-from shardspec.models.random_checkpoint import tiny_config
+from shardspec.testing.random_checkpoint import tiny_config
 
 DEVICE = torch.device("cuda" if GPU else "cpu")
 # bf16 through the interpreter (which emulates it op by op) takes most of this file's time on a CPU:
@@ -161,7 +161,7 @@ def test_the_convolution_over_several_token_blocks_matches_the_reference(dtype, 
 
 
 def test_the_delta_rule_gives_the_same_result_at_every_tile_shape():
-    """bench/kernels.py times other (block_v, warps) tiles: each must compute the same thing."""
+    """bench/gdn_tiles.py times other (block_v, warps) tiles: each must compute the same thing."""
     inputs = gdn_inputs(torch.float32, 4)
     mixed = reference_gdn.causal_conv(inputs["x"], None, inputs["conv_weight"], inputs["slots"]).contiguous()
     results = []

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
 from shardspec.layers.parallel import TPGroup
+from shardspec.models import checkpoint as checkpoint_module
+from shardspec.models.checkpoint import Checkpoint
 from shardspec.models.config import ConfigError
 from shardspec.models.loader import load_model
-from shardspec.models.random_checkpoint import random_state_dict, tiny_config, write_checkpoint
+from shardspec.testing.random_checkpoint import (
+    random_state_dict,
+    tiny_config,
+    write_checkpoint,
+    write_random_checkpoint,
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,3 +63,25 @@ def test_a_tensor_of_another_shape_than_the_config_implies_is_refused_on_every_r
     for rank in (0, 1):  # rank 0's rows of a row-sharded tensor end before its last row
         with pytest.raises(ConfigError, match=name):
             load_model(tmp_path, TPGroup(rank, 2), torch.float32, torch.device("cpu"), with_mtp=False)
+
+
+def test_a_stage_is_assigned_and_loaded_from_one_reading_of_config_json_and_of_each_header(tmp_path: Path,
+                                                                                           monkeypatch):
+    write_random_checkpoint(tmp_path, tiny_config(), seed=3, shards=2)
+    reads = Counter()
+
+    def counted(read):
+        def counting(path):
+            reads[Path(path).name] += 1
+            return read(path)
+        return counting
+
+    monkeypatch.setattr(checkpoint_module, "read_config", counted(checkpoint_module.read_config))
+    monkeypatch.setattr(checkpoint_module, "read_entries", counted(checkpoint_module.read_entries))
+    checkpoint = Checkpoint.open(tmp_path)
+    stage = checkpoint.stage(1, 2)
+    assert checkpoint.has_mtp and checkpoint.dtype == torch.float32
+    model = load_model(checkpoint, TPGroup(), checkpoint.dtype, torch.device("cpu"), stage=stage)
+    assert model.has_mtp and list(model.layers) == ["2", "3"]
+    shards = {file.name for file in checkpoint.files.values()}
+    assert len(shards) == 2 and reads == Counter({tmp_path.name: 1} | dict.fromkeys(shards, 1))

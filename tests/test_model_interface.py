@@ -16,9 +16,10 @@ from shardspec.layers.batch import Batch
 from shardspec.layers.parallel import TPGroup
 from shardspec.models import registry
 from shardspec.models.base import Stage, split_layers
+from shardspec.models.checkpoint import checkpoint_files
 from shardspec.models.config import ConfigError
-from shardspec.models.loader import checkpoint_files, checkpoint_keys, load_model
-from shardspec.models.random_checkpoint import tiny_config, write_random_checkpoint
+from shardspec.models.loader import checkpoint_keys, load_model
+from shardspec.testing.random_checkpoint import tiny_config, write_random_checkpoint
 
 CPU = torch.device("cpu")
 

@@ -23,7 +23,8 @@ from shardspec.models.base import split_config
 from shardspec.models.config import ConfigError
 from shardspec.models.loader import load_model
 from shardspec.models.qwen3_5 import Qwen3_5MoeConfig
-from shardspec.models.random_checkpoint import (
+from shardspec.orchestrator.config import EngineConfig
+from shardspec.testing.random_checkpoint import (
     parameter_shapes,
     random_state_dict,
     thirty_five_b_a3b_config,
@@ -31,7 +32,6 @@ from shardspec.models.random_checkpoint import (
     write_checkpoint,
     write_random_checkpoint,
 )
-from shardspec.orchestrator.config import EngineConfig
 
 
 @pytest.fixture(scope="session")

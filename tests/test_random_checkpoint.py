@@ -13,8 +13,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import Qwen3_5TextConfig
 
-from shardspec.models import random_checkpoint as rc
-from shardspec.models.random_checkpoint import (
+from shardspec.testing import random_checkpoint as rc
+from shardspec.testing.random_checkpoint import (
     layout_name,
     nine_b_config,
     parameter_shapes,

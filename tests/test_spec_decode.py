@@ -260,7 +260,7 @@ def test_pipelined_and_unpipelined_loops_give_the_same_output(small_vocab_model)
 
 
 def test_asking_for_mtp_on_a_checkpoint_without_it_is_a_clear_error(tmp_path):
-    from shardspec.models.random_checkpoint import tiny_config, write_random_checkpoint
+    from shardspec.testing.random_checkpoint import tiny_config, write_random_checkpoint
 
     write_random_checkpoint(tmp_path, tiny_config(), seed=2, mtp=False)
 

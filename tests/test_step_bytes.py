@@ -1,4 +1,4 @@
-"""The decode floor's byte count (shardspec.models.step_bytes) on the tiny config, against sums
+"""The decode floor's byte count (shardspec.testing.step_bytes) on the tiny config, against sums
 written out by hand from its numbers: vocab 512, hidden 64, intermediate 128, layers 3 Gated DeltaNet
 + 1 attention; attention 8 heads of 16, 4 KV heads; GDN 4 key heads and 8 value heads of 16, conv 4."""
 
@@ -12,8 +12,8 @@ from shardspec.layers.parallel import TPGroup
 from shardspec.models.base import split_config
 from shardspec.models.loader import load_model
 from shardspec.models.qwen3_5 import Qwen3_5Config, Qwen3_5MoeConfig
-from shardspec.models.random_checkpoint import parameter_shapes, tiny_config, tiny_moe_config, write_random_checkpoint
-from shardspec.models.step_bytes import step_bytes
+from shardspec.testing.random_checkpoint import parameter_shapes, tiny_config, tiny_moe_config, write_random_checkpoint
+from shardspec.testing.step_bytes import step_bytes
 
 CONFIG = Qwen3_5Config.from_dict(tiny_config())
 MLP = 3 * 128 * 64 + 2 * 64  # gate, up, down; the two layer norms

@@ -9,8 +9,6 @@ from pathlib import Path
 
 import torch
 
-from shardspec.models.config import ConfigError, read_json
-
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 _ADDRESS = re.compile(r"^(tcp://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):\d{1,5}|ipc://.+)$")
 
@@ -39,23 +37,13 @@ def check_address(address: str) -> str:
     return address
 
 
-def resolve_dtype(name: str, model_dir: str | Path, device: torch.device) -> torch.dtype:
-    """'auto' is the checkpoint's dtype on CPU and bfloat16 on a GPU."""
+def resolve_dtype(name: str, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """'auto' is the checkpoint's dtype (models.checkpoint.Checkpoint.dtype) on CPU and bfloat16 on a GPU."""
     if name not in DTYPE_CHOICES:
         raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {name!r}")
     if name != "auto":
         return getattr(torch, name)
-    if device.type == "cuda":
-        return torch.bfloat16
-    try:
-        raw = read_json(Path(model_dir) / "config.json")  # a bounded regular file: never blocks
-    except ConfigError:
-        return torch.float32  # loading it reports what is wrong
-    text = raw.get("text_config") or raw if isinstance(raw, dict) else None
-    if not isinstance(text, dict):
-        return torch.float32
-    found = text.get("dtype") or text.get("torch_dtype") or raw.get("torch_dtype") or "float32"
-    return getattr(torch, found) if found in DTYPE_CHOICES else torch.float32
+    return torch.bfloat16 if device.type == "cuda" else checkpoint_dtype
 
 
 def memory_stats() -> dict[str, int]:

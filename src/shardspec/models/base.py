@@ -22,7 +22,8 @@ from shardspec.models.config import ConfigError
 
 
 class ModelConfig(Protocol):
-    """What every family's config provides (each family adds its own fields)."""
+    """What every family's config provides (each family adds its own fields). Optional:
+    `tp_splits(tp)`, from which the FP8 checks run without building a model (models.fp8.split_problem)."""
 
     vocab_size: int
     num_hidden_layers: int

@@ -30,6 +30,7 @@ SUPPORTED = ("supported: fine-grained FP8 (quant_method 'fp8', fmt 'e4m3', weigh
              "activation_scheme 'dynamic', float scales)")
 FP8_DTYPE = "F8_E4M3"  # the safetensors dtype of a quantised weight
 SCALE_DTYPES = ("F32", "BF16", "F16")
+MAX_FP8_TP = 64  # the largest TP degree a refusal considers when it names the degrees that work
 
 Read = tuple[str, Any, list[int]]  # loader.Read: a checkpoint tensor, this rank's slice of it, its full shape
 
@@ -101,6 +102,37 @@ def quantized_keys(entries: dict[str, tuple[list[int], str]], fmt: Fp8Format | N
             raise ConfigError(f"{scale_key(key)!r} is {scale[1]} {scale[0]}; a weight of shape {shape} needs "
                               f"float scales of shape {expected} (one per {BLOCK} × {BLOCK} block)")
     return quantized
+
+
+def split_problem(config: Any, tp: int, quantized: set[str]) -> str | None:
+    """Why `tp` ranks would cut through the blocks of a weight in `quantized`, from the config's
+    `tp_splits` (a family without it: None, and the loader finds out when it converts), or None."""
+    splits = getattr(config, "tp_splits", None)
+    for name, segments in (splits(tp) if splits else {}).items():
+        key = min((key for key in quantized if key.endswith(f".{name}.weight")), default=None)
+        if key is None:
+            continue
+        for whole, part in segments:
+            if part != whole and part % BLOCK:
+                return (f"tensor-parallel degree {tp} splits the {BLOCK} × {BLOCK} FP8 blocks of {key!r} (a rank "
+                        f"holds {part} of its {whole} rows or columns along the split)")
+    return None
+
+
+def whole_block_degrees(config: Any, quantized: set[str]) -> list[int] | None:
+    """The TP degrees (up to MAX_FP8_TP) that split the model and keep every FP8 weight's blocks
+    whole; None for a family whose config has no `tp_splits`."""
+    if getattr(config, "tp_splits", None) is None:
+        return None
+    degrees = []
+    for tp in range(1, MAX_FP8_TP + 1):
+        try:
+            config.check_tp(tp)
+        except ConfigError:
+            continue
+        if split_problem(config, tp, quantized) is None:
+            degrees.append(tp)
+    return degrees
 
 
 def dequantize_slice(w8: torch.Tensor, scale: torch.Tensor, spec: tuple | None, shape: list[int],

@@ -3,13 +3,9 @@ slices of the tensors the stage holds."""
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import struct
 from collections.abc import Callable
 from contextlib import ExitStack
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,96 +14,16 @@ from safetensors import safe_open
 from shardspec import kernels
 from shardspec.layers.fp8 import FP8, prepare_kernels
 from shardspec.layers.parallel import TPGroup
-from shardspec.models import fp8, registry
-from shardspec.models.base import CausalLM, Stage, split_config, split_layers
-from shardspec.models.config import MAX_CONFIG_BYTES, ConfigError, check_regular, open_regular, read_config, read_json
+from shardspec.models import fp8
+from shardspec.models.base import CausalLM, Stage, split_config
+from shardspec.models.checkpoint import Checkpoint, fp8_degrees_note
+from shardspec.models.config import ConfigError, check_regular
 
 Progress = Callable[[int, int], None]
-MAX_FP8_TP = 64  # the largest TP degree an FP8 refusal considers when it names the degrees that work
-MAX_HEADER_BYTES = 100 * 2**20  # a safetensors header (the safetensors library's own limit)
-DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
-               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-
-
-def checkpoint_files(folder: Path) -> dict[str, Path]:
-    """Map every tensor name of the checkpoint to the file that holds it."""
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        contents = read_json(index, MAX_CONFIG_BYTES)
-        weight_map = contents.get("weight_map") if isinstance(contents, dict) else None
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise ConfigError(f"{index} must hold a weight_map of tensor names to file names")
-        return {name: _shard_file(folder, file) for name, file in weight_map.items()}
-    single = folder / "model.safetensors"
-    if not single.exists():
-        raise ConfigError(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
-    return dict.fromkeys(read_header(single), single)
-
-
-def read_header(file: Path) -> dict[str, list[int]]:
-    """Every tensor's shape in a safetensors file (read_entries)."""
-    return {name: shape for name, (shape, _) in read_entries(file).items()}
-
-
-def read_entries(file: Path) -> dict[str, tuple[list[int], str]]:
-    """Every tensor's (shape, dtype) in a safetensors file, from its header, read only if the file
-    is a regular one whose header is bounded and whose tensors' bytes are all in the file."""
-    with open_regular(file) as f:
-        size = os.fstat(f.fileno()).st_size
-        length_bytes = f.read(8)
-        if len(length_bytes) < 8:
-            raise ConfigError(f"{file} is not a safetensors file (shorter than its header length)")
-        (length,) = struct.unpack("<Q", length_bytes)
-        if length > min(MAX_HEADER_BYTES, size - 8):
-            raise ConfigError(f"{file}: a safetensors header of {length} bytes in a file of {size} bytes")
-        raw = f.read(length)
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{file}: unreadable safetensors header ({exc})") from None
-    if not isinstance(header, dict):
-        raise ConfigError(f"{file}: the safetensors header is not a JSON object")
-    header.pop("__metadata__", None)
-    entries = {name: (_entry_shape(file, name, entry), entry["dtype"]) for name, entry in header.items()}
-    end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
-    if 8 + length + end > size:
-        raise ConfigError(f"{file} is {size} bytes, its header says its tensors need {8 + length + end}: truncated?")
-    return entries
-
-
-def _entry_shape(file: Path, name: str, entry: object) -> list[int]:
-    """A header entry's shape, once its data offsets are seen to hold exactly that many bytes."""
-    if isinstance(entry, dict):
-        shape, dtype, offsets = entry.get("shape"), entry.get("dtype"), entry.get("data_offsets")
-        if (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape) and dtype in DTYPE_BYTES
-                and isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int for n in offsets)
-                and offsets[0] >= 0 and offsets[1] - offsets[0] == math.prod(shape) * DTYPE_BYTES[dtype]):
-            return shape
-    raise ConfigError(f"{file}: tensor {name!r} has a malformed safetensors header entry (its shape, dtype and "
-                      "data offsets must agree)")
-
-
-def _shard_file(folder: Path, name: str) -> Path:
-    """A file named by the index: a plain name inside the folder, never a path out of it."""
-    parts = PurePosixPath(name).parts
-    if not parts or PurePosixPath(name).is_absolute() or ".." in parts:
-        raise ConfigError(f"the checkpoint index names {name!r}; shard files must be inside the model folder")
-    return folder / name
-
-
-def has_mtp(folder: str | Path) -> bool:
-    family, _ = registry.read(folder)
-    return family.has_mtp(checkpoint_files(Path(folder)))
-
-
-def stage_of(folder: str | Path, index: int, stages: int, layer_split: list[int] | None = None) -> Stage:
-    """Stage `index` of `stages` of the model in `folder` (layer_split: layers per stage, or even)."""
-    _, config = registry.read(folder)
-    return split_layers(config.num_hidden_layers, stages, layer_split)[index]
 
 
 def load_model(
-    folder: str | Path,
+    checkpoint: Checkpoint | str | Path,
     tp: TPGroup,
     dtype: torch.dtype,
     device: torch.device,
@@ -117,28 +33,30 @@ def load_model(
     fp8_native: bool | None = None,
     expert_parallel: int = 1,
 ) -> CausalLM:
-    """This rank's shard of `stage` (default: the whole model), weights in `dtype` on `device`, its
-    experts (if any) split over `expert_parallel` groups of the ranks (layers.moe); peak host memory
-    ≈ the shard, not the model. The FP8 weights of an FP8 checkpoint stay FP8 where fp8_native
-    (default: on a GPU with FP8, compute capability 8.9 or later), else are dequantised."""
-    folder = Path(folder)
-    family, config = registry.read(folder)
+    """This rank's shard of `stage` (default: the whole model) of a checkpoint (or the folder that
+    holds one), weights in `dtype` on `device`, its experts (if any) split over `expert_parallel`
+    groups of the ranks (layers.moe); peak host memory ≈ the shard, not the model. The FP8 weights
+    of an FP8 checkpoint stay FP8 where fp8_native (default: on a GPU with FP8, compute capability
+    8.9 or later), else are dequantised."""
+    if not isinstance(checkpoint, Checkpoint):
+        checkpoint = Checkpoint.open(checkpoint)
+    family, config, files = checkpoint.family, checkpoint.config, checkpoint.files
     split_config(config, tp.size, expert_parallel)  # ConfigError naming the degrees that work
     stage = stage or Stage.whole(config.num_hidden_layers)
-    files = checkpoint_files(folder)
-    mtp_present = family.has_mtp(files)
-    if with_mtp and not mtp_present:
-        raise ConfigError(f"{folder} has no MTP weights ({family.draft_prefix or 'its family has no MTP'}*)")
-    mtp = mtp_present if with_mtp is None else with_mtp
+    if with_mtp and not checkpoint.has_mtp:
+        raise ConfigError(f"{checkpoint.folder} has no MTP weights "
+                          f"({family.draft_prefix or 'its family has no MTP'}*)")
+    mtp = checkpoint.has_mtp if with_mtp is None else with_mtp
     model, specs, plan = _plan(family, config, tp, stage, mtp, files, expert_parallel)
     experts = {name: param.experts for name, param in model.named_parameters() if hasattr(param, "experts")}
-    entries = _entries(plan, files)
-    quantized = fp8.quantized_keys(entries, fp8.read_format(read_config(folder)), folder)
+    read_keys = {key for reads, _ in plan.values() for key, _, _ in reads}
+    entries = checkpoint.entries(read_keys | {fp8.scale_key(key) for key in read_keys})
+    quantized = fp8.quantized_keys(entries, checkpoint.quantization, checkpoint.folder)
     model = model.to(dtype)
     if quantized and (fp8_native_default(device) if fp8_native is None else fp8_native):
-        plan = _keep_fp8(model, plan, quantized, tp.size, (family, config, stage, mtp, files))
+        plan = _keep_fp8(model, plan, quantized, tp.size, config)
     # before allocating: the checkpoint really holds every tensor the config implies
-    _check_shapes(plan, entries, files, folder)
+    _check_shapes(plan, entries, files, checkpoint.folder)
     model = model.to_empty(device=device)  # new parameter objects: give them their specs back
     for name, param in model.named_parameters():
         param.shard, param.parts = specs.get(name, (None, None))  # type: ignore[attr-defined]
@@ -195,23 +113,6 @@ def fp8_native_default(device: torch.device) -> bool:
     return device.type == "cuda" and kernels.HAVE_TRITON and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def check_quantization(folder: str | Path, tp_size: int, fp8_native: bool, expert_parallel: int = 1) -> None:
-    """The checks load_model makes of an FP8 checkpoint, for every rank, without reading a tensor:
-    a supported quantization, and (kept FP8) slices of whole blocks. ConfigError otherwise."""
-    folder = Path(folder)
-    family, config = registry.read(folder)
-    split_config(config, tp_size, expert_parallel)
-    files = checkpoint_files(folder)
-    stage, mtp = Stage.whole(config.num_hidden_layers), family.has_mtp(files)
-    fmt = fp8.read_format(read_config(folder))
-    for rank in range(tp_size if fp8_native else 1):
-        model, _, plan = _plan(family, config, TPGroup(rank, tp_size), stage, mtp, files, expert_parallel)
-        quantized = fp8.quantized_keys(_entries(plan, files), fmt, folder)
-        if not quantized or not fp8_native:
-            return
-        _keep_fp8(model, plan, quantized, tp_size, (family, config, stage, mtp, files))
-
-
 def _plan(family, config, tp: TPGroup, stage: Stage, mtp: bool, files: dict[str, Path], ep: int = 1):
     """A rank's model (its experts over ep groups of the ranks) on the meta device, its parameters'
     slice specs, and where each is read from."""
@@ -223,43 +124,12 @@ def _plan(family, config, tp: TPGroup, stage: Stage, mtp: bool, files: dict[str,
     return model, specs, _reads(model, whole, specs, files)
 
 
-def _keep_fp8(model: CausalLM, plan: dict, quantized: set[str], tp_size: int, build: tuple) -> dict:
+def _keep_fp8(model: CausalLM, plan: dict, quantized: set[str], tp_size: int, config: Any) -> dict:
     """fp8.convert, naming the TP degrees that keep whole blocks where this one does not."""
     try:
         return fp8.convert(model, plan, quantized, tp_size)
     except fp8.BlockSplitError as exc:
-        raise ConfigError(f"{exc}; on a GPU, where FP8 weights stay FP8, the TP degrees that keep whole blocks are "
-                          f"{_whole_block_degrees(quantized, *build)} (on a CPU any degree works: it dequantises "
-                          "at load)") from None
-
-
-def _whole_block_degrees(quantized: set[str], family, config, stage: Stage, mtp: bool, files) -> list[int]:
-    degrees = []
-    for size in range(1, MAX_FP8_TP + 1):
-        try:
-            config.check_tp(size)
-            for rank in range(size):
-                model, _, plan = _plan(family, config, TPGroup(rank, size), stage, mtp, files)
-                fp8.convert(model, plan, quantized, size)
-        except ConfigError:
-            continue
-        degrees.append(size)
-    return degrees
-
-
-def _entries(plan: dict, files: dict[str, Path]) -> dict[str, tuple[list[int], str]]:
-    """(shape, dtype) from the safetensors headers of every tensor the plan reads, and of their
-    FP8 scales; a tensor the checkpoint lacks is left out (_check_shapes names it)."""
-    keys = {key for reads, _ in plan.values() for key, _, _ in reads}
-    keys |= {fp8.scale_key(key) for key in keys}
-    headers: dict[Path, dict] = {}
-    entries = {}
-    for key in sorted(keys & files.keys()):
-        if files[key] not in headers:
-            headers[files[key]] = read_entries(files[key])
-        if key in headers[files[key]]:
-            entries[key] = headers[files[key]][key]
-    return entries
+        raise ConfigError(f"{exc}; {fp8_degrees_note(config, quantized)}") from None
 
 
 # a checkpoint tensor, this rank's slice of it ((dim, ranges), or a tuple of them), its full shape

@@ -5,7 +5,6 @@ their configs, read from a Hugging Face config.json; their registry entries."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,10 +20,11 @@ from shardspec.layers.moe import SparseMoE
 from shardspec.layers.norm import RMSNorm
 from shardspec.layers.parallel import TPGroup
 from shardspec.models.base import CausalLM, Stage
-from shardspec.models.config import ConfigError, read_config, text_config
+from shardspec.models.config import ConfigError, text_config
 from shardspec.models.registry import Family, register
 
 LAYER_TYPES = ("linear_attention", "full_attention")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # a dense MLP's and the shared expert's, split by tp
 
 
 @dataclass(slots=True)
@@ -87,6 +87,26 @@ class HybridConfig:
         if kv % tp and tp % kv:  # tp > kv works by replicating each KV head tp/kv times
             raise ConfigError(f"tensor-parallel degree {tp} and num_key_value_heads={kv} must divide one another")
 
+    def tp_splits(self, tp: int) -> dict[str, list[tuple[int, int]]]:
+        """Per projection that tp ranks split (its checkpoint name within a layer), each segment's
+        (whole, one rank's) width along the split, as layers.attention and layers.gdn cut them: the
+        FP8 checks read it (models.fp8.split_problem). A subclass adds its MLP's."""
+        heads, kv, dim = self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        nk, nv, dk, dv = (self.linear_num_key_heads, self.linear_num_value_heads, self.linear_key_head_dim,
+                          self.linear_value_head_dim)
+        kv_rows = (kv * dim, kv // tp * dim if kv >= tp else dim)  # more ranks than KV heads: one head each
+        return {
+            "self_attn.q_proj": [(2 * heads * dim, 2 * heads // tp * dim)],  # [query | gate] per head
+            "self_attn.k_proj": [kv_rows],
+            "self_attn.v_proj": [kv_rows],
+            "self_attn.o_proj": [(heads * dim, heads // tp * dim)],
+            "linear_attn.in_proj_qkv": [(nk * dk, nk // tp * dk)] * 2 + [(nv * dv, nv // tp * dv)],
+            "linear_attn.in_proj_z": [(nv * dv, nv // tp * dv)],
+            "linear_attn.in_proj_b": [(nv, nv // tp)],
+            "linear_attn.in_proj_a": [(nv, nv // tp)],
+            "linear_attn.out_proj": [(nv * dv, nv // tp * dv)],
+        }
+
     @staticmethod
     def mlp_fields(text: dict[str, Any]) -> dict[str, Any]:
         """The subclass's MLP fields from config.json's text part (KeyError for a missing one)."""
@@ -133,10 +153,6 @@ class HybridConfig:
         except KeyError as exc:
             raise ConfigError(f"config.json lacks required field {exc.args[0]!r}") from None
 
-    @classmethod
-    def from_folder(cls, path: str | Path) -> Any:
-        return cls.from_dict(read_config(path))
-
 
 @dataclass(slots=True, kw_only=True)
 class Qwen3_5Config(HybridConfig):
@@ -148,6 +164,10 @@ class Qwen3_5Config(HybridConfig):
         HybridConfig.check_tp(self, tp)
         if self.intermediate_size % tp:
             raise ConfigError(f"tensor-parallel degree {tp} does not divide intermediate_size={self.intermediate_size}")
+
+    def tp_splits(self, tp: int) -> dict[str, list[tuple[int, int]]]:
+        rows = [(self.intermediate_size, self.intermediate_size // tp)]
+        return HybridConfig.tp_splits(self, tp) | {f"mlp.{name}": rows for name in MLP_PROJECTIONS}
 
     @staticmethod
     def mlp_fields(text: dict[str, Any]) -> dict[str, Any]:
@@ -187,6 +207,12 @@ class Qwen3_5MoeConfig(HybridConfig):
         works = [e for e in range(1, tp + 1) if self._split_problem(tp, e) is None]
         raise ConfigError(f"expert-parallel degree {ep} {problem}; at tensor-parallel degree {tp} these work: "
                           f"{_listed(works)}")
+
+    def tp_splits(self, tp: int) -> dict[str, list[tuple[int, int]]]:
+        """The shared expert's projections too; the routed experts are never kept FP8 (layers.moe)."""
+        size = self.shared_expert_intermediate_size
+        shared = {f"mlp.shared_expert.{name}": [(size, size // tp)] for name in MLP_PROJECTIONS}
+        return HybridConfig.tp_splits(self, tp) | shared
 
     def _split_problem(self, tp: int, ep: int) -> str | None:
         """Why tp ranks in ep expert groups cannot split the model, or None."""

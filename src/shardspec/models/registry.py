@@ -12,12 +12,11 @@ import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from shardspec.layers.parallel import TPGroup
 from shardspec.models.base import CausalLM, ModelConfig, Stage
-from shardspec.models.config import ConfigError, read_config, text_config
+from shardspec.models.config import ConfigError, text_config
 
 BUILTIN = ("shardspec.models.qwen3_5",)
 PLUGINS_ENV = "SHARDSPEC_MODEL_PLUGINS"
@@ -68,13 +67,6 @@ def resolve(raw: dict[str, Any]) -> Family:
     named = ", ".join([*map(repr, architectures), *(f"model_type {t!r}" for t in sorted(model_types, key=str))])
     raise ConfigError(f"unsupported model ({named or 'config.json names no architectures or model_type'}); "
                       f"supported: {supported()}")
-
-
-def read(folder: str | Path) -> tuple[Family, ModelConfig]:
-    """The family and parsed config of a checkpoint folder."""
-    raw = read_config(folder)
-    family = resolve(raw)
-    return family, family.parse_config(raw)
 
 
 def supported() -> str:

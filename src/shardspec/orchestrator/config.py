@@ -12,13 +12,16 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardspec import security
 from shardspec.protocol import transport
 from shardspec.protocol.messages import LOOKAHEAD_MODES, InitRequest, LoadRequest
 from shardspec.security import KeyPair
 from shardspec.utils import DTYPE_CHOICES, check_address
+
+if TYPE_CHECKING:
+    from shardspec.models.checkpoint import Checkpoint
 
 FORCED_ACCEPTANCE_ENV = "SHARDSPEC_BENCHMARK_FORCED_ACCEPTANCE"
 DEFAULT_DRAFT_TOKENS = 3
@@ -182,15 +185,18 @@ class EngineConfig:
     # --- checks that read files --------------------------------------------------------------------
 
     def check_model_folder(self) -> None:
-        """The folder is a model (spawned workers read it here) and has MTP weights if MTP is required."""
+        """The folder is a model (spawned workers read it here) and has MTP weights if MTP is required;
+        its config splits as asked. From the checkpoint's config and headers: no model is built."""
         model_dir = Path(self.model)
         if self.spawns_workers and not (model_dir / "config.json").is_file():
             raise ValueError(f"{self.model} is not a model folder (no config.json)")
-        if self.mtp and model_dir.is_dir() and not _has_mtp(model_dir):
+        if not (model_dir / "config.json").is_file():
+            return  # the workers' folder, on their hosts: they check it
+        checkpoint = _open_checkpoint(model_dir)
+        if self.mtp and not _has_mtp(checkpoint):
             raise ValueError(f"MTP asked for, but {self.model} has no MTP weights (mtp.*); use mtp=False / --no-mtp")
-        if (model_dir / "config.json").is_file():
-            _check_split(model_dir, self.pp, self.layer_split, self.tp_size, self.ep)
-            _check_quantization(model_dir, self.tp_size, self.ep, self.spawns_workers and self.device == "cuda")
+        _check_split(checkpoint, self.pp, self.layer_split, self.tp_size, self.ep)
+        _check_quantization(checkpoint, self.tp_size, self.spawns_workers and self.device == "cuda")
 
     def curve_links(self) -> list[tuple[KeyPair | None, bytes | None]]:
         """Per rank: (this side's key pair, that worker's public key); (None, None) without CURVE."""
@@ -301,39 +307,40 @@ def _seconds(name: str, value: Any, lo: float, hi: float) -> float:
     return float(value)
 
 
-def _check_split(model_dir: Path, pp: int, layer_split: list[int] | None, tp: int, ep: int) -> None:
-    """The model's layers can be split into the stages asked for, and each stage's layers over its
-    tp ranks with ep expert groups (where this machine can read its config)."""
-    from shardspec.models.base import split_config, split_layers
+def _open_checkpoint(model_dir: Path) -> Checkpoint:
+    from shardspec.models.checkpoint import Checkpoint
     from shardspec.models.config import ConfigError
-    from shardspec.models.registry import read
 
     try:
-        _, model = read(model_dir)
-        split_layers(model.num_hidden_layers, pp, layer_split)
-        split_config(model, tp, ep)
+        return Checkpoint.open(model_dir)
     except ConfigError as exc:
         raise ValueError(str(exc)) from None
 
 
-def _check_quantization(model_dir: Path, tp: int, ep: int, gpu: bool) -> None:
+def _check_split(checkpoint: Checkpoint, pp: int, layer_split: list[int] | None, tp: int, ep: int) -> None:
+    """The model's layers can be split into the stages asked for, and each stage's layers over its
+    tp ranks with ep expert groups."""
+    from shardspec.models.config import ConfigError
+
+    try:
+        checkpoint.check_split(pp, layer_split, tp, ep)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _check_quantization(checkpoint: Checkpoint, tp: int, gpu: bool) -> None:
     """A quantised checkpoint is one the workers run, split as asked (FP8 weights stay FP8 on a GPU,
     whose TP degree must keep their 128 × 128 blocks whole)."""
-    from shardspec.models.config import ConfigError, read_config
-    from shardspec.models.fp8 import read_format
-    from shardspec.models.loader import check_quantization
+    from shardspec.models.config import ConfigError
 
     try:
-        if read_format(read_config(model_dir)) is not None:
-            check_quantization(model_dir, tp, fp8_native=gpu, expert_parallel=ep)
+        checkpoint.check_quantization(tp, fp8_native=gpu)
     except ConfigError as exc:
         raise ValueError(str(exc)) from None
 
 
-def _has_mtp(model_dir: Path) -> bool:
-    from shardspec.models.loader import has_mtp  # safetensors headers only
-
+def _has_mtp(checkpoint: Checkpoint) -> bool:
     try:
-        return has_mtp(model_dir)
+        return checkpoint.has_mtp  # tensor names only
     except Exception:
         return True  # unreadable here: let the workers say what is wrong

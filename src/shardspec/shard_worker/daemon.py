@@ -385,12 +385,13 @@ class ShardWorker:
         """Load the model (or keep the one loaded, if it is the same) and build fresh caches."""
         if self.state == "idle":
             raise ProtocolError(ErrorCode.BAD_STATE, "worker is idle; load needs an initialized worker")
+        plan = self.held.plan(body, self.stage, self.stages)
         started = time.perf_counter()
         self._drop_runner()  # a load replaces every sequence and cache
         self.state = "initialized"
         free_memory(self.device)
-        model, dtype, mtp = self.held.load(body, self.tp, self.stage, self.stages)
-        draft_len = body.draft_tokens if mtp else 0
+        model = self.held.load(body, plan, self.tp)
+        draft_len = body.draft_tokens if plan.mtp else 0
         # with more ranks, each would decide alone when its next request is here: no launch ahead
         peek = self._peek_step if self.tp.size == 1 else None
         self.runner = make_runner(model, self.device, body, draft_len, self.links, peek)
@@ -404,11 +405,11 @@ class ShardWorker:
         reply = LoadReply(
             weight_bytes=weight_bytes,
             cache_bytes=self.runner.cache_bytes,
-            dtype=str(dtype).removeprefix("torch."),
+            dtype=str(plan.dtype).removeprefix("torch."),
             vocab_size=config.vocab_size,
             num_layers=config.num_hidden_layers,
             layers=[stage.start, stage.end],
-            has_mtp=mtp,
+            has_mtp=plan.mtp,
             draft_tokens=draft_len,
             max_seq_len=self.runner.max_seq_len,
             eos_token_ids=config.eos_token_ids,

@@ -8,14 +8,16 @@ import gc
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from shardspec.layers.parallel import TPGroup
 from shardspec.models.base import CausalLM, Stage
+from shardspec.models.checkpoint import Checkpoint
 from shardspec.models.config import ConfigError
-from shardspec.models.loader import has_mtp, load_model, stage_of
+from shardspec.models.loader import load_model
 from shardspec.protocol.errors import ErrorCode, ProtocolError
 from shardspec.protocol.messages import LoadRequest
 from shardspec.shard_worker.decoder import Decoder, Peek
@@ -26,6 +28,14 @@ from shardspec.utils import resolve_dtype
 
 log = logging.getLogger("shardspec.worker")
 PROGRESS_EVERY_S = 2.0  # how often a load logs its progress
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    checkpoint: Checkpoint
+    dtype: torch.dtype
+    stage: Stage
+    mtp: bool  # whether the model drafts with its MTP module
 
 
 class HeldModel:
@@ -41,32 +51,41 @@ class HeldModel:
     def weight_bytes(self) -> int:
         return 0 if self.model is None else sum(p.nbytes for p in self.model.parameters())
 
-    def load(self, body: LoadRequest, tp: TPGroup, stage_index: int, stages: int) -> tuple[CausalLM, torch.dtype, bool]:
-        """The model a load request asks for: (model, dtype, whether it drafts with MTP)."""
+    def plan(self, body: LoadRequest, stage_index: int, stages: int) -> LoadPlan:
+        """What a load request asks this rank for, read from the checkpoint's config before anything
+        loaded is let go (a bad folder leaves the worker as it was)."""
         try:
-            dtype = resolve_dtype(body.dtype, body.model, self.device)
+            checkpoint = Checkpoint.open(body.model)
+        except (ConfigError, OSError) as exc:
+            raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
+        try:
+            dtype = resolve_dtype(body.dtype, checkpoint.dtype, self.device)
         except ValueError as exc:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc)) from None
         try:
-            stage = stage_of(body.model, stage_index, stages, body.layer_split)
-            mtp = body.mtp == "on" or (body.mtp == "auto" and has_mtp(body.model))
+            stage = checkpoint.stage(stage_index, stages, body.layer_split)
+            mtp = body.mtp == "on" or (body.mtp == "auto" and checkpoint.has_mtp)
         except (ConfigError, OSError) as exc:
             raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
-        key = (body.model, dtype, stage, body.expert_parallel)
-        if self.model is not None and self.key == key and (self.mtp or not mtp):
+        return LoadPlan(checkpoint, dtype, stage, mtp)
+
+    def load(self, body: LoadRequest, plan: LoadPlan, tp: TPGroup) -> CausalLM:
+        """The model of `plan`: the one held if it has the same weights, else read."""
+        key = (body.model, plan.dtype, plan.stage, body.expert_parallel)
+        if self.model is not None and self.key == key and (self.mtp or not plan.mtp):
             log.info("keeping the loaded weights of %s; new caches", body.model)
         else:
             self.drop()
-            self.model = self._read(body, tp, dtype, stage, mtp)
-            self.key, self.mtp = key, mtp
-        return self.model, dtype, mtp
+            self.model = self._read(body, plan, tp)
+            self.key, self.mtp = key, plan.mtp
+        return self.model
 
     def drop(self) -> None:
         self.model = self.key = None
         free_memory(self.device)
 
-    def _read(self, body: LoadRequest, tp: TPGroup, dtype: torch.dtype, stage: Stage, mtp: bool) -> CausalLM:
-        log.info("loading %s as %s (rank %d of %d)", body.model, dtype, tp.rank, tp.size)
+    def _read(self, body: LoadRequest, plan: LoadPlan, tp: TPGroup) -> CausalLM:
+        log.info("loading %s as %s (rank %d of %d)", body.model, plan.dtype, tp.rank, tp.size)
         last_report = [0.0]
 
         def progress(done: int, total: int) -> None:
@@ -75,8 +94,8 @@ class HeldModel:
                 log.info("loaded %d/%d tensors", done, total)
 
         try:
-            return load_model(body.model, tp, dtype, self.device, with_mtp=mtp, progress=progress, stage=stage,
-                              expert_parallel=body.expert_parallel)
+            return load_model(plan.checkpoint, tp, plan.dtype, self.device, with_mtp=plan.mtp, progress=progress,
+                              stage=plan.stage, expert_parallel=body.expert_parallel)
         except (ConfigError, OSError) as exc:
             raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
 

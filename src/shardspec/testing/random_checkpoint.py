@@ -564,7 +564,7 @@ def _fp8_entries(entries: list[tuple[str, tuple[int, ...], torch.dtype]]) -> lis
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m shardspec.models.random_checkpoint DIR`: write a random-weight checkpoint."""
+    """`python -m shardspec.testing.random_checkpoint DIR`: write a random-weight checkpoint."""
     import argparse
 
     sizes = {"tiny": tiny_config, "9b": nine_b_config, "27b": twenty_seven_b_config, "tiny-moe": tiny_moe_config,

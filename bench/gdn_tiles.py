@@ -1,7 +1,7 @@
 """The gated delta rule kernel of a decode/verify step on one GPU, at several tile shapes, against
 its floor: the recurrent state's bytes ÷ the copy bandwidth measured in the same run.
 
-    python bench/kernels.py [--batch 1 8 32] [--out kernels.json]
+    python bench/gdn_tiles.py [--batch 1 8 32] [--out kernels.json]
 
 The 9B-class Gated DeltaNet shape (16 key heads, 32 value heads, head dims 128), per batch size:
 a decode step (1 token; reads and writes the state), a verify pass of 4 tokens (k = 3; reads it)
@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--out", type=Path, default=Path("kernels.json"))
     args = parser.parse_args()
-    device, bandwidth, out = start("kernels.py", ["batch", "pass", "block_v × warps"])
+    device, bandwidth, out = start("gdn_tiles.py", ["batch", "pass", "block_v × warps"])
     width = 2 * HK * D + HV * D
     for batch in args.batch:
         state = torch.randn(batch + 1, HV, D, D, device=device) * 0.01

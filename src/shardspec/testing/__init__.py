@@ -1,0 +1,2 @@
+"""Tools for the tests and the benchmarks, never imported at run time: random-weight checkpoints
+(random_checkpoint), the bytes a decode step moves (step_bytes), top-1 agreement (agreement)."""
