@@ -14,7 +14,7 @@ from conftest import pooled
 import shardspec
 from shardspec.layers.parallel import TPGroup
 from shardspec.models.loader import load_model
-from shardspec.protocol.messages import PrefillSpec, ReleaseRequest, SamplingParams, StepRequest
+from shardspec.protocol.messages import PrefillSpec, ReleaseRequest, SamplingParams, StepRequest, WorkerOptions
 from shardspec.shard_worker.runner import ModelRunner
 
 NO_PROMPT = torch.empty(0, dtype=torch.long)
@@ -89,8 +89,8 @@ def test_replies_with_passes_launched_ahead_equal_replies_without(small_vocab_mo
         finally:
             runner.close()
 
-    ahead, launched = replies("1")
-    plain, none = replies("0")
+    ahead, launched = replies("on")
+    plain, none = replies("off")
     assert ahead == plain
     assert none == 0 and launched > len(plain) // 2  # most steps came next, as the engine sends them
     assert {why for step in plain for why in step[4]} >= {"length"}
@@ -101,7 +101,7 @@ def test_no_pass_is_launched_past_the_caches(small_vocab_model):
     """A sequence running to max_seq_len: the step after each step is launched before the host knows
     how far that step took it, so near the end of the context nothing may be launched ahead."""
     model = load_model(small_vocab_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=True)
-    runner = ModelRunner(model, torch.device("cpu"), 1, 24, 512, 3, forced_acceptance=1.0, launch_ahead="1")
+    runner = ModelRunner(model, torch.device("cpu"), 1, 24, 512, 3, forced_acceptance=1.0, launch_ahead="on")
     spec = PrefillSpec(seq=0, length=2, sampling=SamplingParams(), max_tokens=1000)
     replies = drive(runner, {0: [(spec, [5, 7])]})
     assert sum(len(tokens[0]) for _, tokens, *_ in replies) == 24 - 2
@@ -133,12 +133,12 @@ def test_finished_sequences_left_in_the_steps_are_not_run_on(small_vocab_model):
         finally:
             runner.close()
 
-    ahead = replies("1")
-    assert ahead == replies("0")
+    ahead = replies("on")
+    assert ahead == replies("off")
     assert [why for _, _, _, _, finished in ahead for why in finished][-1] == "length"  # sequence 1 ran to the end
 
 
-def test_the_engine_launches_ahead_and_its_output_is_the_same(small_vocab_model, monkeypatch):
+def test_the_engine_launches_ahead_and_its_output_is_the_same(small_vocab_model):
     prompts = [[1, 2, 3], [7], [4, 4, 4, 4, 9], [11, 2]]
 
     async def run(**workers):
@@ -150,7 +150,6 @@ def test_the_engine_launches_ahead_and_its_output_is_the_same(small_vocab_model,
             return out, sum(s.launched_ahead for s in await engine.stats())
 
     plain, none = asyncio.run(run(workers=pooled(1)))  # on a CPU launch ahead is off by default
-    monkeypatch.setenv("SHARDSPEC_LAUNCH_AHEAD", "1")  # the spawned worker's setting
-    ahead, launched = asyncio.run(run(local=1))
+    ahead, launched = asyncio.run(run(workers=pooled(1), worker_options=WorkerOptions(launch_ahead="on")))
     assert ahead == plain and none == 0 and launched > 0
 

@@ -30,9 +30,8 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-from shardspec import __version__, security
-from shardspec.layers.moe import check_backend_setting
-from shardspec.layers.parallel import TPGroup, check_allreduce_setting, use_symmetric_memory
+from shardspec import __version__, kernels, security
+from shardspec.layers.parallel import TPGroup, use_symmetric_memory
 from shardspec.models.base import CausalLM, Stage
 from shardspec.models.config import ConfigError
 from shardspec.models.loader import has_mtp, load_model, stage_of
@@ -68,7 +67,7 @@ from shardspec.shard_worker.links import (
     bind_address,
 )
 from shardspec.shard_worker.profiling import StepProfiler, mark
-from shardspec.shard_worker.runner import ModelRunner, check_launch_ahead_setting
+from shardspec.shard_worker.runner import ModelRunner
 from shardspec.utils import memory_stats, parse_device, resolve_dtype
 
 log = logging.getLogger("shardspec.worker")
@@ -139,7 +138,7 @@ class ShardWorker:
         self.last_step_sent: float | None = None
         self.stopping = False
         self.gloo_ifname = os.environ.get("GLOO_SOCKET_IFNAME")  # the user's choice, if any
-        self.profiler = StepProfiler()  # SHARDSPEC_PROFILE_DIR: steps under PyTorch's profiler
+        self.profiler = StepProfiler()  # SHARDSPEC_PROFILE: steps under PyTorch's profiler
         self.handlers = {op: getattr(self, f"_{op}") for op in REQUESTS}  # an op's handler: _<op>
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -372,12 +371,7 @@ class ShardWorker:
             raise ProtocolError(ErrorCode.BAD_STATE, f"worker is {self.state}; send shutdown before init")
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         self._share_cores(body.host_ranks)
-        try:
-            check_allreduce_setting()
-            check_backend_setting()
-            check_launch_ahead_setting()
-        except ValueError as exc:
-            raise ProtocolError(ErrorCode.BAD_STATE, f"this worker's {exc}") from None
+        kernels.use(body.options)  # the whole process's, before the group's all-reduce choice and the model
         if body.tp_size > 1:  # stages of one rank each share no collective (nor could ranks on one GPU: NCCL)
             if not body.dist_addr.startswith("tcp://"):
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"dist_addr must be tcp://HOST:PORT, got {body.dist_addr!r}")
@@ -435,7 +429,7 @@ class ShardWorker:
             group = groups[body.stage]
         symmetric = use_symmetric_memory(self.device, tp, group)
         if symmetric:
-            log.info("small all-reduces go through symmetric memory (SHARDSPEC_ALLREDUCE=nccl: NCCL only)")
+            log.info("small all-reduces go through symmetric memory (--allreduce nccl: NCCL only)")
         return TPGroup(body.rank % tp, tp, group, symmetric=symmetric)
 
     def _open_links(self, body: InitRequest) -> StageLinks:
@@ -535,7 +529,8 @@ class ShardWorker:
         max_seq_len = min(body.max_seq_len, config.max_position_embeddings)
         self.runner = ModelRunner(model, self.device, body.max_slots, max_seq_len, body.prefill_chunk,
                                   draft_len, forced, links=self.links, deterministic=body.deterministic,
-                                  lookahead=body.lookahead)
+                                  lookahead=body.lookahead, draft_head=kernels.settings.draft_head,
+                                  launch_ahead=kernels.settings.launch_ahead)
         if self.tp.size == 1:  # (with more ranks, each would decide alone when its next request is here)
             self.runner.peek = self._peek_step
         self.state = "loaded"
@@ -642,6 +637,7 @@ class ShardWorker:
             lookaheads=runner.lookaheads if runner else 0,
             lookaheads_right=runner.lookaheads_right if runner else 0,
             launched_ahead=runner.launches_ahead if runner else 0,
+            options=kernels.settings,
         )
         return reply, None
 

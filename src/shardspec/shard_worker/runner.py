@@ -29,7 +29,6 @@ finish; their rows run on and are dropped (a finished sequence's caches are neve
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -40,7 +39,6 @@ import torch
 
 from shardspec import kernels
 from shardspec.layers.batch import Batch
-from shardspec.layers.embedding import DRAFT_HEADS
 from shardspec.layers.sampling import (
     accept_greedy,
     accept_sampled,
@@ -51,7 +49,7 @@ from shardspec.layers.sampling import (
 )
 from shardspec.models.base import CausalLM
 from shardspec.protocol.errors import ErrorCode, ProtocolError
-from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepReply, StepRequest
+from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepReply, StepRequest, WorkerOptions
 from shardspec.shard_worker.graphs import HostRows, StepPasses
 from shardspec.shard_worker.links import StageLinks
 from shardspec.shard_worker.logprobs import LogprobRows, prompt_rows, reply_tensors, token_rows
@@ -61,10 +59,6 @@ log = logging.getLogger("shardspec.worker")
 # on a stage before the last: graph copies per batch bucket, one per step whose record is still to
 # come (one per micro-batch in flight: pp of them by default); more at once run eagerly
 STAGE_COPIES = 4
-# how the MTP drafts read the LM head on CUDA: "fp8" (shardspec.kernels.head on an fp8 copy: no
-# logits, half the bytes; 316 vs 509 µs per 9B-class draft on an H200), "bf16" (the kernel on the
-# head itself) or "cublas" (logits, then argmax, as the target's own passes)
-DRAFT_HEAD = os.environ.get("SHARDSPEC_DRAFT_HEAD", "fp8")
 # batch-invariant mode: rows per matmul block (layers.linear.linear). On a GPU a decode step's matmuls
 # read the weights once up to this many rows anyway; on a CPU a block costs compute per row
 INVARIANT_BLOCK_ROWS = {"cuda": 64, "cpu": 16}
@@ -72,30 +66,21 @@ INVARIANT_BLOCK_ROWS = {"cuda": 64, "cpu": 16}
 # all k drafts (a guess can hold only then; over about the last KEPT_ALL_STEPS steps) is at least this
 KEPT_ALL_TO_GUESS = 0.5
 KEPT_ALL_STEPS = 16
-# launch ahead (see the module's docstring): "auto" on a GPU, "1" also on a CPU (where it only reorders
-# the work: tests), "0" never
-LAUNCH_AHEAD = os.environ.get("SHARDSPEC_LAUNCH_AHEAD", "auto")
-
-
-def check_launch_ahead_setting() -> None:
-    if LAUNCH_AHEAD not in ("auto", "0", "1"):
-        raise ValueError(f"SHARDSPEC_LAUNCH_AHEAD must be auto, 0 or 1, not {LAUNCH_AHEAD!r}")
 
 
 def invariant_block_rows(device: torch.device) -> int:
     return INVARIANT_BLOCK_ROWS.get(device.type, 16)
 
 
-def draft_head_mode(model: CausalLM, dtype: torch.dtype, device: torch.device) -> str:
-    """DRAFT_HEAD where it can run: the kernel needs CUDA, Triton and a bf16/fp16 model, and fp8
-    weights need compute capability 8.9 (Ada, Hopper) or later; bf16 before that."""
-    if DRAFT_HEAD not in DRAFT_HEADS:
-        raise ValueError(f"SHARDSPEC_DRAFT_HEAD must be one of {', '.join(DRAFT_HEADS)}, got {DRAFT_HEAD!r}")
+def draft_head_mode(requested: str, model: CausalLM, dtype: torch.dtype, device: torch.device) -> str:
+    """The draft head `requested` (WorkerOptions.draft_head) where it can run: the kernel needs CUDA,
+    Triton and a bf16/fp16 model, and fp8 weights need compute capability 8.9 (Ada, Hopper) or
+    later; bf16 before that."""
     if not kernels.enabled(model.lm_head.weight) or dtype not in (torch.bfloat16, torch.float16):
         return "cublas"
-    if DRAFT_HEAD == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
+    if requested == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
         return "bf16"
-    return DRAFT_HEAD
+    return requested
 
 
 @dataclass
@@ -231,7 +216,8 @@ class ModelRunner:
         links: StageLinks | None = None,
         deterministic: bool = False,
         lookahead: str = "off",
-        launch_ahead: str = LAUNCH_AHEAD,
+        draft_head: str = WorkerOptions.draft_head,
+        launch_ahead: str = WorkerOptions.launch_ahead,
     ):
         whole = model.stage.first and model.stage.last
         if not whole and links is None:
@@ -260,7 +246,8 @@ class ModelRunner:
         self.chain = 2 * draft_len + 1 if self.lookahead else draft_len  # drafts chained for a lone sequence
         # launch ahead: `peek(until)` (set by the worker where its TP group is one rank) returns the next
         # request as soon as it is queued, or None once until() is true (the current pass is done)
-        self.launch_ahead = whole and (launch_ahead == "1" or (launch_ahead == "auto" and graphed))
+        # ("on" also on a CPU, where it only reorders the work: tests)
+        self.launch_ahead = whole and (launch_ahead == "on" or (launch_ahead == "auto" and graphed))
         self.peek: Callable[[Callable[[], bool]], StepRequest | None] | None = None
         self.launched: Launched | None = None  # the pass queued for the next step
         self.launches_ahead = 0  # passes launched ahead (a count, for the tests)
@@ -294,7 +281,7 @@ class ModelRunner:
         try:  # out of memory, say: leave no caches, fp8 head or graphs behind on the (kept) model
             self.draft_head = "cublas"
             if draft_len and model.lm_head is not None:
-                self.draft_head = draft_head_mode(model, dtype, device)
+                self.draft_head = draft_head_mode(draft_head, model, dtype, device)
                 model.lm_head.use_draft_kernel(self.draft_head)
             self.cache_bytes = model.allocate_caches(max_slots + 1, self.context, dtype, device)
             started = time.perf_counter()
