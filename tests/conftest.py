@@ -38,7 +38,11 @@ def pytest_configure(config) -> None:
 
     flags = argparse.ArgumentParser(prog="pytest --worker-flags")
     add_flags(flags, WorkerOptions, "worker options", "")
-    kernels.use(from_flags(flags.parse_args(shlex.split(config.getoption("--worker-flags"))), WorkerOptions))
+    try:
+        args = flags.parse_args(shlex.split(config.getoption("--worker-flags")))
+    except SystemExit:  # argparse has printed what is wrong
+        raise pytest.UsageError("--worker-flags takes shardspec generate's worker option flags") from None
+    kernels.use(from_flags(args, WorkerOptions))
 
 
 @pytest.fixture(scope="session")
