@@ -4,13 +4,13 @@
 
 One process per GPU. For each shape (rows × hidden, bf16: the partial sums a row-parallel layer
 reduces) it captures `calls` back-to-back all-reduces in one graph and prints the microseconds per
-all-reduce, for NCCL and for the symmetric-memory one-shot kernel (SHARDSPEC_ALLREDUCE=symm), and
+all-reduce, for NCCL and for the symmetric-memory one-shot kernel (--allreduce symm), and
 the peer-to-peer copy bandwidth. A Qwen3.5 decode step makes 2 all-reduces per layer plus one for
 the vocabulary-parallel embedding, so this times the collectives' share of a TP step.
 
 Every all-reduce of a layer feeds the residual add and RMSNorm, so it also times what a step runs:
 NCCL then the add + norm kernel, the one-shot kernel then the add + norm, and the one kernel that
-does all three (kernels.norm.all_reduce_rms_norm, the SHARDSPEC_ALLREDUCE=symm path).
+does all three (kernels.norm.all_reduce_rms_norm, the --allreduce symm path).
 """
 
 from __future__ import annotations

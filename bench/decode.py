@@ -29,8 +29,9 @@ batch size: its bytes, encode + send + receive through ZeroMQ, and the copies of
 With --fp8 every row runs again, in the same run, on the checkpoint's block-wise FP8 twin (the same
 seed quantised: `random_checkpoint --fp8`), its rows tagged "weights": "fp8" and set against the
 FP8 floor (FP8 weights, their block scales and the 16-bit parts); --fp8-only runs the twin alone.
---fp8-decode w8a8 weight-only runs the twin's rows once per decode GEMV mode (SHARDSPEC_FP8_DECODE in
-the workers), rows tagged "fp8_decode".
+--fp8-decode w8a8 weight-only runs the twin's rows once per decode GEMV mode (the workers' option
+fp8_decode), rows tagged "fp8_decode". The workers' other options are the flags of `shardspec
+generate` (--allreduce, --no-fused-norm, --draft-head, --no-bf16-gemv, ...), sent to every worker.
 """
 
 from __future__ import annotations
@@ -52,11 +53,12 @@ import torch
 from gpu_timing import copy_bandwidth, sync
 
 import shardspec
-from shardspec.kernels import fp8 as fp8_kernels
 from shardspec.models.base import split_config
 from shardspec.models.checkpoint import Checkpoint
 from shardspec.models.qwen3_5 import HybridConfig, Qwen3_5MoeConfig
+from shardspec.option_flags import add_flags, from_flags
 from shardspec.orchestrator.config import FORCED_ACCEPTANCE_ENV
+from shardspec.protocol.messages import FP8_DECODE_MODES, WorkerOptions
 from shardspec.testing.random_checkpoint import (
     nine_b_config,
     thirty_five_b_a3b_config,
@@ -67,7 +69,6 @@ from shardspec.testing.random_checkpoint import (
 )
 from shardspec.testing.step_bytes import StepBytes, step_bytes
 
-DRAFT_HEAD = os.environ.get("SHARDSPEC_DRAFT_HEAD", "fp8")  # the workers' drafts LM head
 SIZES = {"tiny": tiny_config, "9b": nine_b_config, "27b": twenty_seven_b_config, "tiny-moe": tiny_moe_config,
          "35b-a3b": thirty_five_b_a3b_config}
 PROMPT_LEN = 128
@@ -111,7 +112,7 @@ class Bench:
         result = {"batch": batch, "tokens_per_s": tokens / decode_s, "step_ms": 1000 * decode_s / max(1, steps - 1),
                   "steps": steps, "idle_gap_ms": 1000 * (after.step_gap_total_s - before.step_gap_total_s)
                   / max(1, after.step_gaps - before.step_gaps),
-                  # the share of steps whose pass was queued behind the step before (runner.py: launch ahead)
+                  # the share of steps whose pass was queued behind the step before (decoder.py: launch ahead)
                   "launched_ahead": (after.launched_ahead - before.launched_ahead) / max(1, steps)}
         if len(every_after) > 1:  # per rank: waits on the stage links, and the share of the run outside steps
             result["link_wait_ms_per_step"] = [1000 * (a.link_wait_s - b.link_wait_s) / max(1, steps)
@@ -142,7 +143,7 @@ class Bench:
         share: one sequence's step runs them one after the other), at the run's mean context."""
         dtype_bytes = 4 if self.config.dtype == "float32" else 2
         return step_bytes(self.config, tp, batch, PROMPT_LEN + new_tokens // 2, k, dtype_bytes,
-                          DRAFT_HEAD if dtype_bytes == 2 else "cublas", fp8=self.fp8)
+                          self.engine.config.worker_options.draft_head if dtype_bytes == 2 else "cublas", fp8=self.fp8)
 
 
 def transformers_decode(model: str, batches: list[int], new_tokens: int, vocab: int, device: str) -> list[dict]:
@@ -215,7 +216,6 @@ async def run(args: argparse.Namespace, out: dict, save) -> None:
     if not args.fp8_only:
         await run_checkpoint(args, args.ckpt, "bf16", out, save)
     for mode in args.fp8_decode if args.fp8 else []:
-        os.environ["SHARDSPEC_FP8_DECODE"] = mode  # read by the workers this engine spawns
         await run_checkpoint(args, args.fp8_ckpt, "fp8", out, save, mode)
 
 
@@ -225,8 +225,9 @@ async def run_checkpoint(args: argparse.Namespace, ckpt: Path, weights: str, out
     config = split_config(Checkpoint.open(ckpt).config, args.tp, args.ep)  # the floor counts a rank's experts
     max_seq_len = max([PROMPT_LEN + args.new_tokens + 64, *(p + 8 for p in args.prefill)])
     stages = {"micro_batches": args.micro_batches} if args.micro_batches else {}
+    options = from_flags(args, WorkerOptions, fp8_decode=fp8_decode or WorkerOptions.fp8_decode)
     async with shardspec.connect(model=str(ckpt), local=args.tp * args.pp, pp=args.pp, tp=args.tp, ep=args.ep,
-                                 **stages,
+                                 **stages, worker_options=options,
                                  device=args.device, mtp=None, max_slots=max(args.batch), max_seq_len=max_seq_len,
                                  connect_timeout=600) as engine:  # a fresh VM loads a large checkpoint slowly
         bench = Bench(engine, config, out["bandwidth_GBps"] * 1e9, last_rank=(args.pp - 1) * args.tp,
@@ -263,8 +264,9 @@ async def run_checkpoint(args: argparse.Namespace, ckpt: Path, weights: str, out
                   f"{row['ttft_ms']:.1f} ms, of which the worker's step {row['worker_step_ms']:.1f})", flush=True)
 
 
-def setup() -> dict:
-    """What produced the figures: the code's commit, the library versions, the all-reduce."""
+def setup(args: argparse.Namespace) -> dict:
+    """What produced the figures: the code's commit, the library versions, the workers' options (the
+    FP8 decode mode: per row)."""
     from importlib.metadata import PackageNotFoundError, version
 
     def installed(name: str) -> str | None:
@@ -280,12 +282,7 @@ def setup() -> dict:
         commit = None
     return {"commit": commit, "torch": torch.__version__, "triton": installed("triton"),
             "fla-core": installed("fla-core"), "transformers": installed("transformers"),
-            "allreduce": os.environ.get("SHARDSPEC_ALLREDUCE", "auto"),
-            "fused_norm": os.environ.get("SHARDSPEC_FUSED_NORM", "1") != "0",  # with symm: all-reduce + norm
-            "draft_head_requested": DRAFT_HEAD,  # the worker logs the one it could use
-            "kernels": os.environ.get("SHARDSPEC_KERNELS", "1") != "0",
-            "bf16_gemv": os.environ.get("SHARDSPEC_GEMV", "1") != "0",  # kernels.gemv (off: cuBLAS)
-            "launch_ahead": os.environ.get("SHARDSPEC_LAUNCH_AHEAD", "auto")}
+            "worker_options": asdict(from_flags(args, WorkerOptions, fp8_decode=WorkerOptions.fp8_decode))}
 
 
 def main() -> None:
@@ -313,9 +310,11 @@ def main() -> None:
     parser.add_argument("--fp8-ckpt", type=Path, default=None,
                         help="the FP8 twin (default: CKPT-fp8; written if missing)")
     parser.add_argument("--fp8-only", action="store_true", help="with --fp8: the FP8 twin's rows alone")
-    parser.add_argument("--fp8-decode", nargs="+", choices=["w8a8", "weight-only"], default=[fp8_kernels.DECODE],
+    parser.add_argument("--fp8-decode", nargs="+", choices=FP8_DECODE_MODES, default=[WorkerOptions.fp8_decode],
                         help="with --fp8: the twin's rows once per decode GEMV mode: activations rounded to e4m3 "
-                             "(w8a8) or kept bf16 (weight-only) (default: SHARDSPEC_FP8_DECODE, else weight-only)")
+                             f"(w8a8) or kept bf16 (weight-only) (default: {WorkerOptions.fp8_decode})")
+    add_flags(parser, WorkerOptions, "worker options", "sent to every worker, as shardspec generate's",
+              skip=("fp8_decode",))
     parser.add_argument("--out", type=Path, default=Path("decode-results.json"))
     args = parser.parse_args()
     args.fp8 = args.fp8 or args.fp8_only
@@ -333,7 +332,7 @@ def main() -> None:
     out: dict = {"size": args.size, "tp": args.tp, "ep": args.ep, "pp": args.pp, "zero_experts": args.zero_experts,
                  "micro_batches": args.micro_batches,
                  "device": torch.cuda.get_device_name() if
-                 torch.cuda.is_available() else "cpu", "setup": setup()}
+                 torch.cuda.is_available() else "cpu", "setup": setup(args)}
 
     def save() -> None:
         args.out.write_text(json.dumps(out, indent=1))

@@ -14,7 +14,7 @@
 #           the drafts' LM head (bench/lm_head.py), the delta rule's tiles (bench/gdn_tiles.py), and batch 1/8
 #           MTP with the cuBLAS draft head (the peer)
 #   9b-tp2  9B-class, TP = 2, batch 1/8/32, MTP off and k = 3 at 0.8: the symmetric-memory all-reduce
-#           fused with the norm, the same unfused (SHARDSPEC_FUSED_NORM=0, the peer), NCCL; and TP = 1
+#           fused with the norm, the same unfused (--no-fused-norm, the peer), NCCL; and TP = 1
 #           in the same call, the reference of the ratios
 #   tp2-profile  the all-reduce latency table (with the add + norm paths), the in-process 9B step at
 #           TP = 1 and at TP = 2 fused and unfused (with the all-reduce kernels of both ranks)
@@ -44,7 +44,7 @@
 #           without (the peer); each part runs even if one before failed
 #   gemv    one H200, ~9 minutes: the bf16 decode GEMV against cuBLAS at the 9B shapes (bench/gemv.py, 1-32 rows;
 #           the 9B-class checkpoint written meanwhile) and the norm kernel's warps (bench/norm.py), then 9B-class batch 1/8, MTP off and k = 3 at 0.8 with it and
-#           with cuBLAS (SHARDSPEC_GEMV=0, the peer), then the parts of the batch-1 and batch-8 steps with it
+#           with cuBLAS (--no-bf16-gemv, the peer), then the parts of the batch-1 and batch-8 steps with it
 #           (bench/profile_step.py); each part runs even if one before failed
 # Then, where matplotlib is: python bench/plot_decode.py OUT/decode-9b-tp1.json ... --out docs/decode.png
 set -euo pipefail
@@ -72,8 +72,8 @@ for stage in "$@"; do
     tests)
         python3 -m pytest -q tests/test_cuda.py tests/test_kernels.py --durations=10 2>&1 | tee "$out/tests.log"
         {   # MTP on = off again with the other variants: NCCL only (not the symmetric-memory all-reduce), the cuBLAS draft head
-            SHARDSPEC_ALLREDUCE=nccl python3 -m pytest -q tests/test_cuda.py -k "mtp and 2"
-            SHARDSPEC_DRAFT_HEAD=cublas python3 -m pytest -q tests/test_cuda.py -k mtp
+            python3 -m pytest -q tests/test_cuda.py -k "mtp and 2" --worker-flags="--allreduce nccl"
+            python3 -m pytest -q tests/test_cuda.py -k mtp --worker-flags="--draft-head cublas"
         } 2>&1 | tee "$out/tests-variants.log"
         ;;
     9b)
@@ -83,35 +83,35 @@ for stage in "$@"; do
             | tee "$out/profile-9b-prefill.log"   # the batch-8 step in-process, and where a prefill's time goes
         python3 bench/lm_head.py --out "$out/lm-head.json"    # the drafts' LM head, cuBLAS against the kernel
         python3 bench/gdn_tiles.py --out "$out/kernels.json"    # the gated delta rule's tile shapes
-        SHARDSPEC_DRAFT_HEAD=cublas python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 1 --batch 1 8 --k 3 \
+        python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 1 --batch 1 8 --k 3 --draft-head cublas \
             --forced 0.8 --prefill --out "$out/decode-9b-tp1-cublas-head.json" 2>&1 | grep -v -i warn
         ;;
     9b-tp2)
         python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 1 --batch 1 8 32 --k 3 --forced 0.8 \
             --prefill 2048 8192 --out "$out/decode-9b-tp1-k3.json" 2>&1 | tee "$out/decode-9b-tp1-k3.log"
-        SHARDSPEC_ALLREDUCE=symm python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 2 --batch 1 8 32 --k 3 \
+        python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 2 --allreduce symm --batch 1 8 32 --k 3 \
             --forced 0.8 --prefill 2048 --out "$out/decode-9b-tp2-symm.json" 2>&1 | tee "$out/decode-9b-tp2-symm.log"
-        SHARDSPEC_ALLREDUCE=symm SHARDSPEC_FUSED_NORM=0 python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 2 \
+        python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 2 --allreduce symm --no-fused-norm \
             --batch 1 8 32 --k 3 --forced 0.8 --prefill --out "$out/decode-9b-tp2-symm-unfused.json" 2>&1 \
             | tee "$out/decode-9b-tp2-symm-unfused.log"
-        SHARDSPEC_ALLREDUCE=nccl python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 2 --batch 1 8 32 --k 3 \
+        python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 2 --allreduce nccl --batch 1 8 32 --k 3 \
             --forced 0.8 --prefill --out "$out/decode-9b-tp2.json" 2>&1 | tee "$out/decode-9b-tp2.log"
         ;;
     tp2-profile)
         python3 bench/allreduce.py --out "$out/allreduce.json" 2>&1 | tee "$out/allreduce.log"
         python3 bench/profile_step.py --size 9b --batch 1 --k 0 3 2>&1 | tee "$out/profile-9b.log"
-        SHARDSPEC_ALLREDUCE=symm python3 bench/profile_step.py --size 9b --tp 2 --batch 1 --k 0 3 2>&1 \
+        python3 bench/profile_step.py --size 9b --tp 2 --allreduce symm --batch 1 --k 0 3 2>&1 \
             | tee "$out/profile-9b-tp2.log"   # both ranks' all-reduce kernels: durations, arrival gaps
-        SHARDSPEC_ALLREDUCE=symm SHARDSPEC_FUSED_NORM=0 python3 bench/profile_step.py --size 9b --tp 2 --batch 1 \
+        python3 bench/profile_step.py --size 9b --tp 2 --allreduce symm --no-fused-norm --batch 1 \
             --k 0 3 2>&1 | tee "$out/profile-9b-tp2-unfused.log"
         ;;
     27b)
         [ -f .bench/27b/config.json ] || python3 -m shardspec.testing.random_checkpoint .bench/27b --size 27b
-        SHARDSPEC_ALLREDUCE=symm python3 bench/decode.py --size 27b --ckpt .bench/27b --tp 2 --batch 1 8 32 --k 3 \
+        python3 bench/decode.py --size 27b --ckpt .bench/27b --tp 2 --allreduce symm --batch 1 8 32 --k 3 \
             --forced 0.8 --prefill --out "$out/decode-27b-tp2-symm.json" 2>&1 | tee "$out/decode-27b-tp2-symm.log"
         python3 bench/decode.py --size 27b --ckpt .bench/27b --tp 1 --batch 1 8 32 --k 3 --forced 0.8 --prefill \
             --out "$out/decode-27b-tp1.json" 2>&1 | tee "$out/decode-27b-tp1.log"
-        SHARDSPEC_ALLREDUCE=symm SHARDSPEC_FUSED_NORM=0 python3 bench/decode.py --size 27b --ckpt .bench/27b --tp 2 \
+        python3 bench/decode.py --size 27b --ckpt .bench/27b --tp 2 --allreduce symm --no-fused-norm \
             --batch 1 8 32 --k --forced --prefill --out "$out/decode-27b-tp2-symm-unfused.json" 2>&1 \
             | tee "$out/decode-27b-tp2-symm-unfused.log"
         ;;
@@ -192,9 +192,9 @@ for stage in "$@"; do
         ;;
     parts)
         for batch in 1 8; do
-            for ahead in launch-ahead no-launch-ahead; do
-                timeout 110 python3 bench/profile_step.py --size 9b --batch $batch --k 0 3 --"$ahead" 2>&1 \
-                    | tee "$out/profile-9b-parts-b$batch-$ahead.log" || failed=1
+            for ahead in launch-ahead:auto no-launch-ahead:off; do   # the log's name, the option
+                timeout 110 python3 bench/profile_step.py --size 9b --batch $batch --k 0 3 --launch-ahead "${ahead#*:}" \
+                    2>&1 | tee "$out/profile-9b-parts-b$batch-${ahead%%:*}.log" || failed=1
             done
         done
         ;;
@@ -205,7 +205,8 @@ for stage in "$@"; do
             --out "$out/norm.json") 2>&1 | tee "$out/gemv.log" || failed=1
         wait $writer || failed=1
         for gemv in 1 0; do
-            SHARDSPEC_GEMV=$gemv timeout 200 python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 1 --batch 1 8 \
+            cublas=$([ "$gemv" = 0 ] && echo --no-bf16-gemv || true)   # 0: the peer, cuBLAS
+            timeout 200 python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 1 --batch 1 8 $cublas \
                 --k 3 --forced 0.8 --prefill --out "$out/decode-9b-gemv-$gemv.json" 2>&1 \
                 | tee "$out/decode-9b-gemv-$gemv.log" || failed=1
         done

@@ -7,7 +7,9 @@ the decoder's steps, and prints for each k the mean step time, PyTorch's profile
 most expensive operators, and where the step's device time goes by part (matmuls, Gated DeltaNet,
 attention, norms, ...) against each part's floor: the bytes it must move
 (shardspec.testing.step_bytes) ÷ the copy bandwidth. The runner launches each step's pass ahead,
-behind the step before, as a worker does on a GPU (runner.py; --no-launch-ahead: the peer). With
+behind the step before, as a worker does on a GPU (decoder.py; --launch-ahead off: the peer). The
+workers' options are `shardspec generate`'s flags (--allreduce, --no-fused-norm, --launch-ahead, ...),
+set in each rank's process as a worker sets them from its init request. With
 --tp N it starts N processes, one per GPU, in one NCCL group (each holding its own random shard);
 rank 0 prints, with the all-reduce kernels of both ranks side by side: how long each ran, and how
 far apart the ranks arrived. With
@@ -25,10 +27,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from gpu_timing import copy_bandwidth, sync
 
+from shardspec import kernels
 from shardspec.layers.parallel import TPGroup, use_symmetric_memory
 from shardspec.models.qwen3_5 import Qwen3_5Config, Qwen3_5Model, Qwen3_5MoeConfig
+from shardspec.option_flags import add_flags, from_flags
 from shardspec.orchestrator.workers import free_port
-from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepRequest
+from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepRequest, WorkerOptions
 from shardspec.shard_worker.decoder import Decoder
 from shardspec.testing.random_checkpoint import (
     nine_b_config,
@@ -176,14 +180,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one process per GPU)")
     parser.add_argument("--no-graphs", action="store_true")
-    parser.add_argument("--launch-ahead", action=argparse.BooleanOptionalAction, default=True,
-                        help="queue each step's pass behind the step before, as a worker on a GPU does (default)")
     parser.add_argument("--by-shape", action="store_true",
                         help="with --no-graphs: also the operators' device time by input shape (which matmul is which)")
     parser.add_argument("--prefill", type=int, nargs="*", default=[],
                         help="also time (and profile the last of) prefills of these prompt lengths, batch 1")
     parser.add_argument("--prefill-chunk", type=int, nargs="+", default=[2048],
                         help="the prefills' chunk sizes (the engine's prefill_chunk; default 2048)")
+    add_flags(parser, WorkerOptions, "worker options", "as shardspec generate's, set in each rank's process")
     args = parser.parse_args()
     if args.tp == 1:
         run(0, args, "")
@@ -194,6 +197,8 @@ def main() -> None:
 
 def run(rank: int, args: argparse.Namespace, address: str) -> None:
     device = torch.device(args.device, rank) if args.device == "cuda" else torch.device(args.device)
+    options = from_flags(args, WorkerOptions)
+    kernels.use(options)  # before the all-reduce choice and the model, as a worker's init
     tp = TPGroup()
     if args.tp > 1:
         if device.type == "cuda":
@@ -212,7 +217,8 @@ def run(rank: int, args: argparse.Namespace, address: str) -> None:
     for k in args.k:
         seqs = list(range(args.batch))
         runner = Decoder(model, device, args.batch, 1024, 512, k, args.forced if k else None,
-                         cuda_graphs=not args.no_graphs, launch_ahead="on" if args.launch_ahead else "off",
+                         cuda_graphs=not args.no_graphs, draft_head=options.draft_head,
+                         launch_ahead=options.launch_ahead,
                          peek=lambda _until: StepRequest(decode=seqs))  # every next step is already here
         prefill = [PrefillSpec(seq=s, length=64, sampling=SamplingParams(seed=s), max_tokens=500) for s in seqs]
         torch.manual_seed(0)  # the same prompts on every rank
@@ -226,7 +232,7 @@ def run(rank: int, args: argparse.Namespace, address: str) -> None:
         sync(device)
         step_ms = 1000 * (time.perf_counter() - started) / args.steps
         say(f"tp={args.tp} k={k} batch={args.batch}: mean step {step_ms:.2f} ms over {args.steps} "
-            f"(launch ahead {'on' if args.launch_ahead else 'off'})", flush=True)
+            f"(launch ahead {'on' if runner.ahead.count else 'off'})", flush=True)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA],
                                     record_shapes=args.by_shape) as prof:
@@ -238,9 +244,9 @@ def run(rank: int, args: argparse.Namespace, address: str) -> None:
             wall_ms = 1000 * (time.perf_counter() - began) / 3
         sort = "self_device_time_total" if device.type == "cuda" else "cpu_time_total"
         device_events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-        kernels = sum(e.count for e in device_events)
+        launches = sum(e.count for e in device_events)
         busy_ms = sum(e.self_device_time_total for e in device_events) / 1000 / 3
-        say(f"{kernels / 3:.0f} GPU kernels per step; device busy {busy_ms:.2f} ms of a {wall_ms:.2f} ms "
+        say(f"{launches / 3:.0f} GPU kernels per step; device busy {busy_ms:.2f} ms of a {wall_ms:.2f} ms "
             "step under the profiler")
         say(prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=60))
         if device.type == "cuda":

@@ -1,6 +1,6 @@
 """Where the GPU waits: the device gaps in the traces of workers profiled in one run.
 
-    SHARDSPEC_PROFILE_DIR=DIR python bench/decode.py ...     # every worker writes DIR/worker-<pid>-<n>.json.gz
+    SHARDSPEC_PROFILE=DIR python bench/decode.py ...         # every worker writes DIR/worker-<pid>-<n>.json.gz
     python bench/trace_gaps.py DIR/worker-*-1.json.gz [--gap-us 5] [--top 12]
 
 For each trace: the window, its steps (the worker's `step` marks), the device's busy time (the union

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -21,6 +23,26 @@ if not torch.cuda.is_available():  # before anything imports Triton: its kernels
 from shardspec.testing.random_checkpoint import tiny_config, write_random_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))  # tools/hosts.py: the emulated hosts
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--worker-flags", default="", help="the workers' options for this run, as shardspec "
+                     "generate's flags (e.g. '--allreduce nccl --draft-head cublas'): for the models built "
+                     "in-process and the engines of tests/test_cuda.py")
+
+
+def pytest_configure(config) -> None:
+    from shardspec import kernels
+    from shardspec.option_flags import add_flags, from_flags
+    from shardspec.protocol.messages import WorkerOptions
+
+    flags = argparse.ArgumentParser(prog="pytest --worker-flags")
+    add_flags(flags, WorkerOptions, "worker options", "")
+    try:
+        args = flags.parse_args(shlex.split(config.getoption("--worker-flags")))
+    except SystemExit:  # argparse has printed what is wrong
+        raise pytest.UsageError("--worker-flags takes shardspec generate's worker option flags") from None
+    kernels.use(from_flags(args, WorkerOptions))
 
 
 @pytest.fixture(scope="session")

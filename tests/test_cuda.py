@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import os
+import dataclasses
 import queue
 import sys
 import time
@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import shardspec
+from shardspec import kernels
 from shardspec.cli import BUNDLED_MODEL
 from shardspec.layers.batch import Batch
 from shardspec.layers.parallel import SymmetricReducer, TPGroup, use_symmetric_memory
@@ -37,11 +38,12 @@ def held_out_ids(count: int) -> list[int]:
 
 
 def greedy(device: str, dtype: str, tp: int, mtp: bool, prompts: list[str] | list[list[int]] = PROMPTS, pp: int = 1,
-           logs: list[str] | None = None, model: Path = BUNDLED_MODEL) -> list[list[int]]:
-    """The greedy outputs of `prompts`, generated together; `logs` receives the local workers' logs."""
+           logs: list[str] | None = None, model: Path = BUNDLED_MODEL, **options) -> list[list[int]]:
+    """The greedy outputs of `prompts`, generated together; `logs` receives the local workers' logs.
+    The workers run with this test run's options (--worker-flags) and `options` on top."""
     async def run():
         async with shardspec.connect(model=str(model), local=tp * pp, pp=pp, tp=tp, device=device, dtype=dtype,
-                                     mtp=mtp) as e:
+                                     mtp=mtp, worker_options=dataclasses.replace(kernels.settings, **options)) as e:
             async def one(prompt):
                 out = []
                 async for chunk in e.generate(prompt, max_tokens=64, stop_at_eos=False):
@@ -124,14 +126,13 @@ def test_head_dims_that_are_not_powers_of_two_give_the_cpu_logits_through_the_ke
 
 
 def test_head_dims_that_are_not_powers_of_two_give_the_same_greedy_tokens_with_and_without_kernels(
-        odd_heads_model, monkeypatch):
+        odd_heads_model):
     """The engine on the GPU, fp32: kernels (with MTP too: verify passes), the PyTorch path
-    (SHARDSPEC_KERNELS=0) and the CPU all give the same greedy tokens."""
+    (the option kernels off) and the CPU all give the same greedy tokens."""
     prompts = [[5, 17, 300, 42, 9], [101, 7, 7, 250]]
     kernels = greedy("cuda", "float32", 1, mtp=False, prompts=prompts, model=odd_heads_model)
     with_mtp = greedy("cuda", "float32", 1, mtp=True, prompts=prompts, model=odd_heads_model)
-    monkeypatch.setenv("SHARDSPEC_KERNELS", "0")  # the workers read it at start
-    plain = greedy("cuda", "float32", 1, mtp=False, prompts=prompts, model=odd_heads_model)
+    plain = greedy("cuda", "float32", 1, mtp=False, prompts=prompts, model=odd_heads_model, kernels=False)
     assert kernels == plain == with_mtp == greedy("cpu", "float32", 1, mtp=False, prompts=prompts,
                                                   model=odd_heads_model)
 
@@ -144,13 +145,14 @@ def test_bf16_greedy_with_mtp_equals_without_on_the_gpu(tp):
 
 
 @pytest.mark.parametrize("mtp", [False, True])
-def test_greedy_with_passes_launched_ahead_equals_greedy_without_on_the_gpu(mtp, monkeypatch):
+def test_greedy_with_passes_launched_ahead_equals_greedy_without_on_the_gpu(mtp):
     """Launch ahead is on by default on a GPU (runner.py): each step's pass queued behind the one
     before it. Budgets that end the sequences at different steps, so that launched passes carry rows
     of sequences that have finished; deterministic fp32, where no batch shape changes a token."""
-    async def run():
+    async def run(launch_ahead: str):
+        options = dataclasses.replace(kernels.settings, launch_ahead=launch_ahead)
         async with shardspec.connect(model=str(BUNDLED_MODEL), local=1, device="cuda", dtype="float32", mtp=mtp,
-                                     deterministic=True) as e:
+                                     deterministic=True, worker_options=options) as e:
             async def one(prompt, max_tokens):
                 return [t async for chunk in e.generate(prompt, max_tokens=max_tokens, stop_at_eos=False)
                         for t in chunk.token_ids]
@@ -158,9 +160,8 @@ def test_greedy_with_passes_launched_ahead_equals_greedy_without_on_the_gpu(mtp,
             outputs = await asyncio.gather(*(one(p, 16 + 24 * i) for i, p in enumerate(PROMPTS)))
             return outputs, sum(s.launched_ahead for s in await e.stats())
 
-    ahead, launched = asyncio.run(run())
-    monkeypatch.setenv("SHARDSPEC_LAUNCH_AHEAD", "0")
-    plain, none = asyncio.run(run())
+    ahead, launched = asyncio.run(run("auto"))
+    plain, none = asyncio.run(run("off"))
     assert ahead == plain and launched > 0 and none == 0
 
 
@@ -239,8 +240,7 @@ def _fused_norm_checks(rank: int, address: str) -> None:
         expected = rms_norm(summed, weight, eps, residual)
         assert torch.equal(fused[1], expected[1]) and torch.equal(fused[0], expected[0]), (rank, x.shape)
 
-    if os.environ.get("SHARDSPEC_ALLREDUCE", "auto") == "auto":  # two GPUs of one host: the default takes it
-        assert use_symmetric_memory(device, 2)
+    assert use_symmetric_memory(device, 2)  # two GPUs of one host: the default (allreduce auto) takes it
     reducer = SymmetricReducer(None)
     x, residual = inputs(1, 0)
     check(x, residual, reducer.rms_norm(x, residual, weight, eps))
@@ -277,26 +277,23 @@ def _fused_norm_checks(rank: int, address: str) -> None:
     dist.destroy_process_group()
 
 
-def test_tp2_greedy_output_with_the_fused_symmetric_all_reduce_equals_the_nccl_output(monkeypatch):
+def test_tp2_greedy_output_with_the_fused_symmetric_all_reduce_equals_the_nccl_output():
     """End to end: the same tokens whichever all-reduce the workers use (the fused kernel sums as
     NCCL does for two ranks, so the hidden states agree bit for bit)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    monkeypatch.setenv("SHARDSPEC_ALLREDUCE", "nccl")  # the workers read it at start
-    nccl = greedy("cuda", "bfloat16", 2, mtp=True)
-    monkeypatch.setenv("SHARDSPEC_ALLREDUCE", "symm")
-    assert greedy("cuda", "bfloat16", 2, mtp=True) == nccl
+    nccl = greedy("cuda", "bfloat16", 2, mtp=True, allreduce="nccl")
+    assert greedy("cuda", "bfloat16", 2, mtp=True, allreduce="symm") == nccl
 
 
 @torch.inference_mode()
 def test_every_graph_a_step_replays_is_captured_at_load():
     """A batch shrinks as its sequences finish, to smaller buckets, and sampled sequences take the
     verify + draft graphs where greedy ones take the fused one: no step may stop to capture."""
-    from shardspec import kernels
     from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepRequest
     from shardspec.shard_worker.decoder import Decoder
 
-    if not kernels.ENABLED:
+    if not kernels.active():
         pytest.skip("graphs are captured per context bucket on first use without the kernels")
     model = load_model(BUNDLED_MODEL, TPGroup(), torch.bfloat16, torch.device("cuda"), with_mtp=True)
     runner = Decoder(model, torch.device("cuda"), max_slots=6, max_seq_len=128, prefill_chunk=128, draft_len=2)
@@ -494,7 +491,7 @@ def test_the_fp8_gemms_match_the_dequantised_weight(M, N, K, prefill, decode, mo
     from shardspec.kernels import fp8 as kernel_fp8
     from shardspec.layers.fp8 import dequantize
 
-    monkeypatch.setattr(kernel_fp8, "DECODE", decode)
+    monkeypatch.setattr(kernels, "settings", dataclasses.replace(kernels.settings, fp8_decode=decode))
 
     x, weight, scale = _fp8_reference_inputs(M, N, K)
     w = dequantize(weight, scale, torch.float32)
@@ -578,7 +575,6 @@ def test_the_fp8_w8a8_passes_deviate_only_by_their_activation_rounding(fp8_model
     1.5×): their gap is the W8A8 scheme's, not our kernels'."""
     import fp8_reference
 
-    from shardspec.kernels import fp8 as kernel_fp8
     from shardspec.layers import fp8 as layer_fp8
 
     ids = torch.randint(0, 512, (2, 96), generator=torch.Generator().manual_seed(1))
@@ -595,7 +591,7 @@ def test_the_fp8_w8a8_passes_deviate_only_by_their_activation_rounding(fp8_model
     prefill = model.lm_head.logits(model(x, Batch(slots, positions, 96))).cpu()
 
     def decode(mode: str) -> torch.Tensor:
-        monkeypatch.setattr(kernel_fp8, "DECODE", mode)
+        monkeypatch.setattr(kernels, "settings", dataclasses.replace(kernels.settings, fp8_decode=mode))
         model.reset_slots(slots)
         return model.lm_head.logits(torch.cat([model(x[:, t : t + 1], Batch(slots, positions[:, t : t + 1], t + 1))
                                                for t in range(96)], 1)).cpu()

@@ -29,6 +29,7 @@ from shardspec.layers.batch import Batch
 from shardspec.layers.norm import GatedRMSNorm, RMSNorm
 from shardspec.layers.parallel import TPGroup
 from shardspec.models.qwen3_5 import Qwen3_5Config, Qwen3_5Model, mixer
+from shardspec.protocol.messages import WorkerOptions
 from shardspec.testing.random_checkpoint import tiny_config
 
 DEVICE = torch.device("cuda" if GPU else "cpu")
@@ -298,22 +299,21 @@ def test_the_lm_head_drafts_through_the_head_kernel(mode, monkeypatch):
 
 
 def test_the_draft_head_mode_falls_back_where_the_kernel_cannot_run(monkeypatch):
-    """fp8 needs CUDA with compute capability 8.9 or later and a bf16/fp16 model; a bad
-    draft head is an error on every device, not only where the kernel runs."""
+    """fp8 needs CUDA with compute capability 8.9 or later and a bf16/fp16 model; cublas is taken
+    as asked everywhere (a bad draft head never gets this far: WorkerOptions refuses it)."""
     from shardspec.shard_worker import runner
 
     with torch.device("meta"):
         model = Qwen3_5Model(Qwen3_5Config.from_dict(tiny_config()), TPGroup(), with_mtp=True)
     cpu = torch.device("cpu")
-    assert runner.draft_head_mode(model, torch.bfloat16, cpu, "fp8") == "cublas"  # no CUDA tensors here
+    assert runner.draft_head_mode("fp8", model, torch.bfloat16, cpu) == "cublas"  # no CUDA tensors here
     monkeypatch.setattr(kernels, "enabled", lambda x: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert runner.draft_head_mode(model, torch.bfloat16, cpu, "fp8") == "bf16"  # an A100: no fp8 loads
-    assert runner.draft_head_mode(model, torch.float32, cpu, "fp8") == "cublas"
+    assert runner.draft_head_mode("fp8", model, torch.bfloat16, cpu) == "bf16"  # an A100: no fp8 loads
+    assert runner.draft_head_mode("fp8", model, torch.float32, cpu) == "cublas"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert runner.draft_head_mode(model, torch.bfloat16, cpu, "fp8") == "fp8"
-    with pytest.raises(ValueError, match="draft_head"):
-        runner.draft_head_mode(model, torch.bfloat16, cpu, "fp9")
+    assert runner.draft_head_mode("fp8", model, torch.bfloat16, cpu) == "fp8"
+    assert runner.draft_head_mode("cublas", model, torch.bfloat16, cpu) == "cublas"
 
 SM90_PTX = """
 import importlib, json, sys
@@ -473,9 +473,10 @@ def test_the_decode_gemv_plan_gives_every_sm_a_program_with_k_splits_that_never_
     assert gemv.plan(1, 64, 256, 132).split == 1  # two K tiles: no split leaves each four
 
 
-def test_only_a_decodes_few_bf16_rows_on_cuda_take_the_decode_gemv():
+def test_only_a_decodes_few_bf16_rows_on_cuda_take_the_decode_gemv(monkeypatch):
     from shardspec.kernels import gemv
 
+    monkeypatch.setattr(kernels, "settings", WorkerOptions())  # the default: bf16_gemv on
     weight = torch.empty(8, 64, dtype=torch.bfloat16)
     cuda_like = type("CudaTensor", (), {})  # takes() reads only these attributes of x
     for rows, dtype, expected in [(1, torch.bfloat16, True), (gemv.ROWS, torch.float16, False),
@@ -484,13 +485,17 @@ def test_only_a_decodes_few_bf16_rows_on_cuda_take_the_decode_gemv():
         x = cuda_like()
         x.is_cuda, x.dtype, x.shape = True, dtype, (rows, 64)
         x.numel = lambda rows=rows: rows * 64
-        assert gemv.takes(x, weight) == (expected and gemv.ENABLED), (rows, dtype)
+        assert gemv.takes(x, weight) == expected, (rows, dtype)
     assert not gemv.takes(torch.empty(1, 64, dtype=torch.bfloat16), weight)  # a CPU tensor
     x = cuda_like()
     x.is_cuda, x.dtype, x.shape, x.numel = True, torch.bfloat16, (0, 64), lambda: 0
     assert not gemv.takes(x, weight)  # no rows
     x.shape, x.numel = (1, 8), lambda: 8
     assert not gemv.takes(x, torch.empty(64, 8, dtype=torch.bfloat16).t())  # a transposed weight
+    x.shape, x.numel = (1, 64), lambda: 64
+    assert gemv.takes(x, weight)
+    monkeypatch.setattr(kernels, "settings", WorkerOptions(bf16_gemv=False))
+    assert not gemv.takes(x, weight)  # the option off: cuBLAS
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -531,7 +536,6 @@ def test_an_fp8_mlp_multiplies_silu_gate_times_up_inside_its_down_projection(mon
     """With the kernels on, an MLP whose down projection is FP8 hands it gate and up (no SiLU·up
     launch) and gets the bits of down(silu_mul(gate, up)): W8A8 (the quantiser takes the SiLU·up)
     and weight-only (the SiLU·up its own kernel first)."""
-    from shardspec.kernels import fp8
     from shardspec.layers.fp8 import Fp8Linear
     from shardspec.layers.mlp import MLP
 
@@ -549,7 +553,7 @@ def test_an_fp8_mlp_multiplies_silu_gate_times_up_inside_its_down_projection(mon
     silu_mul = kernel_norm.silu_mul
     monkeypatch.setattr(kernel_norm, "silu_mul", lambda *a: (silu_mul_calls.append(1), silu_mul(*a))[1])
     for mode in ("w8a8", "weight-only"):
-        monkeypatch.setattr(fp8, "DECODE", mode)
+        monkeypatch.setattr(kernels, "settings", WorkerOptions(fp8_decode=mode))
         silu_mul_calls.clear()
         got = mlp(x)
         assert len(silu_mul_calls) == (0 if mode == "w8a8" else 1), mode

@@ -15,7 +15,7 @@ from conftest import pooled
 import shardspec
 from shardspec.layers.parallel import TPGroup
 from shardspec.models.loader import load_model
-from shardspec.protocol.messages import PrefillSpec, ReleaseRequest, SamplingParams, StepRequest
+from shardspec.protocol.messages import PrefillSpec, ReleaseRequest, SamplingParams, StepRequest, WorkerOptions
 from shardspec.shard_worker.decoder import Decoder, Peek
 
 NO_PROMPT = torch.empty(0, dtype=torch.long)
@@ -135,7 +135,7 @@ def test_finished_sequences_left_in_the_steps_are_not_run_on(small_vocab_model):
     assert [why for _, _, _, _, finished in ahead for why in finished][-1] == "length"  # sequence 1 ran to the end
 
 
-def test_the_engine_launches_ahead_and_its_output_is_the_same(small_vocab_model, monkeypatch):
+def test_the_engine_launches_ahead_and_its_output_is_the_same(small_vocab_model):
     prompts = [[1, 2, 3], [7], [4, 4, 4, 4, 9], [11, 2]]
 
     async def run(**workers):
@@ -147,7 +147,6 @@ def test_the_engine_launches_ahead_and_its_output_is_the_same(small_vocab_model,
             return out, sum(s.launched_ahead for s in await engine.stats())
 
     plain, none = asyncio.run(run(workers=pooled(1)))  # on a CPU launch ahead is off by default
-    monkeypatch.setenv("SHARDSPEC_LAUNCH_AHEAD", "1")  # the spawned worker's setting
-    ahead, launched = asyncio.run(run(local=1))
+    ahead, launched = asyncio.run(run(workers=pooled(1), worker_options=WorkerOptions(launch_ahead="on")))
     assert ahead == plain and none == 0 and launched > 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,17 +12,23 @@ import torch
 from shardspec.protocol.codec import Message
 from shardspec.protocol.messages import AcceptRecord, StepReply, to_meta
 from shardspec.shard_worker.links import POLL_S, StageLinks
-from shardspec.shard_worker.profiling import StepProfiler, parse_steps
+from shardspec.shard_worker.profiling import DEFAULT_STEPS, StepProfiler, parse_setting
 
 
-@pytest.mark.parametrize("text", ["abc", "5", "4:2", "-1:3", "1:2:3"])
-def test_a_bad_profile_window_is_refused_naming_the_setting(text):
-    with pytest.raises(ValueError, match="SHARDSPEC_PROFILE_STEPS"):
-        parse_steps(text)
+@pytest.mark.parametrize("text", ["d:5", "d:4:2", "d:-1:3", "d:x:3", ":1:3"])
+def test_a_bad_profile_window_is_refused_naming_the_variable(text):
+    with pytest.raises(ValueError, match="SHARDSPEC_PROFILE must be DIR or DIR:START:STOP"):
+        parse_setting(text)
+
+
+def test_the_profile_setting_is_a_folder_with_an_optional_window():
+    assert parse_setting("/tmp/prof") == (Path("/tmp/prof"), DEFAULT_STEPS)
+    assert parse_setting("/tmp/prof:2:9") == (Path("/tmp/prof"), (2, 9))
+    assert StepProfiler("").folder is None
 
 
 def test_the_profiler_records_its_window_of_steps_and_writes_the_report_and_trace(tmp_path):
-    profiler = StepProfiler(folder=str(tmp_path), steps="1:3")
+    profiler = StepProfiler(f"{tmp_path}:1:3")
     x = torch.randn(64, 64)
     for step in range(5):
         profiler.before(step)

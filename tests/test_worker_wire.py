@@ -207,18 +207,20 @@ def test_unhashable_header_fields_are_bad_messages_not_internal_errors(spawn_wor
         assert (reply.op, reply.id, reply.meta["code"]) == ("error", 3, "bad_message")
 
 
-@pytest.mark.parametrize(("variable", "value", "message"), [
-    ("SHARDSPEC_ALLREDUCE", "symmetric", "SHARDSPEC_ALLREDUCE must be auto, symm or nccl, not 'symmetric'"),
-    ("SHARDSPEC_MOE_BACKEND", "loop", "SHARDSPEC_MOE_BACKEND must be auto or one of ['fused', 'gathered', "
-                                      "'grouped', 'reference'], not 'loop'"),
-])
-def test_a_worker_with_an_unknown_setting_refuses_init_naming_the_choices(
-        spawn_worker, sync_client, monkeypatch, variable, value, message):
-    monkeypatch.setenv(variable, value)  # the worker inherits it
-    worker = spawn_worker()
-    client = sync_client(worker.address)
+BAD_OPTIONS = [
+    ({"allreduce": "symmetric"}, "meta.options.allreduce: 'symmetric' is not one of auto, symm, nccl"),
+    ({"moe_backend": "loop"}, "meta.options.moe_backend: 'loop' is not one of auto, reference, grouped, gathered"),
+    ({"launch_ahead": "1"}, "meta.options.launch_ahead: '1' is not one of auto, on, off"),
+    ({"kernels": 0}, "meta.options.kernels: expected a bool"),
+    ({"gemv": True}, "meta.options: unknown fields ['gemv']"),
+]
+
+
+def test_an_init_with_a_bad_option_is_refused_naming_the_field_and_the_choices(spawn_worker, sync_client):
+    client = sync_client(spawn_worker().address)
     assert decode(client.exchange(encode(Message("hello", 1, {})))).op == "hello"
-    reply = decode(client.exchange(encode(Message("init", 2, VALID_META["init"]))))
-    assert reply.op == "error" and reply.meta["code"] == ErrorCode.BAD_STATE.value
-    assert message in reply.meta["message"]
+    for options, message in BAD_OPTIONS:
+        reply = decode(client.exchange(encode(Message("init", 2, VALID_META["init"] | {"options": options}))))
+        assert reply.op == "error" and reply.meta["code"] == ErrorCode.BAD_REQUEST.value, options
+        assert message in reply.meta["message"], reply.meta["message"]
     assert decode(client.exchange(encode(Message("stats", 3, {})))).op == "stats"  # and it keeps serving

@@ -26,6 +26,7 @@ any Qwen3.5 checkpoint.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import lzma
@@ -459,7 +460,7 @@ def rate(out: Path, device: torch.device, batch: int, length: int, steps: int, s
     RATE_CHUNKS tokens and fla-core's kernel where it passes the gradient check, eager; the fastest of
     them through torch.compile), timed over `steps` steps after warm-up, and the heaviest kernels of
     the fastest path's step. Writes OUT/rate.json."""
-    kernels.ENABLED = False
+    kernels.use(dataclasses.replace(kernels.settings, kernels=False))
     reference = gdn_layer.delta_rule
     train_tokens = load_tokens(out / "train.tokens.xz")
     source = batches(torch.from_numpy(train_tokens.astype(np.int64)).to(device), batch, length,
@@ -519,7 +520,8 @@ def train(out: Path, device: torch.device, steps: int, minutes: float | None, ma
     the run finished (and exported the model)."""
     begun = time.perf_counter()
     deadline = begun + (minutes or 0) * 60
-    kernels.ENABLED = False  # the inference kernels (norms, SiLU·mul) have no backward pass
+    # the inference kernels (norms, SiLU·mul) have no backward pass
+    kernels.use(dataclasses.replace(kernels.settings, kernels=False))
     torch.manual_seed(seed)
     train_tokens, held_out = load_tokens(out / "train.tokens.xz"), load_tokens(out / "held_out.tokens.xz")
     model = build_model(device, seed)

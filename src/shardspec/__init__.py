@@ -3,7 +3,7 @@
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["Chunk", "Engine", "EngineConfig", "EngineError", "__version__", "connect"]
+__all__ = ["Chunk", "Engine", "EngineConfig", "EngineError", "WorkerOptions", "__version__", "connect"]
 
 
 def __getattr__(name: str) -> Any:
@@ -12,4 +12,8 @@ def __getattr__(name: str) -> Any:
         from shardspec.orchestrator import engine
 
         return getattr(engine, name)
+    if name == "WorkerOptions":
+        from shardspec.protocol.messages import WorkerOptions
+
+        return WorkerOptions
     raise AttributeError(f"module 'shardspec' has no attribute {name!r}")

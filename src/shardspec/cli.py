@@ -10,6 +10,7 @@ import logging
 import sys
 from typing import Any
 
+from shardspec.option_flags import add_flags, from_flags
 from shardspec.orchestrator.config import (
     BUNDLED_MODEL,
     DEFAULT_CONNECT_TIMEOUT_S,
@@ -18,7 +19,7 @@ from shardspec.orchestrator.config import (
     FORCED_ACCEPTANCE_ENV,
     EngineConfig,
 )
-from shardspec.protocol.messages import LOOKAHEAD_MODES, MAX_STEP_PROMPT_TOKENS
+from shardspec.protocol.messages import LOOKAHEAD_MODES, MAX_STEP_PROMPT_TOKENS, WorkerOptions
 from shardspec.protocol.transport import (
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     DEFAULT_LEASE_S,
@@ -201,6 +202,8 @@ def _add_model_options(parser: argparse.ArgumentParser,
                         "worker, and the orchestrator reconnects as for a lost one (catches a worker hung while its "
                         "heartbeats still flow; default 0: derived from the step's tokens and the measured step "
                         "times, at least 30)")
+    add_flags(parser, WorkerOptions, "worker options", "How the workers compute; sent to every worker when "
+              "the group forms (a worker needs none of them set where it runs).")
 
 
 def _add_heartbeat_option(parser: argparse.ArgumentParser, what: str) -> None:
@@ -314,7 +317,8 @@ def _engine_config(args: argparse.Namespace, **options: Any) -> EngineConfig:
             draft_tokens=DEFAULT_DRAFT_TOKENS if args.draft_tokens is None else args.draft_tokens,
             keys=args.keys, server_keys=args.server_keys, heartbeat_timeout=args.heartbeat_timeout,
             dist_timeout=args.dist_timeout, dist_port=args.dist_port, connect_timeout=args.connect_timeout,
-            step_timeout=args.step_timeout, deterministic=args.deterministic, **options,
+            step_timeout=args.step_timeout, deterministic=args.deterministic,
+            worker_options=from_flags(args, WorkerOptions), **options,
         )
     except ValueError as exc:
         raise UsageError(_in_flags(str(exc), args)) from None

@@ -7,8 +7,12 @@ and the reference; each kernel reproduces its rounding steps (bf16 where the ref
 bf16), so the two agree within float32 rounding, or a bf16 ulp or two.
 
 `enabled(x)` says whether a tensor takes the kernel path: CUDA tensors when Triton is installed,
-unless SHARDSPEC_KERNELS=0 (for comparisons). The tests also run every kernel on the CPU through
-Triton's interpreter (TRITON_INTERPRET=1).
+unless the options turn the kernels off (for comparisons). The tests also run every kernel on the CPU
+through Triton's interpreter (TRITON_INTERPRET=1).
+
+`settings` holds this process's WorkerOptions, which the kernels and layers read when they run: a
+worker sets them from its init request (`use`) before it builds a model; elsewhere they are the
+defaults. Read them as `kernels.settings.<field>`, never bound to a name at import.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from shardspec.protocol.messages import WorkerOptions
 
 
 def _import_triton() -> bool:
@@ -32,11 +38,22 @@ def _import_triton() -> bool:
 
 HAVE_TRITON = _import_triton()
 
-ENABLED = HAVE_TRITON and os.environ.get("SHARDSPEC_KERNELS", "1") != "0"
+settings = WorkerOptions()
+
+
+def use(options: WorkerOptions) -> None:
+    """Make `options` this process's settings (before a model is built: some apply at construction)."""
+    global settings
+    settings = options
+
+
+def active() -> bool:
+    """Whether the kernels run at all: Triton is here and the options leave them on."""
+    return HAVE_TRITON and settings.kernels
 
 
 def enabled(x: torch.Tensor) -> bool:
-    return ENABLED and x.is_cuda
+    return active() and x.is_cuda
 
 
 def rows(x: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 scale per 128 × 128 block (layers.fp8), x in bf16/fp16/fp32.
 
 - Decode (at most DECODE_ROWS rows, and every pass in batch-invariant mode): kernels.gemv's split-K
-  GEMV, each 128-column partial scaled by its block's scale in fp32. W8A8 (DECODE's default)
+  GEMV, each 128-column partial scaled by its block's scale in fp32. W8A8 (fp8_decode's default)
   rounds the activations first (`quantize_groups`) and takes both e4m3 tiles straight from shared
   memory; weight-only (and every fp32 pass) widens each FP8 tile in registers (exact: e4m3 fits
   in bf16). The plan depends on the weight's shape alone (deterministic and batch-invariant).
@@ -16,13 +16,13 @@ No host synchronisation anywhere: all of it runs inside CUDA graphs.
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import torch
 import triton
 import triton.language as tl
 
+from shardspec import kernels
 from shardspec.kernels import norm, rows
 from shardspec.kernels.gemv import BLOCK, Plan, prepare, sm_count  # noqa: F401
 from shardspec.kernels.gemv import launch as gemv_launch
@@ -30,13 +30,6 @@ from shardspec.kernels.gemv import launch as gemv_launch
 DECODE_ROWS = 64  # up to here the decode kernel: still bound by the weight bytes at 2·M flops a byte
 FP8_MAX = 448.0
 CUBLAS_ROWS = 16  # cuBLASLt refuses 1×128 scales whose leading dimension (the rows) is unaligned: pad rows to this
-PREFILL = os.environ.get("SHARDSPEC_FP8_PREFILL", "auto")  # auto: cuBLAS where it has blockwise FP8; triton: ours
-# w8a8: the activations rounded to e4m3 first, as the checkpoints' dynamic activation scheme and the
-# prefill; weight-only: bf16 activations (fp32 ones always take it)
-DECODE = os.environ.get("SHARDSPEC_FP8_DECODE", "w8a8")
-if DECODE not in ("w8a8", "weight-only"):
-    warnings.warn(f"SHARDSPEC_FP8_DECODE={DECODE!r} is neither 'w8a8' nor 'weight-only': w8a8", stacklevel=1)
-    DECODE = "w8a8"
 
 
 @triton.jit
@@ -195,14 +188,16 @@ def w8a8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, cublas_scal
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, invariant: bool = False,
            cublas_scale: torch.Tensor | None = None, up: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ (weight · scale)^T: the one-launch decode kernel up to DECODE_ROWS rows (always
-    when `invariant`: each row's result then depends on that row alone), W8A8 (DECODE) or
-    weight-only; above, the prefill's W8A8 GEMM. With `up` (x's shape: the MLP's gate and up),
-    silu(x) · up @ (weight · scale)^T, the SiLU·up inside the activations' quantiser where they
-    are quantised (its own kernel where not)."""
+    when `invariant`: each row's result then depends on that row alone), W8A8 or weight-only (the
+    option fp8_decode: w8a8 rounds the activations to e4m3 first, as the checkpoints' dynamic
+    activation scheme and the prefill; fp32 activations always take weight-only); above, the
+    prefill's W8A8 GEMM. With `up` (x's shape: the MLP's gate and up), silu(x) · up @ (weight ·
+    scale)^T, the SiLU·up inside the activations' quantiser where they are quantised (its own
+    kernel where not)."""
     x2 = rows(x)
     u2 = rows(up) if up is not None else None
     if invariant or x2.shape[0] <= DECODE_ROWS or x.dtype == torch.float32:
-        y = decode(x2, weight, scale, invariant, quantize=DECODE == "w8a8", up=u2)
+        y = decode(x2, weight, scale, invariant, quantize=kernels.settings.fp8_decode == "w8a8", up=u2)
     else:
         y = w8a8(x2, weight, scale, cublas_scale, up=u2)
     return y.view(*x.shape[:-1], weight.shape[0])
@@ -212,9 +207,10 @@ def cublas_layout(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | N
     """A weight's block scales [⌈N/128⌉, ⌈K/128⌉] for torch's scaled_mm (which reads their transpose
     as BlockWise128x128), or None where the prefill takes our kernel: no blockwise FP8 in cuBLAS
     here or not for this shape (K groups not a multiple of 4, N not of 16, or the probe of this
-    (N, K) failed), or SHARDSPEC_FP8_PREFILL=triton (comparisons)."""
+    (N, K) failed), or the option fp8_prefill is triton (comparisons)."""
     N, K = weight.shape
-    if PREFILL == "triton" or N % 16 or scale.shape[1] % 4 or not cublas_blockwise(scale.device, N, K):
+    if kernels.settings.fp8_prefill == "triton" or N % 16 or scale.shape[1] % 4 or not cublas_blockwise(
+            scale.device, N, K):
         return None
     return scale.contiguous()
 

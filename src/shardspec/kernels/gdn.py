@@ -11,21 +11,19 @@ known, with the same arithmetic as the verify pass itself, so no per-token state
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from shardspec import kernels
+
 try:  # flash-linear-attention's chunked kernel for long inputs: the optional extra shardspec[cuda]
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 except ImportError:
     chunk_gated_delta_rule = None
-if os.environ.get("SHARDSPEC_FLA", "1") == "0":
-    chunk_gated_delta_rule = None
 
-FLA_MIN_TOKENS = 64  # prefill chunks at least this long use fla's chunked form when installed
+FLA_MIN_TOKENS = 64  # prefill chunks at least this long use fla's chunked form when installed (option fla)
 CONV_TOKENS = 16  # tokens per program of the causal convolution
 
 
@@ -151,8 +149,9 @@ def delta_rule(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch
     B, T, _ = qkv.shape
     HV, DK, DV = state.shape[1:]
     assert dk == DK and not (write_out and lengths is not None)
-    if (chunk_gated_delta_rule is not None and T >= FLA_MIN_TOKENS and write_out and write_state and lengths is None
-            and qkv.dtype != torch.float32):  # fla computes in TF32 where float32 must stay exact
+    # (fla computes in TF32 where float32 must stay exact)
+    if (chunk_gated_delta_rule is not None and kernels.settings.fla and T >= FLA_MIN_TOKENS and write_out
+            and write_state and lengths is None and qkv.dtype != torch.float32):
         return _chunked(qkv, a, b, A_log, dt_bias, state, slots, k_heads, dk)
     assert qkv.stride(-1) == 1 and a.stride(-1) == 1 and b.stride(-1) == 1 and a.stride() == b.stride()
     assert state.is_contiguous() and state.dtype == torch.float32

@@ -14,25 +14,25 @@ The one kernel serves two weights: bf16/fp16 (`linear`), and FP8 with one fp32 s
 128 × 128 block (kernels.fp8.decode), each 128-column partial scaled in fp32 (W8A8: also by the
 activations' group scales).
 
-`SHARDSPEC_GEMV=0` leaves the bf16 matmuls to cuBLAS (comparisons); FP8 always takes this kernel.
+The option bf16_gemv off (`--no-bf16-gemv`) leaves the bf16 matmuls to cuBLAS (comparisons); FP8
+always takes this kernel.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from shardspec import kernels
 from shardspec.kernels import rows
 
 BLOCK = 128  # the FP8 scales' block: the K tile wherever the weight is scaled
 ROWS = 16  # bf16 up to here: one 16-row activation tile (more rows were not swept: cuBLAS)
 COUNTERS = 1 << 20  # split-K tile counters per device (a GEMV with more tiles runs unsplit)
-ENABLED = os.environ.get("SHARDSPEC_GEMV", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -175,8 +175,9 @@ def launch(x: torch.Tensor, weight: torch.Tensor, launch: Plan, scale: torch.Ten
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a bf16/fp16 matmul of x [..., K] takes this kernel: on, on CUDA, a decode's 1 to
     ROWS rows, a weight of unit stride along K."""
-    return ENABLED and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype \
-        and weight.dim() == 2 and weight.stride(-1) == 1 and 0 < x.numel() <= ROWS * x.shape[-1]
+    return kernels.settings.bf16_gemv and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) \
+        and weight.dtype == x.dtype and weight.dim() == 2 and weight.stride(-1) == 1 \
+        and 0 < x.numel() <= ROWS * x.shape[-1]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """The drafts' LM head: the argmax of x @ W^T without the logits, W in bf16 or in fp8 with a scale
-per row (the default for MTP drafts on CUDA: SHARDSPEC_DRAFT_HEAD=fp8).
+per row (the default for MTP drafts on CUDA: the option draft_head fp8).
 
 A draft token is only the argmax of its logits, and a draft's LM-head pass reads the whole head
 (2 GB on a 9B-class Qwen3.5) for one to a few rows: bound by the bytes read. This kernel reads W

@@ -9,6 +9,7 @@ from torch import nn
 from shardspec import kernels
 from shardspec.layers.linear import linear
 from shardspec.layers.parallel import TPGroup, shard
+from shardspec.protocol.messages import DRAFT_HEADS  # how draft_argmax can read the head: see use_draft_kernel
 
 
 def vocab_range(vocab_size: int, tp: TPGroup) -> tuple[int, int]:
@@ -34,8 +35,6 @@ class VocabParallelEmbedding(nn.Module):
         out = out.masked_fill(outside[..., None], 0.0)
         return self.tp.all_reduce(out)
 
-
-DRAFT_HEADS = ("fp8", "bf16", "cublas")  # how draft_argmax can read the head: see use_draft_kernel
 
 
 class ParallelLMHead(nn.Module):

@@ -25,7 +25,6 @@ The routed experts run on one of four backends (`EXPERT_BACKENDS`), all on the s
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -38,7 +37,6 @@ from shardspec.layers.linear import Linear, MergedColumnParallelLinear, RowParal
 from shardspec.layers.mlp import MLP, silu_mul
 from shardspec.layers.parallel import TPGroup, shard, stack
 
-EXPERT_BACKEND = os.environ.get("SHARDSPEC_MOE_BACKEND", "auto")  # auto or one of EXPERT_BACKENDS (comparisons)
 GATHER_ROWS = 64  # (token, expert) rows per block of the gathered backend: fixed shapes, bounded gathers
 # (token, expert) rows up to which bf16 on CUDA takes the fused backend. It re-reads an expert for each
 # row that hits it (~13 % more bytes than the distinct experts at 64 uniform rows, ~58 % at 256), and
@@ -94,7 +92,7 @@ class Experts(nn.Module):
             param.experts = experts  # type: ignore[attr-defined]
         self.block_rows = 0  # batch-invariant mode (CausalLM.set_batch_invariant)
         self.invariant = False
-        self.backend = EXPERT_BACKEND
+        self.backend = kernels.settings.moe_backend  # auto or one of EXPERT_BACKENDS (comparisons)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -188,10 +186,10 @@ EXPERT_BACKENDS: dict[str, Callable[[Experts, torch.Tensor, torch.Tensor, torch.
     "fused": fused_experts}
 
 
-def check_backend_setting(backend: str = EXPERT_BACKEND) -> None:
-    """ValueError naming the choices unless `backend` (default: SHARDSPEC_MOE_BACKEND's) is one."""
+def check_backend_setting(backend: str) -> None:
+    """ValueError naming the choices unless `backend` is auto or one of EXPERT_BACKENDS."""
     if backend != "auto" and backend not in EXPERT_BACKENDS:
-        raise ValueError(f"SHARDSPEC_MOE_BACKEND must be auto or one of {sorted(EXPERT_BACKENDS)}, not {backend!r}")
+        raise ValueError(f"moe_backend must be auto or one of {sorted(EXPERT_BACKENDS)}, not {backend!r}")
 
 
 class SparseMoE(nn.Module):

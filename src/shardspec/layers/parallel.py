@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,8 +15,6 @@ from torch import nn
 from shardspec import kernels
 
 Ranges = list[tuple[int, int]]
-ALLREDUCE = os.environ.get("SHARDSPEC_ALLREDUCE", "auto")  # auto, symm or nccl: see use_symmetric_memory
-FUSED_NORM = os.environ.get("SHARDSPEC_FUSED_NORM", "1") != "0"  # 0: all-reduce, then the norm (comparisons)
 
 
 @dataclass(eq=False)
@@ -53,8 +50,8 @@ class TPGroup:
     def all_reduce_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
         """(norm(sum of x over the group + residual), that sum) in one kernel, or None where the
         fused kernel does not apply: the symmetric-memory all-reduce only (it reads the peers'
-        buffers), CUDA with the kernels, up to SymmetricReducer.NORM_ROWS rows."""
-        if self.size == 1 or not (self.symmetric and FUSED_NORM and kernels.enabled(x)):
+        buffers), CUDA with the kernels and the option fused_norm, up to SymmetricReducer.NORM_ROWS rows."""
+        if self.size == 1 or not (self.symmetric and kernels.settings.fused_norm and kernels.enabled(x)):
             return None
         return self._symmetric().rms_norm(x, residual, weight, eps)
 
@@ -76,20 +73,15 @@ class TPGroup:
         return self.rank * per, (self.rank + 1) * per
 
 
-def check_allreduce_setting() -> None:
-    if ALLREDUCE not in ("auto", "symm", "nccl"):
-        raise ValueError(f"SHARDSPEC_ALLREDUCE must be auto, symm or nccl, not {ALLREDUCE!r}")
-
-
 def use_symmetric_memory(device: torch.device, size: int, group: Any = None) -> bool:
-    """Whether a CUDA group takes the symmetric-memory all-reduce. SHARDSPEC_ALLREDUCE=symm says
-    yes and =nccl no; by default (auto) yes where every rank is on this host and its GPU can reach
+    """Whether a CUDA group takes the symmetric-memory all-reduce. The option allreduce symm says
+    yes and nccl no; by default (auto) yes where every rank is on this host and its GPU can reach
     every other rank's GPU directly (NVLink or PCIe peer access), which symmetric memory needs; a
     group that spans hosts keeps NCCL. A collective: every rank of the group calls it."""
-    check_allreduce_setting()
-    if device.type != "cuda" or size == 1 or ALLREDUCE == "nccl":
+    choice = kernels.settings.allreduce
+    if device.type != "cuda" or size == 1 or choice == "nccl":
         return False
-    if ALLREDUCE == "symm":
+    if choice == "symm":
         return True
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()  # two hosts can share a name

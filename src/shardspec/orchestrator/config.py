@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardspec import security
 from shardspec.protocol import transport
-from shardspec.protocol.messages import LOOKAHEAD_MODES, InitRequest, LoadRequest
+from shardspec.protocol.messages import LOOKAHEAD_MODES, InitRequest, LoadRequest, WorkerOptions
 from shardspec.security import KeyPair
 from shardspec.utils import DTYPE_CHOICES, check_address
 
@@ -139,9 +139,15 @@ class EngineConfig:
     fail, the engine reconnects). 0: derived from the step's tokens and the step times measured since the
     model loaded, never under 30s (group.StepWatchdog). A hung worker still answers heartbeats."""
 
+    worker_options: WorkerOptions = field(default_factory=WorkerOptions)
+    """How the workers compute (kernels, all-reduce, draft head, launch-ahead, ...; each field's help is in
+    protocol.messages.WorkerOptions): sent to every worker when the group forms, so no worker needs them set."""
+
     def __post_init__(self) -> None:
         self._check_workers()
         self._check_decoding()
+        if not isinstance(self.worker_options, WorkerOptions):
+            raise ValueError(f"worker_options must be a shardspec.WorkerOptions, got {self.worker_options!r}")
         self._check_forced_acceptance()
         self._check_connection()
 

@@ -142,7 +142,8 @@ class WorkerGroup:
         inits = [InitRequest(rank=rank, world_size=len(self.workers), dist_addr=dist_addr,
                              timeout_s=self.config.dist_timeout, stages=len(self.stages), links=links,
                              relay=staged and self.relay, link_keys=link_keys,
-                             host_ranks=self.hostnames.count(self.hostnames[rank]))
+                             host_ranks=self.hostnames.count(self.hostnames[rank]),
+                             options=self.config.worker_options)
                  for rank in range(len(self.workers))]
         replies = await self.gather([w.submit(init) for w, init in zip(self.workers, inits, strict=True)])
         for worker, init, (reply, _) in zip(self.workers, inits, replies, strict=True):

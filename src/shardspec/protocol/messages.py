@@ -2,8 +2,8 @@
 
 Each op has a request and a reply dataclass. `parse(cls, meta)` checks a received meta map against
 the dataclass — no unknown keys, every required key present, exact types (a bool is not an int),
-numeric ranges from the field's metadata — and raises ProtocolError(BAD_REQUEST) naming the bad
-field. `to_meta(obj)` is the inverse.
+numeric ranges and choices from the field's metadata — and raises ProtocolError(BAD_REQUEST) naming
+the bad field. `to_meta(obj)` is the inverse.
 """
 
 from __future__ import annotations
@@ -32,6 +32,67 @@ MAX_STEP_PROMPT_TOKENS = 2 * MAX_PROMPT_TOKENS  # a step's prompts together, by 
 def bounded(lo: float, hi: float, default: Any = dataclasses.MISSING) -> Any:
     """A field whose value must lie in [lo, hi]."""
     return field(default=default, metadata={"range": (lo, hi)})
+
+
+def one_of(choices: tuple[str, ...], default: str, help: str) -> Any:
+    """An option whose value must be one of `choices`; `help` says what each does (the CLI flag's)."""
+    return field(default=default, metadata={"choices": choices, "help": help})
+
+
+def switch(default: bool, help: str) -> Any:
+    """An on/off option; `help` says what it turns on (the CLI flag's)."""
+    return field(default=default, metadata={"help": help})
+
+
+# --- worker options ---------------------------------------------------------------------------
+
+FP8_PREFILL_MODES = ("auto", "triton")
+FP8_DECODE_MODES = ("w8a8", "weight-only")
+MOE_BACKENDS = ("auto", "reference", "grouped", "gathered", "fused")  # auto or one of layers.moe.EXPERT_BACKENDS
+ALLREDUCE_MODES = ("auto", "symm", "nccl")
+DRAFT_HEADS = ("fp8", "bf16", "cublas")
+LAUNCH_AHEAD_MODES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """How the workers compute: kernels, all-reduce, draft head, launch-ahead. Each default is the
+    fastest where it applies; the others are for comparisons and for hardware where the default does
+    not fit. The orchestrator sends them in init (EngineConfig.worker_options); the worker applies
+    them to its whole process (kernels.use) and reports them in stats; the CLI's flags are made from
+    these fields (option_flags)."""
+
+    kernels: bool = switch(True, "Triton kernels on CUDA workers; off: PyTorch operations only")
+    bf16_gemv: bool = switch(True, "bf16/fp16 matmuls of up to 16 rows through the split-K decode GEMV kernel; "
+                             "off: cuBLAS (FP8 weights always take the kernel)")
+    fp8_prefill: str = one_of(FP8_PREFILL_MODES, "auto", "FP8 matmuls past the decode rows: auto through "
+                              "cuBLAS's blockwise FP8 where it has one, else shardspec's kernel; triton: always "
+                              "shardspec's kernel")
+    fp8_decode: str = one_of(FP8_DECODE_MODES, "w8a8", "FP8 matmuls of decode steps: w8a8 rounds the "
+                             "activations to FP8 too (the FP8 tensor cores), weight-only keeps them bf16")
+    fla: bool = switch(True, "prefill chunks of 64 tokens or more through flash-linear-attention's chunked gated "
+                       "delta rule where it is installed; off: shardspec's kernel")
+    moe_backend: str = one_of(MOE_BACKENDS, "auto", "how mixture-of-experts layers run their experts: auto picks "
+                              "by device, dtype and rows; the others force one")
+    allreduce: str = one_of(ALLREDUCE_MODES, "auto", "tensor-parallel all-reduce of CUDA workers: symm through "
+                            "symmetric memory, nccl through NCCL; auto takes symm where every rank is on one host "
+                            "and its GPU reaches the others' directly")
+    fused_norm: bool = switch(True, "with the symmetric-memory all-reduce, the all-reduce and the RMS norm after it "
+                              "in one kernel; off: two")
+    draft_head: str = one_of(DRAFT_HEADS, "fp8", "how MTP drafts read the LM head on CUDA: fp8 (a kernel on an "
+                             "FP8 copy, half the bytes; bf16 below compute capability 8.9), bf16 (the kernel on "
+                             "the head itself), cublas (the logits, then argmax)")
+    launch_ahead: str = one_of(LAUNCH_AHEAD_MODES, "auto", "a single stage at TP 1 queues the next step's pass "
+                               "on the device behind the current one: auto on GPUs (with CUDA graphs), on also on "
+                               "CPUs (it only reorders the work), off never")
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(f.default, bool) and type(value) is not bool:
+                raise ValueError(f"{f.name} must be True or False, got {value!r}")
+            if "choices" in f.metadata and value not in f.metadata["choices"]:
+                raise ValueError(f"{f.name} must be one of {', '.join(f.metadata['choices'])}, got {value!r}")
 
 
 # --- sampling -------------------------------------------------------------------------------
@@ -104,6 +165,8 @@ class InitRequest:
     relay: bool = False  # stage links through the orchestrator instead of worker to worker
     link_keys: list[str] = field(default_factory=list)  # CURVE: every rank's public key (Z85), for its links
     host_ranks: int = bounded(1, 4096, 1)  # ranks of the group on this worker's host (hello's hostname)
+    # in init, not load: the all-reduce choice is a collective of the group forming, and all hold for its life
+    options: WorkerOptions = field(default_factory=WorkerOptions)
 
     def __post_init__(self) -> None:
         if self.rank >= self.world_size:
@@ -283,6 +346,7 @@ class StatsReply:
     lookaheads: int = 0  # an earlier stage: verify passes run on the last stage's guess (stage.ForwardingStage)
     lookaheads_right: int = 0  # of them, those whose guess held (the others ran again)
     launched_ahead: int = 0  # passes queued before their step came, behind the step before (runner.py: launch ahead)
+    options: WorkerOptions = field(default_factory=WorkerOptions)  # in effect: the last init's
 
 
 @dataclass(frozen=True)
@@ -375,6 +439,8 @@ def parse(cls: type[T], meta: Any, where: str = "meta") -> T:
             lo, hi = f.metadata["range"]
             if not lo <= value <= hi:
                 _bad(f"{where}.{f.name}", f"{value!r} is outside [{lo}, {hi}]")
+        if "choices" in f.metadata and value not in f.metadata["choices"]:
+            _bad(f"{where}.{f.name}", f"{value!r:.100} is not one of {', '.join(f.metadata['choices'])}")
         values[f.name] = value
     try:
         return cls(**values)

@@ -23,9 +23,8 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-from shardspec import __version__, security
-from shardspec.layers.moe import check_backend_setting
-from shardspec.layers.parallel import TPGroup, check_allreduce_setting
+from shardspec import __version__, kernels, security
+from shardspec.layers.parallel import TPGroup
 from shardspec.protocol import codec, transport
 from shardspec.protocol.codec import Message
 from shardspec.protocol.errors import ErrorCode, ProtocolError
@@ -105,7 +104,7 @@ class ShardWorker:
         self.step_total_s = 0.0  # time in steps (waits on stage links included)
         self.last_step_sent: float | None = None
         self.stopping = False
-        self.profiler = StepProfiler()  # SHARDSPEC_PROFILE_DIR: steps under PyTorch's profiler
+        self.profiler = StepProfiler()  # SHARDSPEC_PROFILE: steps under PyTorch's profiler
         self.handlers = {op: getattr(self, f"_{op}") for op in REQUESTS}  # an op's handler: _<op>
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -337,11 +336,7 @@ class ShardWorker:
             raise ProtocolError(ErrorCode.BAD_STATE, f"worker is {self.state}; send shutdown before init")
         if self.device.type == "cpu" and self.threads is None:
             group.share_cores(body.host_ranks)
-        try:
-            check_allreduce_setting()
-            check_backend_setting()
-        except ValueError as exc:
-            raise ProtocolError(ErrorCode.BAD_STATE, f"this worker's {exc}") from None
+        kernels.use(body.options)  # the whole process's, before the group's all-reduce choice and the model
         self.tp, backend = group.join(body, self.device)
         try:
             self.stage, self.stages = body.stage, body.stages
@@ -466,6 +461,7 @@ class ShardWorker:
             busy_s=self.step_total_s - link_wait,
             link_wait_s=link_wait,
             **asdict(runner),
+            options=kernels.settings,
         )
         return reply, None
 

@@ -29,7 +29,7 @@ import torch
 
 from shardspec.layers.batch import Batch
 from shardspec.layers.sampling import accept_greedy, accept_sampled, resample, sample, target_probs
-from shardspec.protocol.messages import PrefillSpec, StepRequest
+from shardspec.protocol.messages import PrefillSpec, StepRequest, WorkerOptions
 from shardspec.shard_worker.graphs import HostRows
 from shardspec.shard_worker.logprobs import prompt_rows, token_rows
 from shardspec.shard_worker.penalties import TokenCounts
@@ -40,7 +40,6 @@ from shardspec.shard_worker.sequences import Sequence
 # all k drafts (a guess can hold only then; over about the last KEPT_ALL_STEPS steps) is at least this
 KEPT_ALL_TO_GUESS = 0.5
 KEPT_ALL_STEPS = 16
-LAUNCH_AHEAD_MODES = ("auto", "on", "off")
 
 # the next request as soon as it is queued, or None once until() is true (the current pass is done)
 Peek = Callable[[Callable[[], bool]], StepRequest | None]
@@ -102,10 +101,8 @@ class Decoder(ModelRunner):
     """The last stage: samples, accepts and drafts, replies, and sends the earlier stages the step's
     record. `launch_ahead` ("auto": on a GPU; "on"; "off") takes effect on a single stage given `peek`."""
 
-    def __init__(self, *args, launch_ahead: str = "auto", peek: Peek | None = None, **kwargs):
+    def __init__(self, *args, launch_ahead: str = WorkerOptions.launch_ahead, peek: Peek | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        if launch_ahead not in LAUNCH_AHEAD_MODES:
-            raise ValueError(f"launch_ahead must be one of {', '.join(LAUNCH_AHEAD_MODES)}, got {launch_ahead!r}")
         whole = self.model.stage.first
         wanted = launch_ahead == "on" or (launch_ahead == "auto" and self.graphed)
         self.ahead = LaunchAhead(peek) if whole and wanted and peek is not None else NoLaunchAhead()

@@ -232,7 +232,7 @@ class StepPasses:
         stalls on a capture, tens to hundreds of milliseconds. Only where one context bucket covers
         every context (the kernels read the cache in place). Largest bucket first, so that the
         smaller ones reuse its freed temporaries in the shared pool. Returns the graphs captured."""
-        if not self.graphs or not kernels.ENABLED:
+        if not self.graphs or not kernels.active():
             return 0
         top = bucket_size(max_batch) or BATCH_BUCKETS[-1]  # larger batches run eagerly
         sizes = [b for b in BATCH_BUCKETS if b <= top]
@@ -286,7 +286,7 @@ class StepPasses:
         return bucket
 
     def _context_bucket(self, context: int) -> int:
-        if kernels.ENABLED:  # attention reads the cache in place up to each position: any context
+        if kernels.active():  # attention reads the cache in place up to each position: any context
             return self.max_context
         return min(self.max_context, max(MIN_CONTEXT_BUCKET, 1 << (context - 1).bit_length()))
 

@@ -82,7 +82,7 @@ def tp_group(body: InitRequest, device: torch.device) -> TPGroup:
         group = groups[body.stage]
     symmetric = use_symmetric_memory(device, tp, group)
     if symmetric:
-        log.info("small all-reduces go through symmetric memory")
+        log.info("small all-reduces go through symmetric memory (--allreduce nccl: NCCL only)")
     return TPGroup(body.rank % tp, tp, group, symmetric=symmetric)
 
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from shardspec import kernels
 from shardspec.layers.parallel import TPGroup
 from shardspec.models.base import CausalLM, Stage
 from shardspec.models.checkpoint import Checkpoint
@@ -108,11 +108,11 @@ def make_runner(model: CausalLM, device: torch.device, body: LoadRequest, draft_
     if forced is not None:
         log.warning("FORCED ACCEPTANCE %.2f: benchmark mode, the output is not the model's", forced)
     max_seq_len = min(body.max_seq_len, model.config.max_position_embeddings)
-    common = dict(forced_acceptance=forced, links=links, deterministic=body.deterministic, lookahead=body.lookahead)
+    common = dict(forced_acceptance=forced, links=links, deterministic=body.deterministic, lookahead=body.lookahead,
+                  draft_head=kernels.settings.draft_head)
     if model.stage.last:
-        launch_ahead = {"1": "on", "0": "off"}.get(os.environ.get("SHARDSPEC_LAUNCH_AHEAD", ""), "auto")
         return Decoder(model, device, body.max_slots, max_seq_len, body.prefill_chunk, draft_len, peek=peek,
-                       launch_ahead=launch_ahead, **common)
+                       launch_ahead=kernels.settings.launch_ahead, **common)
     return ForwardingStage(model, device, body.max_slots, max_seq_len, body.prefill_chunk, draft_len, **common)
 
 

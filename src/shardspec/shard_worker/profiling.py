@@ -1,8 +1,9 @@
 """A worker's steps under PyTorch's profiler, for finding where a step's time goes in the real engine.
 
-    SHARDSPEC_PROFILE_DIR=DIR [SHARDSPEC_PROFILE_STEPS=16:48] shardspec ...
+    SHARDSPEC_PROFILE=DIR shardspec ...            # steps 16 to 47 of each load
+    SHARDSPEC_PROFILE=DIR:START:STOP shardspec ...
 
-Every worker started with SHARDSPEC_PROFILE_DIR set records its steps [start, stop) of each loaded
+Every worker started with SHARDSPEC_PROFILE set records its steps [START, STOP) of each loaded
 model (counted from the load) and then writes, into DIR:
 - `worker-<pid>-<n>.txt` (the worker's n-th window): the GPU kernels' time per step against the wall
   time of the window (how much of a step the device was busy), the host's marks, and the operator
@@ -28,20 +29,26 @@ import torch
 
 log = logging.getLogger("shardspec.worker")
 
-DIR_ENV, STEPS_ENV = "SHARDSPEC_PROFILE_DIR", "SHARDSPEC_PROFILE_STEPS"
+PROFILE_ENV = "SHARDSPEC_PROFILE"
 MARKS = ("step", "reply", "link wait", "link send")  # the ranges the worker marks (mark())
 DEFAULT_STEPS = (16, 48)
 
 
-def parse_steps(text: str) -> tuple[int, int]:
-    """'start:stop' -> (start, stop), 0 <= start < stop; ValueError naming the setting otherwise."""
+def parse_setting(text: str) -> tuple[Path, tuple[int, int]]:
+    """'DIR' or 'DIR:START:STOP' -> (DIR, (START, STOP)), 0 <= START < STOP; ValueError naming the
+    variable otherwise. A DIR whose name ends in ':<digits>' needs the window after it."""
+    head, _, last = text.rpartition(":")
+    if not head or not last.lstrip("-").isdigit():
+        return Path(text), DEFAULT_STEPS
+    folder, _, first = head.rpartition(":")
     try:
-        start, stop = (int(part) for part in text.split(":"))
+        start, stop = int(first), int(last)
     except ValueError:
-        raise ValueError(f"{STEPS_ENV} must be START:STOP (steps after a load), got {text!r}") from None
-    if not 0 <= start < stop:
-        raise ValueError(f"{STEPS_ENV}: need 0 <= START < STOP, got {text!r}")
-    return start, stop
+        start = stop = -1
+    if not folder or not 0 <= start < stop:
+        raise ValueError(f"{PROFILE_ENV} must be DIR or DIR:START:STOP (steps after a load, "
+                         f"0 <= START < STOP), got {text!r}")
+    return Path(folder), (start, stop)
 
 
 def mark(name: str) -> AbstractContextManager:
@@ -52,11 +59,13 @@ def mark(name: str) -> AbstractContextManager:
 class StepProfiler:
     """Starts the profiler before step `start` of a load and writes its report after step `stop` - 1."""
 
-    def __init__(self, folder: str | None = None, steps: str | None = None):
-        folder = os.environ.get(DIR_ENV) if folder is None else folder
-        self.folder = Path(folder) if folder else None
-        self.start, self.stop = parse_steps(steps or os.environ.get(STEPS_ENV, "")) if (
-            steps or os.environ.get(STEPS_ENV)) else DEFAULT_STEPS
+    def __init__(self, setting: str | None = None):
+        """`setting`: as SHARDSPEC_PROFILE (default: its value); empty: no profiling."""
+        setting = os.environ.get(PROFILE_ENV, "") if setting is None else setting
+        self.folder: Path | None = None
+        self.start, self.stop = DEFAULT_STEPS
+        if setting:
+            self.folder, (self.start, self.stop) = parse_setting(setting)
         self.profiler: torch.profiler.profile | None = None
         self.began = 0.0
         self.written = 0  # windows written

@@ -23,10 +23,9 @@ import torch
 
 from shardspec import kernels
 from shardspec.layers.batch import Batch
-from shardspec.layers.embedding import DRAFT_HEADS
 from shardspec.models.base import CausalLM
 from shardspec.protocol.errors import ErrorCode, ProtocolError
-from shardspec.protocol.messages import PrefillSpec, StepReply, StepRequest
+from shardspec.protocol.messages import PrefillSpec, StepReply, StepRequest, WorkerOptions
 from shardspec.shard_worker.graphs import StepPasses
 from shardspec.shard_worker.links import StageLinks
 from shardspec.shard_worker.logprobs import LogprobRows, reply_tensors
@@ -42,16 +41,15 @@ def invariant_block_rows(device: torch.device) -> int:
     return INVARIANT_BLOCK_ROWS.get(device.type, 16)
 
 
-def draft_head_mode(model: CausalLM, dtype: torch.dtype, device: torch.device, wanted: str) -> str:
-    """The drafts' LM head `wanted` where it can run: the kernel needs CUDA, Triton and a bf16/fp16
-    model, and fp8 weights need compute capability 8.9 (Ada, Hopper) or later; bf16 before that."""
-    if wanted not in DRAFT_HEADS:
-        raise ValueError(f"draft_head must be one of {', '.join(DRAFT_HEADS)}, got {wanted!r}")
+def draft_head_mode(requested: str, model: CausalLM, dtype: torch.dtype, device: torch.device) -> str:
+    """The draft head `requested` (WorkerOptions.draft_head) where it can run: the kernel needs CUDA,
+    Triton and a bf16/fp16 model, and fp8 weights need compute capability 8.9 (Ada, Hopper) or
+    later; bf16 before that."""
     if not kernels.enabled(model.lm_head.weight) or dtype not in (torch.bfloat16, torch.float16):
         return "cublas"
-    if wanted == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
+    if requested == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
         return "bf16"
-    return wanted
+    return requested
 
 
 @dataclass
@@ -144,7 +142,7 @@ class ModelRunner:
         links: StageLinks | None = None,
         deterministic: bool = False,
         lookahead: str = "off",
-        draft_head: str = "fp8",
+        draft_head: str = WorkerOptions.draft_head,
     ):
         if not (model.stage.first and model.stage.last) and links is None:
             raise ValueError("a model stage needs links to the other stages")
@@ -192,7 +190,7 @@ class ModelRunner:
         try:  # out of memory, say: leave no caches, fp8 head or graphs behind on the (kept) model
             self.draft_head = "cublas"
             if draft_len and model.lm_head is not None:
-                self.draft_head = draft_head_mode(model, dtype, device, draft_head)
+                self.draft_head = draft_head_mode(draft_head, model, dtype, device)
                 model.lm_head.use_draft_kernel(self.draft_head)
             self.cache_bytes = model.allocate_caches(max_slots + 1, self.context, dtype, device)
             started = time.perf_counter()

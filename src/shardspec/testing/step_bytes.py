@@ -116,7 +116,7 @@ def step_bytes(config: HybridConfig, tp: int, batch: int, context: int, k: int =
     """One step of `batch` sequences with `context` positions cached before it and `k` drafts (0: no
     MTP): the step reads those positions and writes its k + 1 new ones.
 
-    dtype_bytes: of the weights and the caches; draft_head: the drafts' LM head (runner.DRAFT_HEAD):
+    dtype_bytes: of the weights and the caches; draft_head: the drafts' LM head (WorkerOptions.draft_head):
     "fp8" reads a float8 copy (one byte an element, an fp32 scale a row), "bf16" and "cublas" the head.
     fp8: a block-wise FP8 checkpoint, its projections FP8 (the embeddings, LM head, norms, GDN's
     in_proj_a/b, conv and gates and the MTP module's fc in dtype_bytes, as the releases keep them; the
