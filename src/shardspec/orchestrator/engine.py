@@ -29,7 +29,7 @@ from typing import Any
 from shardspec.orchestrator.config import EngineConfig, message_range
 from shardspec.orchestrator.group import WorkerGroup
 from shardspec.orchestrator.requests import Chunk, EngineError, Request, StepObserver, deliver
-from shardspec.orchestrator.scheduler import Batch, Scheduler
+from shardspec.orchestrator.scheduler import ScheduledStep, Scheduler
 from shardspec.orchestrator.tokenizer import Detokenizer, Tokenizer
 from shardspec.orchestrator.workers import WorkerLost
 from shardspec.protocol.errors import ErrorCode, RemoteError
@@ -48,7 +48,7 @@ REQUEST_ERRORS = frozenset({ErrorCode.BAD_REQUEST, ErrorCode.NOT_FOUND, ErrorCod
 class _Step:
     """A step on the wire: its batch, and one future per rank."""
 
-    batch: Batch
+    batch: ScheduledStep
     futures: list[asyncio.Future]
 
 
@@ -260,7 +260,7 @@ class Engine:
             if not inflight:
                 self.refused.clear()
 
-    def _refused(self, batch: Batch, exc: RemoteError) -> None:
+    def _refused(self, batch: ScheduledStep, exc: RemoteError) -> None:
         """Every rank refused a step before running any of it (a request error): only its new
         requests are at fault. A step refused because it names a sequence an earlier refusal
         dropped is retried; of the step at fault, a lone new request fails, several are each
@@ -275,7 +275,7 @@ class Engine:
             request.seq, request.solo = next(self.seq_ids), request.solo or not collateral
         self.scheduler.retry(batch.prefill)
 
-    def _next_batch(self, inflight: deque[_Step]) -> Batch | None:
+    def _next_batch(self, inflight: deque[_Step]) -> ScheduledStep | None:
         """The next step to send: of the next micro-batch, in turn, that has work and fewer than
         pipeline_depth steps on the wire."""
         groups = self.scheduler.groups
@@ -288,7 +288,7 @@ class Engine:
                 return batch
         return None
 
-    def _send(self, batch: Batch) -> _Step:
+    def _send(self, batch: ScheduledStep) -> _Step:
         step, tensors = batch.command()
         return _Step(batch, self.group.submit_all(step, tensors))
 

@@ -21,7 +21,7 @@ from shardspec.protocol.messages import ReleaseRequest, StepRequest
 
 
 @dataclass
-class Batch:
+class ScheduledStep:
     """The sequences of one step: new ones to prefill, running ones to decode."""
 
     prefill: list[Request]
@@ -49,7 +49,7 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def schedule(self, group: int = 0) -> Batch | None:
+    def schedule(self, group: int = 0) -> ScheduledStep | None:
         """The next step of micro-batch `group`: its running sequences, and the waiting ones it admits
         into free slots (up to its even share of what can run); None when it has nothing to do."""
         decode = [seq for seq in self.running if self.group_of[seq] == group]
@@ -64,7 +64,7 @@ class Scheduler:
             admitted.append(request)
             if request.solo:  # suspected of a refused step: admitted alone, so that it fails alone
                 break
-        return Batch(admitted, decode, group) if decode or admitted else None
+        return ScheduledStep(admitted, decode, group) if decode or admitted else None
 
     def retry(self, requests: list[Request]) -> None:
         """Put requests whose admission the workers refused back at the head of the queue."""
