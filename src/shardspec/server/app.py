@@ -19,12 +19,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from shardspec.orchestrator.engine import Engine
+from shardspec.orchestrator.engine import ENGINE_ERRORS, Engine
 from shardspec.orchestrator.metrics import CONTENT_TYPE, ServingMetrics
 from shardspec.orchestrator.tokenizer import Tokenizer
 from shardspec.server.api import ApiError, ChatBody, ChatShape, CompletionBody, GenerationBody, Shape, parse_body
 from shardspec.server.chat import ChatTemplate, ChatTemplateError
-from shardspec.server.generation import ENGINE_ERRORS, Choices, Event, Generation
+from shardspec.server.generation import Choices, Event, Generation
 from shardspec.server.jobs import Job, request_jobs
 from shardspec.server.streaming import ClientGone, EventStream, sse, until_disconnected
 

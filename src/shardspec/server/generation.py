@@ -10,17 +10,14 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from shardspec.orchestrator.engine import EngineError
+from shardspec.orchestrator.engine import ENGINE_ERRORS
 from shardspec.orchestrator.requests import Chunk, TokenLogprob
-from shardspec.orchestrator.workers import WorkerLost
-from shardspec.protocol.errors import RemoteError
 from shardspec.server.api import ApiError, usage
 from shardspec.server.jobs import Job
 
 if TYPE_CHECKING:
     from shardspec.server.app import Service
 
-ENGINE_ERRORS = (EngineError, WorkerLost, RemoteError)
 T = TypeVar("T")
 
 
