@@ -59,18 +59,10 @@ from shardspec.models.qwen3_5 import HybridConfig, Qwen3_5MoeConfig
 from shardspec.option_flags import add_flags, from_flags
 from shardspec.orchestrator.config import FORCED_ACCEPTANCE_ENV
 from shardspec.protocol.messages import FP8_DECODE_MODES, WorkerOptions
-from shardspec.testing.random_checkpoint import (
-    nine_b_config,
-    thirty_five_b_a3b_config,
-    tiny_config,
-    tiny_moe_config,
-    twenty_seven_b_config,
-    write_random_checkpoint,
-)
+from shardspec.testing.random_checkpoint import write_random_checkpoint
+from shardspec.testing.sizes import SIZES
 from shardspec.testing.step_bytes import StepBytes, step_bytes
 
-SIZES = {"tiny": tiny_config, "9b": nine_b_config, "27b": twenty_seven_b_config, "tiny-moe": tiny_moe_config,
-         "35b-a3b": thirty_five_b_a3b_config}
 PROMPT_LEN = 128
 
 

@@ -34,17 +34,9 @@ from shardspec.option_flags import add_flags, from_flags
 from shardspec.orchestrator.workers import free_port
 from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepRequest, WorkerOptions
 from shardspec.shard_worker.decoder import Decoder
-from shardspec.testing.random_checkpoint import (
-    nine_b_config,
-    thirty_five_b_a3b_config,
-    tiny_config,
-    tiny_moe_config,
-    twenty_seven_b_config,
-)
+from shardspec.testing.sizes import SIZES
 from shardspec.testing.step_bytes import StepBytes, step_bytes
 
-SIZES = {"tiny": tiny_config, "9b": nine_b_config, "27b": twenty_seven_b_config, "tiny-moe": tiny_moe_config,
-         "35b-a3b": thirty_five_b_a3b_config}
 # a step's parts: the first whose name fragment a kernel's name holds (lower case) takes its time
 PARTS = {
     "all-reduce": ("allreduce", "all_reduce", "nccl"),

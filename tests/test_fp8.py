@@ -312,10 +312,10 @@ def test_fp8_tensors_without_a_quantization_config_or_without_scales_are_refused
 def test_an_moe_whose_router_is_fp8_gives_the_logits_of_its_router_dequantised_at_load(tmp_path, monkeypatch):
     """Releases keep the router and the shared gate in 16 bits; a checkpoint that quantises them
     turns the block's stacked router into an FP8 projection, whose parts the block joins again."""
-    import shardspec.testing.random_checkpoint as random_checkpoint
+    import shardspec.testing.fp8 as fp8_format
 
-    keep = tuple(k for k in random_checkpoint.FP8_KEEP if k not in ("mlp.gate.", "shared_expert_gate"))
-    monkeypatch.setattr(random_checkpoint, "FP8_KEEP", keep)
+    keep = tuple(k for k in fp8_format.FP8_KEEP if k not in ("mlp.gate.", "shared_expert_gate"))
+    monkeypatch.setattr(fp8_format, "FP8_KEEP", keep)
     write_random_checkpoint(tmp_path, tiny_moe_config(), seed=6, fp8=True, experts="per_expert")
     kept = load_model(tmp_path, TPGroup(), torch.float32, torch.device("cpu"), fp8_native=True)
     plain = load_model(tmp_path, TPGroup(), torch.float32, torch.device("cpu"), fp8_native=False)

@@ -25,7 +25,7 @@ from conftest import wait_for_socket
 
 import shardspec
 from shardspec import security
-from shardspec.cli import BUNDLED_MODEL, UsageError, _engine_config, build_parser
+from shardspec.cli import BUNDLED_MODEL, UsageError, build_parser, engine_config
 from shardspec.layers.parallel import TPGroup
 from shardspec.models import loader
 from shardspec.models.checkpoint import checkpoint_files
@@ -216,10 +216,10 @@ def test_the_derived_step_bound_has_a_warm_up_floor_then_scales_with_the_measure
 def test_step_timeout_is_a_flag_of_generate_and_serve_and_is_checked():
     for command in ("generate", "serve"):
         args = build_parser().parse_args([command, "--step-timeout", "7.5", *(["x"] if command == "generate" else [])])
-        assert _engine_config(args).step_timeout == 7.5
+        assert engine_config(args).step_timeout == 7.5
     args = build_parser().parse_args(["generate", "x", "--step-timeout", "-1"])
     with pytest.raises(UsageError, match=r"--step-timeout must be a number of seconds in \[0, "):
-        _engine_config(args)
+        engine_config(args)
 
 
 # --- key files, spawned workers' folders, the restart budget -----------------------------------

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import shardspec
-from shardspec.cli import _engine_config, build_parser
+from shardspec.cli import build_parser, engine_config
 from shardspec.layers.moe import EXPERT_BACKENDS
 from shardspec.option_flags import from_flags
 from shardspec.orchestrator.config import EngineConfig
@@ -82,7 +82,7 @@ def test_generate_and_serve_have_a_flag_for_every_option(command):
     wanted = _other_values()
     assert from_flags(parser.parse_args([command, *_flags(wanted)]), WorkerOptions) == wanted
     assert from_flags(parser.parse_args([command]), WorkerOptions) == WorkerOptions()
-    config = _engine_config(parser.parse_args([command, "--workers", "tcp://a:1", *_flags(wanted)]))
+    config = engine_config(parser.parse_args([command, "--workers", "tcp://a:1", *_flags(wanted)]))
     assert config.worker_options == wanted
 
 

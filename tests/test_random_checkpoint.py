@@ -13,6 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import Qwen3_5TextConfig
 
+from shardspec.testing import checkpoint_files
 from shardspec.testing import random_checkpoint as rc
 from shardspec.testing.random_checkpoint import (
     layout_name,
@@ -123,7 +124,7 @@ def test_write_random_checkpoint_streams_same_tensors(tmp_path: Path, config, mo
     assert_same(read_checkpoint(tmp_path / "a")[1], expected)
     assert read_checkpoint(tmp_path / "a")[0]["dtype"] == "bfloat16"
 
-    monkeypatch.setattr(rc, "PROGRESS_MIN_BYTES", 1)
+    monkeypatch.setattr(checkpoint_files, "PROGRESS_MIN_BYTES", 1)
     assert (
         write_random_checkpoint(tmp_path / "b", config, seed=1, dtype=torch.bfloat16, keep=False)
         == {}

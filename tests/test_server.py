@@ -26,8 +26,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from shardspec.cli import BUNDLED_MODEL, main
 from shardspec.orchestrator.tokenizer import Tokenizer
 from shardspec.server.api import MAX_STOP_CHARS
-from shardspec.server.app import Service, StopText
+from shardspec.server.app import Service
 from shardspec.server.chat import ChatTemplate
+from shardspec.server.generation import StopText
 from shardspec.server.guard import uvicorn_config
 from shardspec.server.limits import DEFAULT_MAX_BODY_BYTES, HttpLimits
 from shardspec.server.run import bind

@@ -42,6 +42,8 @@ log = logging.getLogger("shardspec.orchestrator")
 # errors of one request that leave the workers' group consistent; any other error of a step means
 # the ranks may no longer agree, so the engine rebuilds the group
 REQUEST_ERRORS = frozenset({ErrorCode.BAD_REQUEST, ErrorCode.NOT_FOUND, ErrorCode.CAPACITY})
+# what starting the engine or a generation raises when the workers fail (not a caller's bad input)
+ENGINE_ERRORS = (EngineError, WorkerLost, RemoteError)
 
 
 @dataclass

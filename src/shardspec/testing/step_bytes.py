@@ -26,10 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardspec.models.qwen3_5 import HybridConfig, Qwen3_5MoeConfig
+from shardspec.testing.fp8 import FP8_BLOCK
 
 STATE_BYTES = 4  # the recurrent state is fp32 whatever the weights' dtype
 FP8_SCALE_BYTES = 4  # an fp32 scale: per row of the fp8 draft head (kernels.head), per block of FP8 weights
-FP8_BLOCK = 128  # the FP8 checkpoints' weight_block_size
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,43 @@
+"""The `shardspec` command: `worker` runs a shard-worker daemon, `generate` runs one prompt, `serve`
+runs an OpenAI-compatible HTTP server, `keys` makes CURVE key pairs.
+
+`parser` holds the subcommands and their flags; `commands` what each subcommand does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from shardspec.cli.commands import (
+    UsageError,
+    engine_config,
+    run_generate,
+    run_keys,
+    run_serve,
+    run_worker,
+    sampling_penalties,
+)
+from shardspec.cli.parser import DEFAULT_REPETITION_PENALTY, build_parser
+from shardspec.orchestrator.config import BUNDLED_MODEL
+
+__all__ = ["BUNDLED_MODEL", "DEFAULT_REPETITION_PENALTY", "UsageError", "build_parser", "engine_config", "main",
+           "sampling_penalties"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "worker":
+            return run_worker(args)
+        if args.command == "keys":
+            return run_keys(args)
+        if args.command == "serve":
+            return run_serve(args)
+        return asyncio.run(run_generate(args))
+    except UsageError as exc:
+        print(f"shardspec {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print(f"shardspec {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,293 @@
+"""What each subcommand does with its parsed arguments; bad input raises UsageError."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from typing import Any
+
+from shardspec.cli.parser import DEFAULT_REPETITION_PENALTY
+from shardspec.option_flags import from_flags
+from shardspec.orchestrator.config import BUNDLED_MODEL, DEFAULT_DRAFT_TOKENS, EngineConfig
+from shardspec.protocol.messages import WorkerOptions
+from shardspec.protocol.transport import (
+    HEARTBEAT_TIMEOUT_RANGE,
+    LEASE_RANGE,
+    MAX_MESSAGE_BYTES_RANGE,
+    check_heartbeat_timeout,
+    check_range,
+)
+
+
+class UsageError(Exception):
+    """Bad command-line input: printed as one line, exit code 2."""
+
+
+def progress(message: str) -> None:
+    print(f"[shardspec] {message}", file=sys.stderr, flush=True)
+
+
+def _local_defaults(args: argparse.Namespace, workers: list[str] | None) -> tuple[str, int | None]:
+    """Device and worker count for spawned workers: the GPUs when there are some, else 2 CPU workers."""
+    if workers is not None:
+        return args.device or "cpu", None
+    import torch
+
+    gpus = torch.cuda.device_count() if args.device in (None, "cuda") else 0
+    device = args.device or ("cuda" if gpus else "cpu")
+    if args.local is not None:
+        return device, args.local
+    if args.pp > 1:  # one worker per stage unless --tp says more
+        return device, (args.tp or 1) * args.pp
+    return device, args.tp or (max(1, min(gpus, 2)) if device == "cuda" else 2)
+
+
+def engine_config(args: argparse.Namespace, **options: Any) -> EngineConfig:
+    """The engine's config from the model and decoding options of generate and serve, plus `options`."""
+    if args.no_mtp and args.draft_tokens is not None:
+        raise UsageError("--draft-tokens sets MTP drafts; it cannot go with --no-mtp")
+    workers = [w.strip() for w in args.workers.split(",") if w.strip()] if args.workers else None
+    try:
+        split = [int(n) for n in args.layer_split.split(",")] if args.layer_split else None
+    except ValueError:
+        raise UsageError(f"--layer-split must be comma-separated layer counts, got {args.layer_split!r}") from None
+    device, local = _local_defaults(args, workers)
+    dtype = args.dtype or ("float32" if workers is None and device == "cpu" else "auto")  # serve's default
+    try:
+        return EngineConfig(
+            model=args.model, workers=workers, local=local, device=device, tp=args.tp, ep=args.ep, pp=args.pp,
+            layer_split=split, micro_batches=args.micro_batches, lookahead=args.lookahead, relay=args.relay,
+            dtype=dtype,
+            max_seq_len=args.max_seq_len, mtp=False if args.no_mtp else None,
+            draft_tokens=DEFAULT_DRAFT_TOKENS if args.draft_tokens is None else args.draft_tokens,
+            keys=args.keys, server_keys=args.server_keys, heartbeat_timeout=args.heartbeat_timeout,
+            dist_timeout=args.dist_timeout, dist_port=args.dist_port, connect_timeout=args.connect_timeout,
+            step_timeout=args.step_timeout, deterministic=args.deterministic,
+            worker_options=from_flags(args, WorkerOptions), **options,
+        )
+    except ValueError as exc:
+        raise UsageError(_in_flags(str(exc), args)) from None
+
+
+def _in_flags(message: str, args: argparse.Namespace) -> str:
+    """A config error in the command line's words: a leading field name becomes the flag that sets it."""
+    word, space, rest = message.partition(" ")
+    name = word.rstrip(":")
+    if space and name in vars(args):
+        return f"--{name.replace('_', '-')}{word[len(name):]} {rest}"
+    return message
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    import torch
+
+    from shardspec.shard_worker.daemon import ShardWorker
+    from shardspec.utils import check_address, parse_device, setup_logging
+
+    try:
+        check_address(args.listen)
+        parse_device(args.device)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UsageError(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    _check_heartbeat(args)
+    max_message_bytes = _check_worker_limits(args)
+    keys, allow = _worker_keys(args)
+    setup_logging(f"worker[{args.listen}]", args.log_level)
+    if args.insecure and keys is None:
+        logging.getLogger("shardspec.worker").warning("INSECURE: no CURVE keys; anyone who reaches %s can use "
+                                                      "this worker", args.listen)
+    try:
+        ShardWorker(args.listen, args.device, keys, allow, args.heartbeat_timeout, args.lease,
+                    max_message_bytes, args.threads).serve_forever()
+    except Exception as exc:  # e.g. the address is in use
+        print(f"shardspec worker: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _check_heartbeat(args: argparse.Namespace) -> None:
+    try:
+        check_heartbeat_timeout(args.heartbeat_timeout)
+    except ValueError:
+        lo, hi = HEARTBEAT_TIMEOUT_RANGE
+        raise UsageError(f"--heartbeat-timeout must be in [{lo:g}, {hi:g}] seconds, "
+                         f"got {args.heartbeat_timeout}") from None
+
+
+def _check_worker_limits(args: argparse.Namespace) -> int:
+    """--lease checked; --max-message-mb in bytes."""
+    for flag, value, (lo, hi) in (("--lease", args.lease, LEASE_RANGE),
+                                  ("--max-message-mb", args.max_message_mb,
+                                   [n / 2**20 for n in MAX_MESSAGE_BYTES_RANGE])):
+        try:
+            check_range(flag, value, lo, hi)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    return round(args.max_message_mb * 2**20)
+
+
+def _worker_keys(args: argparse.Namespace) -> tuple[Any, list[bytes]]:
+    from shardspec import security
+
+    if args.allow and not args.keys:
+        raise UsageError("--allow needs --keys (the worker's own key pair)")
+    if args.keys is None:
+        if security.reaches_other_users(args.listen) and not args.insecure:
+            raise UsageError(
+                f"refusing to listen on {args.listen} without CURVE keys: other users could use it. Pass --keys "
+                "WORKER_DIR --allow ORCHESTRATOR_DIR/NAME.key (make them with `shardspec keys generate DIR --name "
+                "NAME`), use a filesystem ipc://PATH socket, or pass --insecure"
+            )
+        return None, []
+    if not args.allow:
+        raise UsageError("--keys needs at least one --allow with an orchestrator's public key")
+    try:
+        return security.load_pair(args.keys), [k for path in args.allow for k in security.load_public_keys(path)]
+    except security.KeyFileError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def run_keys(args: argparse.Namespace) -> int:
+    from shardspec import security
+
+    try:
+        public, secret = security.generate(args.dir, args.name)
+    except security.KeyFileError as exc:
+        raise UsageError(str(exc)) from None
+    print(f"wrote {public} (public: give it to peers) and {secret} (secret: keep it here)")
+    return 0
+
+
+def _generate_prompt(args: argparse.Namespace) -> Any:
+    if (args.prompt is None) == (args.prompt_ids is None):
+        raise UsageError("give either a PROMPT text or --prompt-ids, exactly one")
+    if args.max_tokens < 1:
+        raise UsageError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.prompt_ids is None:
+        return args.prompt
+    try:
+        return [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+
+
+def sampling_penalties(args: argparse.Namespace) -> dict[str, float]:
+    """generate's penalty options, as engine.generate takes them."""
+    repetition = args.repetition_penalty
+    if repetition is None:
+        repetition = 1.0 if args.temperature == 0 else DEFAULT_REPETITION_PENALTY
+    return {"repetition_penalty": repetition, "presence_penalty": args.presence_penalty,
+            "frequency_penalty": args.frequency_penalty}
+
+
+async def run_generate(args: argparse.Namespace) -> int:
+    from shardspec.orchestrator.engine import ENGINE_ERRORS, connect
+    from shardspec.utils import setup_logging
+
+    setup_logging("orchestrator", args.log_level)
+    prompt = _generate_prompt(args)
+    config = engine_config(args, max_slots=1, pipeline=not args.no_pipeline, forced_acceptance=args.forced_acceptance)
+    token_ids: list[int] = []
+    final = None
+    try:
+        progress(f"starting {'workers' if config.spawns_workers else 'connection'} and loading {args.model}")
+        async with connect(config=config) as engine:
+            info, world_size = engine.load_info, config.world_size
+            progress(f"ready: {world_size} workers, {info.weight_bytes * world_size / 1e6:.0f} MB "
+                     f"of {info.dtype} weights, MTP drafts per step: {info.draft_tokens or 'off'}")
+            async for chunk in engine.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                                               top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                               **sampling_penalties(args)):
+                token_ids += chunk.token_ids
+                if not args.json:
+                    print(chunk.text if engine.tokenizer else " ".join(map(str, chunk.token_ids)),
+                          end="" if engine.tokenizer else " ", flush=True)
+                final = chunk
+            text = engine.tokenizer.decode(token_ids) if engine.tokenizer else None
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    except ENGINE_ERRORS as exc:
+        print(f"\nshardspec generate: error: {exc}", file=sys.stderr)
+        return 1
+    assert final is not None and final.stats is not None
+    if args.json:
+        out = {"token_ids": token_ids, "finish_reason": final.finish_reason, "stats": final.stats}
+        if text is not None:
+            out["text"] = text
+        print(json.dumps(out))
+    else:
+        print("\n" + summary_line(final.finish_reason, final.stats), file=sys.stderr)
+    return 0
+
+
+def summary_line(finish_reason: str | None, s: dict[str, Any]) -> str:
+    """One line after a streamed completion: tokens, speed, MTP acceptance."""
+    parts = [f"{s['generated_tokens']} tokens", f"{s['tokens_per_s']:.1f} tokens/s",
+             f"first token {s['time_to_first_token_s']:.2f}s"]
+    if "mean_acceptance_length" in s:
+        parts.append(f"mean acceptance length {s['mean_acceptance_length']:.2f}")
+    else:
+        parts.append("MTP off")
+    if "forced_acceptance" in s:
+        parts.append(f"FORCED ACCEPTANCE {s['forced_acceptance']} (benchmark: not the model's output)")
+    return "[" + ", ".join(parts) + f", finish: {finish_reason}]"
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from shardspec.orchestrator.engine import ENGINE_ERRORS
+    from shardspec.server.run import bind, serve
+    from shardspec.utils import setup_logging
+
+    options = _serve_options(args)
+    setup_logging("server", args.log_level)
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as exc:
+        print(f"shardspec serve: error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 1
+    progress(f"starting {'workers' if options.engine.spawns_workers else 'connection'} and loading {args.model}")
+    try:
+        asyncio.run(serve(options, sock, _serving_line(options.model_name)))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    except ENGINE_ERRORS as exc:
+        print(f"shardspec serve: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        sock.close()
+    progress("stopped")
+    return 0
+
+
+def _serve_options(args: argparse.Namespace) -> Any:
+    from shardspec.server.limits import HttpLimits
+    from shardspec.server.run import ServeOptions, default_model_name
+
+    if not 0 <= args.port < 65536:
+        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    try:
+        limits = HttpLimits(args.max_body_bytes, args.read_timeout, args.max_connections)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return ServeOptions(
+        engine=engine_config(args, max_slots=args.max_slots), host=args.host, port=args.port,
+        model_name=args.served_model_name or default_model_name(args.model, BUNDLED_MODEL),
+        log_level=args.log_level.lower(), limits=limits,
+    )
+
+
+def _serving_line(name: str) -> Any:
+    def ready(url: str, engine: Any) -> None:
+        info = engine.load_info
+        progress(f"serving {name} at {url} ({engine.config.world_size} workers, {info.dtype}, MTP drafts per step: "
+                 f"{info.draft_tokens or 'off'}, {engine.scheduler.max_slots} slots of {info.max_seq_len} tokens)")
+
+    return ready
