@@ -166,16 +166,20 @@ def _reads(model: CausalLM, whole: CausalLM, layout: _Layout) -> dict[str, tuple
         source = f"{module}.{spec.source or leaf}"
         keys = [layout.file_key(key) for key in sources(model, name, spec)]
         shape = list(whole.get_parameter(source).shape)
-        full = (lambda dims: [-(-n // spec.block) for n in dims]) if spec.block else list  # noqa: B023
         if spec.experts is not None:
             plan[name] = _expert_reads(keys[0], spec, shape, _part_rows(whole, source), layout.files)
         elif spec.parts is None:
-            plan[name] = ([(keys[0], spec.cut, full(shape))], False)
+            plan[name] = ([(keys[0], spec.cut, _in_blocks(shape, spec.block))], False)
         else:
             rows = _part_rows(whole, source)
-            plan[name] = ([(key, (0, ranges), full([rows[part], *shape[1:]]))
+            plan[name] = ([(key, (0, ranges), _in_blocks([rows[part], *shape[1:]], spec.block))
                            for key, (part, ranges) in zip(keys, spec.parts, strict=True)], True)
     return plan
+
+
+def _in_blocks(shape: list[int], block: int) -> list[int]:
+    """The shape of the block scales of a weight of `shape` (block 0: the weight's own)."""
+    return [-(-n // block) for n in shape] if block else shape
 
 
 def _part_rows(whole: CausalLM, source: str) -> dict[str, int]:
