@@ -545,13 +545,13 @@ def test_an_fp8_checkpoint_kept_fp8_on_the_gpu_gives_the_cpu_logits_in_fp32(fp8_
     """fp32 (the weight-only kernel at every row count): a cached prefill of 80 tokens, one-token
     decode passes and a three-token (verify-sized) pass with the FP8 weights in GPU memory give the
     logits of the weights dequantised at load on the CPU."""
-    from shardspec.layers.fp8 import Fp8Linear
+    from shardspec.layers.fp8 import Fp8LinearMethod
 
     ids = torch.randint(0, 512, (2, 90), generator=torch.Generator().manual_seed(0))
     cpu = load_model(fp8_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=False)
     reference = cpu.lm_head.logits(cpu(ids, Batch.uncached(2, 90, ids.device)))
     model = load_model(fp8_model, TPGroup(), torch.float32, torch.device("cuda"), with_mtp=False)
-    assert isinstance(model.layers["0"].mlp.down_proj, Fp8Linear)
+    assert isinstance(model.layers["0"].mlp.down_proj.method, Fp8LinearMethod)
     assert model.layers["0"].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
     model.allocate_caches(3, 128, torch.float32, torch.device("cuda"))
     x, slots = ids.cuda(), torch.tensor([2, 0], device="cuda")

@@ -18,13 +18,14 @@ from test_spec_decode import greedy_outputs
 
 import shardspec
 from shardspec.layers.batch import Batch
-from shardspec.layers.fp8 import Fp8Linear
+from shardspec.layers.fp8 import BlockSplitError, Fp8LinearMethod
 from shardspec.layers.parallel import TPGroup
+from shardspec.layers.quantization import QuantConfig
 from shardspec.models import fp8, registry
 from shardspec.models.base import Stage
 from shardspec.models.checkpoint import Checkpoint
 from shardspec.models.config import ConfigError
-from shardspec.models.loader import _plan, load_model
+from shardspec.models.loader import load_model
 from shardspec.testing.random_checkpoint import (
     fp8_quantized,
     nine_b_config,
@@ -177,7 +178,8 @@ def test_weights_kept_fp8_give_the_logits_of_weights_dequantised_at_load(aligned
         kept = load_model(aligned_fp8_model, group, torch.float32, torch.device("cpu"), fp8_native=True)
         plain = load_model(aligned_fp8_model, group, torch.float32, torch.device("cpu"), fp8_native=False)
         layer = kept.layers["0"].linear_attn.in_proj
-        assert isinstance(layer, Fp8Linear) and layer.weight.dtype == torch.float8_e4m3fn and layer.rest is not None
+        assert isinstance(layer.method, Fp8LinearMethod) and layer.weight.dtype == torch.float8_e4m3fn
+        assert layer.rest is not None
         x = torch.randn(1, 5, ALIGNED["hidden_size"])
         for a, b in zip(layer(x), plain.layers["0"].linear_attn.in_proj(x), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -212,17 +214,18 @@ def test_the_engine_refuses_an_fp8_tp_degree_for_gpu_workers_before_starting_the
 
 
 def converts_on_every_rank(raw: dict, tp: int, quantized: set[str]) -> bool:
-    """Whether every rank's model, built on the meta device, takes the FP8 weights as they are (the
-    check made at load, fp8.convert)."""
+    """Whether every rank's model, built on the meta device with the FP8 weights kept FP8, takes
+    them as they are (the check made at load, when a projection makes its FP8 weights)."""
     family = registry.resolve(raw)
     config = family.parse_config(raw)
-    files = dict.fromkeys(parameter_shapes(raw), Path("model.safetensors"))
+    shapes = parameter_shapes(raw)
+    quant = QuantConfig({key: tuple(shapes[key]) for key in quantized})
     stage = Stage.whole(config.num_hidden_layers)
     try:
         for rank in range(tp):
-            model, _, plan = _plan(family, config, TPGroup(rank, tp), stage, True, files)
-            fp8.convert(model, plan, quantized, tp)
-    except fp8.BlockSplitError:
+            with torch.device("meta"):
+                family.build(config, TPGroup(rank, tp), stage, True, quant)
+    except BlockSplitError:
         return False
     return True
 
@@ -311,7 +314,7 @@ def test_fp8_tensors_without_a_quantization_config_or_without_scales_are_refused
 
 def test_an_moe_whose_router_is_fp8_gives_the_logits_of_its_router_dequantised_at_load(tmp_path, monkeypatch):
     """Releases keep the router and the shared gate in 16 bits; a checkpoint that quantises them
-    turns the block's stacked router into an FP8 projection, whose parts the block joins again."""
+    makes the block's stacked router an FP8 projection, whose parts the block joins again."""
     import shardspec.testing.fp8 as fp8_format
 
     keep = tuple(k for k in fp8_format.FP8_KEEP if k not in ("mlp.gate.", "shared_expert_gate"))
@@ -319,6 +322,6 @@ def test_an_moe_whose_router_is_fp8_gives_the_logits_of_its_router_dequantised_a
     write_random_checkpoint(tmp_path, tiny_moe_config(), seed=6, fp8=True, experts="per_expert")
     kept = load_model(tmp_path, TPGroup(), torch.float32, torch.device("cpu"), fp8_native=True)
     plain = load_model(tmp_path, TPGroup(), torch.float32, torch.device("cpu"), fp8_native=False)
-    assert isinstance(kept.layers["0"].mlp.router, Fp8Linear)
+    assert isinstance(kept.layers["0"].mlp.router.method, Fp8LinearMethod)
     ids = random.Random(6).choices(range(512), k=20)
     torch.testing.assert_close(logits_of(kept, ids), logits_of(plain, ids), rtol=1e-4, atol=1e-4)

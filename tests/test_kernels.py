@@ -536,14 +536,15 @@ def test_an_fp8_mlp_multiplies_silu_gate_times_up_inside_its_down_projection(mon
     """With the kernels on, an MLP whose down projection is FP8 hands it gate and up (no SiLU·up
     launch) and gets the bits of down(silu_mul(gate, up)): W8A8 (the quantiser takes the SiLU·up)
     and weight-only (the SiLU·up its own kernel first)."""
-    from shardspec.layers.fp8 import Fp8Linear
     from shardspec.layers.mlp import MLP
+    from shardspec.layers.quantization import QuantConfig
 
     torch.manual_seed(0)
-    mlp = MLP(256, 128, TPGroup()).to(torch.bfloat16)
+    fp8_down = QuantConfig({"mlp.down_proj.weight": (256, 128)})
+    mlp = MLP(256, 128, TPGroup(), fp8_down, "mlp").to(torch.bfloat16)  # (the FP8 weights set below)
+    assert mlp.down_proj.method.fuses_silu
     mlp.gate_up_proj.weight.data.normal_(0, 0.1)
     down = torch.randn(256, 128) * 0.1
-    mlp.down_proj = Fp8Linear(256, 128)
     mlp.down_proj.weight.data, mlp.down_proj.weight_scale_inv.data = (down / 0.01).clamp(-448, 448).to(
         torch.float8_e4m3fn), torch.full((2, 1), 0.01)
     mlp = mlp.to(DEVICE)

@@ -272,8 +272,8 @@ def test_an_fp8_moe_checkpoint_is_checked_at_the_expert_parallel_degree_asked_fo
 def test_the_fused_kernels_take_the_shared_expert_only_at_one_token_with_16_bit_weights():
     """They read the shared expert's weights as they are: an FP8 projection (with its block scales
     elsewhere) stays out, as do more tokens than SHARED_TOKENS and a width other than the experts'."""
-    from shardspec.layers.fp8 import Fp8Linear
     from shardspec.layers.moe import SHARED_TOKENS, SparseMoE
+    from shardspec.layers.quantization import QuantConfig
 
     block = SparseMoE(128, 8, 2, 128, 128, TPGroup()).to(torch.bfloat16)
     block.experts.backend = "fused"
@@ -282,8 +282,10 @@ def test_the_fused_kernels_take_the_shared_expert_only_at_one_token_with_16_bit_
     assert block.fused_shared(one, ids, gate) is not None
     many = torch.zeros(SHARED_TOKENS + 1, 128, dtype=torch.bfloat16)
     assert block.fused_shared(many, ids.expand(SHARED_TOKENS + 1, -1), gate.expand(SHARED_TOKENS + 1, -1)) is None
-    block.shared_expert.down_proj = Fp8Linear(128, 128)
-    assert block.fused_shared(one, ids, gate) is None
+    fp8_shared = QuantConfig({"mlp.shared_expert.down_proj.weight": (128, 128)})
+    quantised = SparseMoE(128, 8, 2, 128, 128, TPGroup(), quant=fp8_shared, prefix="mlp").to(torch.bfloat16)
+    quantised.experts.backend = "fused"
+    assert quantised.fused_shared(one, ids, gate) is None
     narrow = SparseMoE(128, 8, 2, 128, 64, TPGroup()).to(torch.bfloat16)
     narrow.experts.backend = "fused"
     assert narrow.fused_shared(one, ids, gate) is None

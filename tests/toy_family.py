@@ -71,7 +71,7 @@ class ToyLayer(nn.Module):
 
 
 class ToyModel(CausalLM):
-    def __init__(self, config: ToyConfig, tp: TPGroup, stage: Stage, with_mtp: bool):
+    def __init__(self, config: ToyConfig, tp: TPGroup, stage: Stage, with_mtp: bool, quant=None):
         super().__init__()
         self.config, self.tp, self.stage = config, tp, stage
         self.embed = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)

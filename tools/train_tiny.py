@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from shardspec import kernels
 from shardspec.layers import gdn as gdn_layer
 from shardspec.layers.batch import Batch
-from shardspec.layers.parallel import TPGroup
+from shardspec.layers.parallel import TPGroup, slice_specs
 from shardspec.models.loader import sources
 from shardspec.models.qwen3_5 import Qwen3_5Config, Qwen3_5Model
 
@@ -626,10 +626,11 @@ def export(model: Qwen3_5Model, out: Path) -> None:
     from safetensors.torch import save_file
 
     tensors = {}
+    specs = slice_specs(model)
     for name, param in model.named_parameters():
-        parts = getattr(param, "parts", None)  # a stacked weight: one checkpoint tensor per part
-        sizes = model.get_submodule(name.rsplit(".", 1)[0]).sizes if parts else [param.shape[0]]
-        for key, rows in zip(sources(model, name, parts), param.detach().split(sizes), strict=True):
+        stacked = specs[name].parts is not None  # a stacked weight: one checkpoint tensor per part
+        sizes = model.get_submodule(name.rsplit(".", 1)[0]).sizes if stacked else [param.shape[0]]
+        for key, rows in zip(sources(model, name, specs[name]), param.detach().split(sizes), strict=True):
             tensors[key] = rows.to("cpu", torch.bfloat16).contiguous()
     model_dir = out / "model"
     model_dir.mkdir(parents=True, exist_ok=True)

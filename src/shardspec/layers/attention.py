@@ -13,6 +13,7 @@ from shardspec.layers.invariant import pointwise
 from shardspec.layers.linear import MergedColumnParallelLinear, RowParallelLinear, head_ranges
 from shardspec.layers.norm import RMSNorm
 from shardspec.layers.parallel import TPGroup
+from shardspec.layers.quantization import QuantConfig
 from shardspec.layers.rotary import RotaryEmbedding
 
 # Passes of up to this many tokens per sequence (decode, verify) use the kernels that read the
@@ -61,7 +62,7 @@ class GatedAttention(CachedLayer):
     rotary embedding over the first `rotary_dim` channels of each head."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, rotary_dim: int, rope_theta: float,
-                 eps: float, tp: TPGroup):
+                 eps: float, tp: TPGroup, quant: QuantConfig | None = None, prefix: str = ""):
         super().__init__()
         dim = self.head_dim = head_dim
         self.heads = heads // tp.size
@@ -69,8 +70,8 @@ class GatedAttention(CachedLayer):
         # q_proj rows hold [query | gate] per head, so whole heads are 2*dim rows
         self.qkv_proj = MergedColumnParallelLinear(hidden, {
             "q_proj": head_ranges(tp, heads, 2 * dim), "k_proj": kv_ranges, "v_proj": kv_ranges,
-        })
-        self.o_proj = RowParallelLinear(head_ranges(tp, heads, dim), hidden)
+        }, quant, f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(head_ranges(tp, heads, dim), hidden, quant, f"{prefix}.o_proj")
         self.q_norm = RMSNorm(dim, eps)
         self.k_norm = RMSNorm(dim, eps)
         self.rotary = RotaryEmbedding(dim, rotary_dim, rope_theta)

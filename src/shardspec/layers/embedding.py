@@ -8,7 +8,7 @@ from torch import nn
 
 from shardspec import kernels
 from shardspec.layers.linear import linear
-from shardspec.layers.parallel import TPGroup, shard
+from shardspec.layers.parallel import SliceSpec, TPGroup
 from shardspec.protocol.messages import DRAFT_HEADS  # how draft_argmax can read the head: see use_draft_kernel
 
 
@@ -22,8 +22,8 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, dim: int, tp: TPGroup):
         super().__init__()
         self.start, self.end = vocab_range(vocab_size, tp)
-        weight = nn.Parameter(torch.empty(self.end - self.start, dim), requires_grad=False)
-        self.weight = shard(weight, 0, [(self.start, self.end)])
+        self.weight = nn.Parameter(torch.empty(self.end - self.start, dim), requires_grad=False)
+        self.slice_specs = {"weight": SliceSpec(cut=(0, ((self.start, self.end),)))}
         self.tp = tp
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -46,8 +46,8 @@ class ParallelLMHead(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
         self.start, self.end = vocab_range(vocab_size, tp)
-        weight = nn.Parameter(torch.empty(self.end - self.start, dim), requires_grad=False)
-        self.weight = shard(weight, 0, [(self.start, self.end)])
+        self.weight = nn.Parameter(torch.empty(self.end - self.start, dim), requires_grad=False)
+        self.slice_specs = {"weight": SliceSpec(cut=(0, ((self.start, self.end),)))}
         self.tp = tp
         self.draft_weight: torch.Tensor | None = None  # see use_draft_kernel
         self.draft_scale: torch.Tensor | None = None

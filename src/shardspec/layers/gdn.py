@@ -20,7 +20,8 @@ from shardspec.layers.batch import Batch, CachedLayer
 from shardspec.layers.invariant import matvec, pointwise, row_reduce
 from shardspec.layers.linear import MergedColumnParallelLinear, RowParallelLinear, head_ranges
 from shardspec.layers.norm import GatedRMSNorm
-from shardspec.layers.parallel import TPGroup, shard
+from shardspec.layers.parallel import SliceSpec, TPGroup
+from shardspec.layers.quantization import QuantConfig
 
 CHUNK = 64  # tokens per chunk of chunked_delta_rule (read at each call: tools/train_tiny.py --gdn-chunk sets it)
 
@@ -146,7 +147,8 @@ class GatedDeltaNet(CachedLayer):
     """nk key heads of dk channels and nv value heads of dv (nv a multiple of nk), a causal conv of
     `kernel` taps over [q | k | v], split by key heads with their value heads."""
 
-    def __init__(self, hidden: int, nk: int, nv: int, dk: int, dv: int, kernel: int, eps: float, tp: TPGroup):
+    def __init__(self, hidden: int, nk: int, nv: int, dk: int, dv: int, kernel: int, eps: float, tp: TPGroup,
+                 quant: QuantConfig | None = None, prefix: str = ""):
         super().__init__()
         self.k_heads, self.v_heads, self.dk, self.dv = nk // tp.size, nv // tp.size, dk, dv
         # in_proj_qkv and conv1d are [q | k | v] along their rows: take this rank's heads of each
@@ -157,12 +159,14 @@ class GatedDeltaNet(CachedLayer):
             "in_proj_z": head_ranges(tp, nv, dv),
             "in_proj_b": head_ranges(tp, nv, 1),
             "in_proj_a": head_ranges(tp, nv, 1),
-        })
-        self.conv1d_weight = shard(nn.Parameter(torch.empty(self.conv_dim, 1, kernel), requires_grad=False), 0, qkv)
-        self.A_log = shard(nn.Parameter(torch.empty(self.v_heads), requires_grad=False), 0, head_ranges(tp, nv, 1))
-        self.dt_bias = shard(nn.Parameter(torch.empty(self.v_heads), requires_grad=False), 0, head_ranges(tp, nv, 1))
+        }, quant, f"{prefix}.in_proj")
+        self.conv1d_weight = nn.Parameter(torch.empty(self.conv_dim, 1, kernel), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(self.v_heads), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.v_heads), requires_grad=False)
+        heads = SliceSpec(cut=(0, tuple(head_ranges(tp, nv, 1))))
+        self.slice_specs = {"conv1d_weight": SliceSpec(cut=(0, tuple(qkv))), "A_log": heads, "dt_bias": heads}
         self.norm = GatedRMSNorm(dv, eps)
-        self.out_proj = RowParallelLinear(head_ranges(tp, nv, dv), hidden)
+        self.out_proj = RowParallelLinear(head_ranges(tp, nv, dv), hidden, quant, f"{prefix}.out_proj")
         self.kernel = kernel
         self.conv_state = torch.empty(0)
         self.recurrent_state = torch.empty(0)

@@ -1,6 +1,10 @@
-"""Column- and row-parallel linear layers (no bias: Qwen3.5 has none)."""
+"""Column- and row-parallel linear layers (no bias: Qwen3.5 has none). Each holds the method its
+model's QuantConfig gives it when it is built (layers.quantization): the method makes the layer's
+parameters, with their slice specs, and multiplies by them."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -8,7 +12,10 @@ from torch import nn
 
 from shardspec import kernels
 from shardspec.layers import invariant
-from shardspec.layers.parallel import Ranges, TPGroup, shard, stack
+from shardspec.layers.parallel import WHOLE, Ranges, SliceSpec, TPGroup
+
+if TYPE_CHECKING:
+    from shardspec.layers.quantization import QuantConfig
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, block_rows: int = 0) -> torch.Tensor:
@@ -21,27 +28,72 @@ def linear(x: torch.Tensor, weight: torch.Tensor, block_rows: int = 0) -> torch.
     return F.linear(x, weight)
 
 
+class LinearMethod:
+    """How a projection holds and multiplies its weights: unquantised here, block-wise FP8 in
+    layers.fp8. The layer keeps the tensors; a method keeps only their layout."""
+
+    quantized = False  # the layer's weights are other than one `weight` in the activations' dtype
+    fuses_silu = False  # apply takes `up`: silu(x) · up inside the projection, with the kernels on
+
+    def create_weights(self, layer: Linear, rows: int, cols: int, spec: SliceSpec) -> None:
+        """The layer's parameters for `rows` × `cols` of the projection, cut from the checkpoint as
+        `spec` says, with their own specs in layer.slice_specs."""
+        layer.weight = nn.Parameter(torch.empty(rows, cols), requires_grad=False)
+        layer.slice_specs["weight"] = spec
+
+    def apply(self, layer: Linear, x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+        """x times the projection, every output row in order (a merged one's parts joined)."""
+        assert up is None, "silu(x) · up inside the projection is a method's that fuses_silu"
+        return linear(x, layer.weight, layer.block_rows)
+
+    def apply_parts(self, layer: Linear, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A merged projection's outputs, one per part in order (views)."""
+        return self.apply(layer, x).split(layer.sizes, -1)
+
+    def after_loading(self, layer: Linear) -> None:
+        """Once the weights are in place on their device (layouts the kernels want)."""
+
+
+UNQUANTIZED = LinearMethod()
+
+
 class Linear(nn.Module):
-    """A projection without bias; `block_rows` (0: off) is set by CausalLM.set_batch_invariant."""
+    """A projection without bias, whose checkpoint weights are `keys` (one per part); `block_rows`
+    (0: off) is set by CausalLM.set_batch_invariant."""
 
     block_rows = 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.block_rows)
+    def __init__(self, rows: int, cols: int, spec: SliceSpec, keys: list[str], quant: QuantConfig | None):
+        super().__init__()
+        self.slice_specs: dict[str, SliceSpec] = {}
+        self.method = quant.linear_method(keys) if quant is not None else UNQUANTIZED
+        self.method.create_weights(self, rows, cols, spec)
+
+    def forward(self, x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+        """self(x); with `up` (a method that fuses_silu: layers.mlp.MLP) self(silu(x) · up)."""
+        return self.method.apply(self, x, up)
 
 
 class MergedColumnParallelLinear(Linear):
     """Column-parallel projections of the same input as one matmul; returns their outputs in
-    order (views of one tensor). `parts` maps each checkpoint module name to this rank's rows."""
+    order (views of one tensor). `parts` maps each checkpoint module name to this rank's rows; the
+    names are siblings of `prefix`'s last one."""
 
-    def __init__(self, in_features: int, parts: dict[str, Ranges]):
-        super().__init__()
-        self.sizes = [sum(end - start for start, end in ranges) for ranges in parts.values()]
-        weight = nn.Parameter(torch.empty(sum(self.sizes), in_features), requires_grad=False)
-        self.weight = stack(weight, list(parts.items()))
+    def __init__(self, in_features: int, parts: dict[str, Ranges], quant: QuantConfig | None = None,
+                 prefix: str = ""):
+        sizes = [sum(end - start for start, end in ranges) for ranges in parts.values()]
+        parent = prefix.rpartition(".")[0]
+        keys = [f"{parent}.{name}.weight" for name in parts]
+        spec = SliceSpec(parts=tuple((name, tuple(ranges)) for name, ranges in parts.items()))
+        super().__init__(sum(sizes), in_features, spec, keys, quant)
+        self.sizes = sizes
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return super().forward(x).split(self.sizes, -1)
+        return self.method.apply_parts(self, x)
+
+    def joined(self, x: torch.Tensor) -> torch.Tensor:
+        """The parts' outputs side by side, as one tensor."""
+        return self.method.apply(self, x)
 
 
 class RowParallelLinear(Linear):
@@ -49,16 +101,21 @@ class RowParallelLinear(Linear):
     one of these layers feeds an RMSNorm, which sums it across the group (RMSNorm's `reduce`), in
     the same kernel as its residual add where it can."""
 
-    def __init__(self, ranges: Ranges, out_features: int):
-        super().__init__()
+    def __init__(self, ranges: Ranges, out_features: int, quant: QuantConfig | None = None, prefix: str = ""):
         in_features = sum(end - start for start, end in ranges)
-        self.weight = shard(nn.Parameter(torch.empty(out_features, in_features), requires_grad=False), 1, ranges)
+        super().__init__(out_features, in_features, SliceSpec(cut=(1, tuple(ranges))), [f"{prefix}.weight"], quant)
 
 
 class ReplicatedLinear(Linear):
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+    def __init__(self, in_features: int, out_features: int, quant: QuantConfig | None = None, prefix: str = ""):
+        super().__init__(out_features, in_features, WHOLE, [f"{prefix}.weight"], quant)
+
+
+def after_loading(model: nn.Module) -> None:
+    """Each projection's method, once the model's weights are loaded (LinearMethod.after_loading)."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.method.after_loading(module)
 
 
 def head_ranges(tp: TPGroup, num_heads: int, head_size: int, offset: int = 0) -> Ranges:

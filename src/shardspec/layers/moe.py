@@ -33,9 +33,10 @@ from torch import nn
 
 from shardspec import kernels
 from shardspec.layers.invariant import in_blocks, pointwise
-from shardspec.layers.linear import Linear, MergedColumnParallelLinear, RowParallelLinear, linear
+from shardspec.layers.linear import MergedColumnParallelLinear, linear
 from shardspec.layers.mlp import MLP, silu_mul
-from shardspec.layers.parallel import TPGroup, shard, stack
+from shardspec.layers.parallel import SliceSpec, TPGroup
+from shardspec.layers.quantization import QuantConfig
 
 GATHER_ROWS = 64  # (token, expert) rows per block of the gathered backend: fixed shapes, bounded gathers
 # (token, expert) rows up to which bf16 on CUDA takes the fused backend. It re-reads an expert for each
@@ -76,8 +77,8 @@ def expert_split(tp: TPGroup, num_experts: int, intermediate_size: int, ep: int)
 class Experts(nn.Module):
     """This rank's routed experts: `gate_up_proj` [E_rank, 2·I_rank, H] (each expert's gate rows, then
     its up rows) and `down_proj` [E_rank, H, I_rank], the checkpoint's fused 3-D layout. Each
-    parameter's `experts` is the range of experts it holds; its `parts`/`shard` describe the slice
-    of one expert's matrix (models.loader reads either expert layout with them)."""
+    parameter's slice spec holds the range of experts it holds and the slice of one expert's matrix
+    (models.loader reads either expert layout with them, dequantising FP8 experts)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup, ep: int = 1):
         super().__init__()
@@ -85,11 +86,11 @@ class Experts(nn.Module):
         count, width = experts[1] - experts[0], rows[1] - rows[0]
         self.first = experts[0]
         self.sizes = [intermediate_size, intermediate_size]  # the gate and up rows of a whole expert
-        gate_up = nn.Parameter(torch.empty(count, 2 * width, hidden_size), requires_grad=False)
-        self.gate_up_proj = stack(gate_up, [("gate_proj", [rows]), ("up_proj", [rows])])
-        self.down_proj = shard(nn.Parameter(torch.empty(count, hidden_size, width), requires_grad=False), 1, [rows])
-        for param in (self.gate_up_proj, self.down_proj):
-            param.experts = experts  # type: ignore[attr-defined]
+        self.gate_up_proj = nn.Parameter(torch.empty(count, 2 * width, hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(count, hidden_size, width), requires_grad=False)
+        self.slice_specs = {"gate_up_proj": SliceSpec(parts=(("gate_proj", (rows,)), ("up_proj", (rows,))),
+                                                      experts=experts),
+                            "down_proj": SliceSpec(cut=(1, (rows,)), experts=experts)}
         self.block_rows = 0  # batch-invariant mode (CausalLM.set_batch_invariant)
         self.invariant = False
         self.backend = kernels.settings.moe_backend  # auto or one of EXPERT_BACKENDS (comparisons)
@@ -198,22 +199,21 @@ class SparseMoE(nn.Module):
     last), one matmul."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
-                 shared_intermediate_size: int, tp: TPGroup, ep: int = 1):
+                 shared_intermediate_size: int, tp: TPGroup, ep: int = 1, quant: QuantConfig | None = None,
+                 prefix: str = ""):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         # every rank holds all rows of both (replicated)
         self.router = MergedColumnParallelLinear(hidden_size, {"gate": [(0, num_experts)],
-                                                               "shared_expert_gate": [(0, 1)]})
+                                                               "shared_expert_gate": [(0, 1)]}, quant,
+                                                 f"{prefix}.router")
         self.experts = Experts(num_experts, hidden_size, intermediate_size, tp, ep)
-        self.shared_expert = MLP(hidden_size, shared_intermediate_size, tp)
+        self.shared_expert = MLP(hidden_size, shared_intermediate_size, tp, quant, f"{prefix}.shared_expert")
         self.invariant = False  # batch-invariant mode (CausalLM.set_batch_invariant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if isinstance(self.router, MergedColumnParallelLinear):
-            logits = Linear.forward(self.router, rows)  # [N, E + 1], not split
-        else:  # an FP8 checkpoint that quantised the router (layers.fp8.Fp8Linear: the parts, split)
-            logits = torch.cat(self.router(rows), -1)
+        logits = self.router.joined(rows)  # [N, E + 1], not split
         if kernels.enabled(logits):  # softmax, top k, renormalisation and the gate's sigmoid: one launch
             weights, ids, gate = kernels.moe.route(logits, self.num_experts, self.top_k)
         else:
@@ -231,8 +231,7 @@ class SparseMoE(nn.Module):
         rank and its weights 16-bit like the experts'."""
         shared = self.shared_expert
         fits = (rows.shape[0] <= SHARED_TOKENS and self.experts.pick(rows, ids.numel()) == "fused"
-                and all(type(part) in (MergedColumnParallelLinear, RowParallelLinear)  # not FP8 (layers.fp8)
-                        and part.weight.dtype == self.experts.gate_up_proj.dtype
+                and all(not part.method.quantized and part.weight.dtype == self.experts.gate_up_proj.dtype
                         for part in (shared.gate_up_proj, shared.down_proj))
                 and shared.down_proj.weight.shape == self.experts.down_proj.shape[1:])
         return (shared.gate_up_proj.weight, shared.down_proj.weight, gate) if fits else None

@@ -166,18 +166,36 @@ class _NormRing:
         self._keep = buffer, handle
 
 
-def shard(param: nn.Parameter, dim: int, ranges: Ranges) -> nn.Parameter:
-    """Mark `param` as the concatenation along `dim` of `ranges` of the checkpoint tensor.
+@dataclass(frozen=True)
+class SliceSpec:
+    """How a rank's parameter is cut from the checkpoint (models.loader reads it by this; a layer
+    holds one per parameter in its `slice_specs`, default WHOLE).
 
-    Ranges reaching past the checkpoint's size are zero-padded (vocabulary padding)."""
-    param.shard = (dim, ranges)  # type: ignore[attr-defined]
-    return param
+    cut: (dim, ranges): the concatenation along dim of those ranges of one tensor; ranges past its
+        end read as zeros (vocabulary padding).
+    parts: the rows `ranges` of each named sibling tensor, stacked in order: several projections of
+        one input held as one weight (`in_proj.weight` made of `in_proj_qkv.weight`, ...); the
+        names replace the module's own in the checkpoint key.
+    experts: [first, end): whole experts one after the other, each cut by `cut` or `parts`.
+    source: the parameter's weight as the unquantised layer holds it, where it is another leaf
+        (a quantised layer's `rest` rows come from `weight`).
+    block: > 0: the block scales of `source` (`{source}_scale_inv`, one per block × block; ranges
+        in blocks)."""
+
+    cut: tuple[int, Ranges] | None = None
+    parts: tuple[tuple[str, Ranges], ...] | None = None
+    experts: tuple[int, int] | None = None
+    source: str = ""
+    block: int = 0
 
 
-def stack(param: nn.Parameter, parts: list[tuple[str, Ranges]]) -> nn.Parameter:
-    """Mark `param` as the rows `ranges` of each named checkpoint tensor, stacked in order: several
-    projections of one input held as one weight, so a step runs one matmul where it ran several.
-    The names replace the module name in the parameter's own checkpoint key (`in_proj.weight` made
-    of `in_proj_qkv.weight`, `in_proj_z.weight`, ...)."""
-    param.parts = parts  # type: ignore[attr-defined]
-    return param
+WHOLE = SliceSpec()  # a replicated parameter: the whole checkpoint tensor
+
+
+def slice_specs(model: nn.Module) -> dict[str, SliceSpec]:
+    """Every parameter's spec, by its name in `model`."""
+    specs = {}
+    for name, _ in model.named_parameters():
+        module, _, leaf = name.rpartition(".")
+        specs[name] = getattr(model.get_submodule(module), "slice_specs", {}).get(leaf, WHOLE)
+    return specs

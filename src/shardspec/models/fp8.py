@@ -9,9 +9,10 @@ decides, whatever the skip list names; every other tensor (embeddings, LM head, 
 as in a bf16 checkpoint.
 
 Two ways to load one: dequantised at load into the model's dtype (the CPU path: any slice of a
-weight works), or kept FP8 (`convert`, the GPU path): each Linear whose checkpoint weights are FP8
-becomes a layers.fp8.Fp8Linear holding the rank's slice of the weight and of its scale blocks, so
-a rank's slice must consist of whole 128 × 128 blocks.
+weight works), or kept FP8 (the GPU path): the model is built with a layers.quantization.QuantConfig
+naming the FP8 weights, and each projection whose checkpoint weights are FP8 takes the block-wise
+FP8 method (layers.fp8.Fp8LinearMethod), holding the rank's slice of the weight and of its scale
+blocks, so a rank's slice must consist of whole 128 × 128 blocks.
 """
 
 from __future__ import annotations
@@ -20,10 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
-from shardspec.layers.fp8 import BLOCK, Fp8Linear, dequantize
-from shardspec.layers.linear import Linear
+from shardspec.layers.fp8 import BLOCK, blocks, dequantize
 from shardspec.models.config import ConfigError, text_config
 
 SUPPORTED = ("supported: fine-grained FP8 (quant_method 'fp8', fmt 'e4m3', weight_block_size [128, 128], "
@@ -32,7 +31,6 @@ FP8_DTYPE = "F8_E4M3"  # the safetensors dtype of a quantised weight
 SCALE_DTYPES = ("F32", "BF16", "F16")
 MAX_FP8_TP = 64  # the largest TP degree a refusal considers when it names the degrees that work
 
-Read = tuple[str, Any, list[int]]  # loader.Read: a checkpoint tensor, this rank's slice of it, its full shape
 
 
 @dataclass(frozen=True)
@@ -40,11 +38,6 @@ class Fp8Format:
     """A checkpoint's fine-grained FP8 quantization (the only one supported)."""
 
     modules_to_not_convert: tuple[str, ...] = ()
-
-
-class BlockSplitError(ConfigError):
-    """A rank's slice of an FP8 weight cuts through its 128 × 128 blocks (the loader names the TP
-    degrees that do not)."""
 
 
 def read_format(raw: dict[str, Any]) -> Fp8Format | None:
@@ -75,10 +68,6 @@ def scale_key(key: str) -> str:
     return key + "_scale_inv"
 
 
-def blocks(n: int) -> int:
-    return -(-n // BLOCK)
-
-
 def quantized_keys(entries: dict[str, tuple[list[int], str]], fmt: Fp8Format | None, folder: Any) -> set[str]:
     """The FP8 weights among `entries` (checkpoint key -> (shape, safetensors dtype)), each checked
     to be a 2-D `.weight` of e4m3 with a float scale of the shape its blocks imply (`entries` must
@@ -106,7 +95,7 @@ def quantized_keys(entries: dict[str, tuple[list[int], str]], fmt: Fp8Format | N
 
 def split_problem(config: Any, tp: int, quantized: set[str]) -> str | None:
     """Why `tp` ranks would cut through the blocks of a weight in `quantized`, from the config's
-    `tp_splits` (a family without it: None, and the loader finds out when it converts), or None."""
+    `tp_splits` (a family without it: None, and the loader finds out when it builds the model), or None."""
     splits = getattr(config, "tp_splits", None)
     for name, segments in (splits(tp) if splits else {}).items():
         key = min((key for key in quantized if key.endswith(f".{name}.weight")), default=None)
@@ -143,80 +132,3 @@ def dequantize_slice(w8: torch.Tensor, scale: torch.Tensor, spec: tuple | None, 
         dim, ranges = spec  # rows past the end (padding) are zeros: any block's scale does
         index[dim] = torch.cat([torch.arange(start, end) for start, end in ranges]).clamp(max=shape[dim] - 1)
     return dequantize(w8, scale, dtype, *index)
-
-
-def convert(model: nn.Module, plan: dict[str, tuple[list[Read], bool]], quantized: set[str],
-            tp_size: int) -> dict[str, tuple[list[Read], bool]]:
-    """Replace, on the meta device, each Linear whose checkpoint weights are FP8 by an Fp8Linear,
-    and return the plan with that layer's reads (weight, weight_scale_inv and rest in place of
-    weight). BlockSplitError where this rank's slice would split a block."""
-    plan = dict(plan)
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, Linear):
-            continue
-        reads, stacked = plan[f"{name}.weight"]
-        if not any(key in quantized for key, _, _ in reads):
-            continue
-        del plan[f"{name}.weight"]
-        with torch.device("meta"):  # allocated on the device later, with the rest (loader)
-            layer, layer_reads = (_merged if stacked else _single)(reads, quantized, module.weight.dtype, tp_size)
-        model.set_submodule(name, layer)
-        plan |= {f"{name}.{leaf}": entry for leaf, entry in layer_reads.items()}
-    return plan
-
-
-def _single(reads: list[Read], quantized: set[str], dtype, tp_size: int):
-    """One FP8 checkpoint weight, whole or sliced along one dimension."""
-    ((key, spec, shape),) = reads
-    if spec is None:
-        rows, cols, scale_spec = shape[0], shape[1], None
-    else:
-        dim, ranges = spec
-        ranges = _whole_blocks(key, ranges, shape[dim], tp_size)
-        size = sum(end - start for start, end in ranges)
-        rows, cols = (size, shape[1]) if dim == 0 else (shape[0], size)
-        scale_spec = (dim, [(start // BLOCK, blocks(end)) for start, end in ranges])
-    scale = (scale_key(key), scale_spec, [blocks(shape[0]), blocks(shape[1])])
-    return Fp8Linear(rows, cols), {"weight": ([(key, spec, shape)], False), "weight_scale_inv": ([scale], False)}
-
-
-def _merged(reads: list[Read], quantized: set[str], dtype, tp_size: int):
-    """Stacked parts (a MergedColumnParallelLinear): the FP8 parts each padded to whole blocks with
-    zero rows, the others into `rest`."""
-    weight, scales, rest, outputs = [], [], [], []
-    fp8_rows = rest_rows = 0
-    for key, (_, ranges), shape in reads:
-        size = sum(end - start for start, end in ranges)
-        if key not in quantized:
-            rest.append((key, (0, ranges), shape))
-            outputs.append((True, rest_rows, size))
-            rest_rows += size
-            continue
-        ranges = _whole_blocks(key, ranges, shape[0], tp_size)
-        pad = -size % BLOCK  # only where the part ends at its tensor's end: rows past it read as zeros
-        ranges[-1] = (ranges[-1][0], ranges[-1][1] + pad)
-        weight.append((key, (0, ranges), shape))
-        scales.append((scale_key(key), (0, [(start // BLOCK, blocks(end)) for start, end in ranges]),
-                       [blocks(shape[0]), blocks(shape[1])]))
-        outputs.append((False, fp8_rows, size))
-        fp8_rows += size + pad
-    layer_reads = {"weight": (weight, True), "weight_scale_inv": (scales, True)}
-    if rest:
-        layer_reads["rest"] = (rest, True)
-    return Fp8Linear(fp8_rows, reads[0][2][1], outputs, rest_rows, dtype), layer_reads
-
-
-def _whole_blocks(key: str, ranges: list[tuple[int, int]], size: int, tp_size: int) -> list[tuple[int, int]]:
-    """`ranges` with adjacent ones joined, once each is seen to start on a block boundary and to end
-    on one or at the tensor's end."""
-    joined: list[tuple[int, int]] = []
-    for start, end in ranges:
-        if joined and joined[-1][1] == start:
-            joined[-1] = (joined[-1][0], end)
-        else:
-            joined.append((start, end))
-    for start, end in joined:
-        if start % BLOCK or (end % BLOCK and end < size):
-            raise BlockSplitError(f"tensor-parallel degree {tp_size} splits the {BLOCK} × {BLOCK} FP8 blocks of "
-                                  f"{key!r} (a rank's slice {start}:{end} of {size})")
-    return joined

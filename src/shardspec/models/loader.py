@@ -10,10 +10,13 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from shardspec import kernels
-from shardspec.layers.fp8 import FP8, prepare_kernels
-from shardspec.layers.parallel import TPGroup
+from shardspec.layers.fp8 import FP8, BlockSplitError
+from shardspec.layers.linear import after_loading
+from shardspec.layers.parallel import WHOLE, SliceSpec, TPGroup, slice_specs
+from shardspec.layers.quantization import QuantConfig
 from shardspec.models import fp8
 from shardspec.models.base import CausalLM, Stage, split_config
 from shardspec.models.checkpoint import Checkpoint, fp8_degrees_note
@@ -47,25 +50,25 @@ def load_model(
         raise ConfigError(f"{checkpoint.folder} has no MTP weights "
                           f"({family.draft_prefix or 'its family has no MTP'}*)")
     mtp = checkpoint.has_mtp if with_mtp is None else with_mtp
-    model, specs, plan = _plan(family, config, tp, stage, mtp, files, expert_parallel)
-    experts = {name: param.experts for name, param in model.named_parameters() if hasattr(param, "experts")}
-    read_keys = {key for reads, _ in plan.values() for key, _, _ in reads}
+    layout = _Layout(files)
+    with torch.device("meta"):
+        whole = family.build(config, TPGroup(), stage, mtp, None)  # one rank's view of every full tensor
+    read_keys = {key for reads, _ in _reads(whole, whole, layout).values() for key, _, _ in reads}
     entries = checkpoint.entries(read_keys | {fp8.scale_key(key) for key in read_keys})
     quantized = fp8.quantized_keys(entries, checkpoint.quantization, checkpoint.folder)
-    model = model.to(dtype)
-    if quantized and (fp8_native_default(device) if fp8_native is None else fp8_native):
-        plan = _keep_fp8(model, plan, quantized, tp.size, config)
+    keep_fp8 = bool(quantized) and (fp8_native_default(device) if fp8_native is None else fp8_native)
+    quant = QuantConfig({layout.text_key(key): tuple(entries[key][0]) for key in quantized}) if keep_fp8 else None
+    model = _build(family, config, tp, stage, mtp, expert_parallel, quant, quantized)
+    plan = _reads(model, whole, layout)
     # before allocating: the checkpoint really holds every tensor the config implies
     _check_shapes(plan, entries, files, checkpoint.folder)
-    model = model.to_empty(device=device)  # new parameter objects: give them their specs back
-    for name, param in model.named_parameters():
-        param.shard, param.parts = specs.get(name, (None, None))  # type: ignore[attr-defined]
-        if name in experts:
-            param.experts = experts[name]  # type: ignore[attr-defined]
+    _cast(model, dtype)
+    model = model.to_empty(device=device)  # the layers' slice specs stay theirs: nothing to re-attach
     raw = {key for name, (reads, _) in plan.items() if model.get_parameter(name).dtype == FP8
            for key, _, _ in reads}  # read as they are; other FP8 tensors are dequantised
 
     params = list(model.named_parameters())
+    experts = {name for name, spec in slice_specs(model).items() if spec.experts is not None}
     with ExitStack() as stack:
         read = _CheckpointReader(files, stack, quantized - raw, dtype).read
         for done, (name, param) in enumerate(params, 1):
@@ -78,8 +81,7 @@ def load_model(
                 param.copy_(tensor)
             if progress:
                 progress(done, len(params))
-    if raw:
-        prepare_kernels(model)
+    after_loading(model)
     return model
 
 
@@ -113,53 +115,79 @@ def fp8_native_default(device: torch.device) -> bool:
     return device.type == "cuda" and kernels.HAVE_TRITON and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _plan(family, config, tp: TPGroup, stage: Stage, mtp: bool, files: dict[str, Path], ep: int = 1):
-    """A rank's model (its experts over ep groups of the ranks) on the meta device, its parameters'
-    slice specs, and where each is read from."""
-    with torch.device("meta"):
-        model = family.build(split_config(config, tp.size, ep) if ep != 1 else config, tp, stage, mtp)
-        whole = family.build(config, TPGroup(), stage, mtp)  # one rank's view of every full tensor
-    specs = {name: (getattr(param, "shard", None), getattr(param, "parts", None))
-             for name, param in model.named_parameters()}
-    return model, specs, _reads(model, whole, specs, files)
+class _Layout:
+    """Where a checkpoint keeps its text model: `model.`, or `model.language_model.` in the
+    multimodal wrappers."""
+
+    def __init__(self, files: dict[str, Path]):
+        self.files = files
+        wrapped = any(key.startswith("model.language_model.") for key in files)
+        self.prefix = "model.language_model." if wrapped else "model."
+
+    def file_key(self, key: str) -> str:
+        return self.prefix + key.removeprefix("model.") if key.startswith("model.") else key
+
+    def text_key(self, key: str) -> str:
+        return "model." + key.removeprefix(self.prefix) if key.startswith(self.prefix) else key
 
 
-def _keep_fp8(model: CausalLM, plan: dict, quantized: set[str], tp_size: int, config: Any) -> dict:
-    """fp8.convert, naming the TP degrees that keep whole blocks where this one does not."""
+def _build(family, config, tp: TPGroup, stage: Stage, mtp: bool, ep: int, quant: QuantConfig | None,
+           quantized: set[str]) -> CausalLM:
+    """A rank's model (its experts over ep groups of the ranks) on the meta device; ConfigError
+    naming the TP degrees that keep whole FP8 blocks where its slice of one would split them."""
     try:
-        return fp8.convert(model, plan, quantized, tp_size)
-    except fp8.BlockSplitError as exc:
-        raise ConfigError(f"{exc}; {fp8_degrees_note(config, quantized)}") from None
+        with torch.device("meta"):
+            return family.build(split_config(config, tp.size, ep) if ep != 1 else config, tp, stage, mtp, quant)
+    except BlockSplitError as exc:
+        raise ConfigError(f"tensor-parallel degree {tp.size} {exc}; {fp8_degrees_note(config, quantized)}") from None
+
+
+def _cast(model: nn.Module, dtype: torch.dtype) -> None:
+    """Every parameter in `dtype` but those whose layer fixed theirs (`fixed_dtypes`: FP8 weights,
+    their fp32 scales)."""
+    for module in model.modules():
+        fixed = getattr(module, "fixed_dtypes", ())
+        for leaf, param in list(module.named_parameters(recurse=False)):
+            if leaf not in fixed and param.dtype != dtype:
+                setattr(module, leaf, nn.Parameter(param.to(dtype), requires_grad=False))
 
 
 # a checkpoint tensor, this rank's slice of it ((dim, ranges), or a tuple of them), its full shape
 Read = tuple[str, tuple | None, list[int]]
 
 
-def _reads(model: CausalLM, whole: CausalLM, specs: dict, files: dict[str, Path]) -> dict[str, tuple[list[Read], bool]]:
+def _reads(model: CausalLM, whole: CausalLM, layout: _Layout) -> dict[str, tuple[list[Read], bool]]:
     """Per parameter: the checkpoint tensors it is read from, and whether they are stacked rows
-    of sibling tensors (.../in_proj.weight from .../in_proj_qkv.weight, ...)."""
-    # multimodal wrappers keep the text model under model.language_model.
-    text_prefix = "model.language_model." if any(k.startswith("model.language_model.") for k in files) else "model."
-
-    def in_file(key: str) -> str:
-        return text_prefix + key[len("model.") :] if key.startswith("model.") else key
-
+    of sibling tensors (.../in_proj.weight from .../in_proj_qkv.weight, ...). `whole`, the stage
+    unquantised at TP 1, holds every tensor's full shape."""
     plan = {}
-    for name, (spec, parts) in specs.items():
-        experts = getattr(model.get_parameter(name), "experts", None)
-        keys = [in_file(key) for key in sources(model, name, parts, experts)]
-        shape = list(whole.get_parameter(name).shape)
-        if experts is not None:
-            sizes = whole.get_submodule(name.rsplit(".", 1)[0]).sizes if parts else []
-            plan[name] = _expert_reads(keys[0], spec, parts, experts, shape, sizes, files)
-        elif parts is None:
-            plan[name] = ([(keys[0], spec, shape)], False)
+    for name, spec in slice_specs(model).items():
+        module, _, leaf = name.rpartition(".")
+        source = f"{module}.{spec.source or leaf}"
+        keys = [layout.file_key(key) for key in sources(model, name, spec)]
+        shape = list(whole.get_parameter(source).shape)
+        if spec.experts is not None:
+            plan[name] = _expert_reads(keys[0], spec, shape, _part_rows(whole, source), layout.files)
+        elif spec.parts is None:
+            plan[name] = ([(keys[0], spec.cut, _in_blocks(shape, spec.block))], False)
         else:
-            sizes = whole.get_submodule(name.rsplit(".", 1)[0]).sizes
-            plan[name] = ([(key, (0, ranges), [rows, *shape[1:]])
-                           for key, (_, ranges), rows in zip(keys, parts, sizes, strict=True)], True)
+            rows = _part_rows(whole, source)
+            plan[name] = ([(key, (0, ranges), _in_blocks([rows[part], *shape[1:]], spec.block))
+                           for key, (part, ranges) in zip(keys, spec.parts, strict=True)], True)
     return plan
+
+
+def _in_blocks(shape: list[int], block: int) -> list[int]:
+    """The shape of the block scales of a weight of `shape` (block 0: the weight's own)."""
+    return [-(-n // block) for n in shape] if block else shape
+
+
+def _part_rows(whole: CausalLM, source: str) -> dict[str, int]:
+    """The full rows of each part of a stacked parameter, by part name ({} for another)."""
+    module, _, leaf = source.rpartition(".")
+    layer = whole.get_submodule(module)
+    parts = getattr(layer, "slice_specs", {}).get(leaf, WHOLE).parts or ()
+    return dict(zip((part for part, _ in parts), layer.sizes)) if parts else {}
 
 
 def _check_shapes(plan: dict[str, tuple[list[Read], bool]], entries: dict[str, tuple[list[int], str]],
@@ -177,39 +205,41 @@ def _check_shapes(plan: dict[str, tuple[list[Read], bool]], entries: dict[str, t
                 raise ConfigError(f"tensor {key!r} has shape {found}, the config implies {shape}")
 
 
-def _expert_reads(key: str, spec: tuple | None, parts: list | None, experts: tuple[int, int], shape: list[int],
-                  sizes: list[int], files: dict[str, Path]) -> tuple[list[Read], bool]:
-    """The reads of a parameter holding experts [first, end) (layers.moe.Experts), whose spec and
-    parts slice one expert's matrix: one read of the fused 3-D tensor `key` [E, ...] where the
-    checkpoint has it, else one per expert of `{module}.{e}.{part}.weight`, stacked."""
+def _expert_reads(key: str, spec: SliceSpec, shape: list[int], rows: dict[str, int],
+                  files: dict[str, Path]) -> tuple[list[Read], bool]:
+    """The reads of a parameter holding whole experts (layers.moe.Experts), whose spec's cut or
+    parts slice one expert's matrix (`rows`: each part's): one read of the fused 3-D tensor `key`
+    [E, ...] where the checkpoint has it, else one per expert of `{module}.{e}.{part}.weight`, stacked."""
+    experts = spec.experts
     if key in files:
-        if parts:  # the parts' rows lie one after the other in the fused tensor (gate rows first)
-            starts = [sum(sizes[:i]) for i in range(len(sizes))]
-            cut = (1, [(start + a, start + b) for start, (_, ranges) in zip(starts, parts) for a, b in ranges])
+        if spec.parts:  # the parts' rows lie one after the other in the fused tensor (gate rows first)
+            starts = [sum(list(rows.values())[:i]) for i in range(len(rows))]
+            cut = (1, [(start + a, start + b) for start, (_, ranges) in zip(starts, spec.parts) for a, b in ranges])
         else:
-            cut = (spec[0] + 1, spec[1])
+            cut = (spec.cut[0] + 1, spec.cut[1])
         return [(key, ((0, [experts]), cut), shape)], False
     module, leaf = key.rsplit(".", 1)
-    if parts:
-        return [(f"{module}.{e}.{part}.weight", (0, ranges), [rows, *shape[2:]])
-                for e in range(*experts) for (part, ranges), rows in zip(parts, sizes, strict=True)], True
-    return [(f"{module}.{e}.{leaf}.weight", spec, shape[1:]) for e in range(*experts)], True
+    if spec.parts:
+        return [(f"{module}.{e}.{part}.weight", (0, ranges), [rows[part], *shape[2:]])
+                for e in range(*experts) for part, ranges in spec.parts], True
+    return [(f"{module}.{e}.{leaf}.weight", spec.cut, shape[1:]) for e in range(*experts)], True
 
 
-def sources(model: CausalLM, name: str, parts: list | None, experts: tuple | None = None) -> list[str]:
+def sources(model: CausalLM, name: str, spec: SliceSpec) -> list[str]:
     """The checkpoint tensors (text layout) parameter `name` is read from: one, or one per part of
-    a stacked parameter (layers.parallel.stack); for experts, their fused tensor's name."""
-    key = model.checkpoint_key(name)
-    if parts is None or experts is not None:
-        return [key]
-    module, leaf = key.rsplit(".", 2)[0], key.rsplit(".", 1)[1]
-    return [f"{module}.{part}.{leaf}" for part, _ in parts]
+    a stacked parameter; for experts, their fused tensor's name; for block scales, the scales'."""
+    module, _, leaf = name.rpartition(".")
+    key = model.checkpoint_key(f"{module}.{spec.source or leaf}")
+    keys = [key]
+    if spec.parts is not None and spec.experts is None:
+        parent, leaf = key.rsplit(".", 2)[0], key.rsplit(".", 1)[1]
+        keys = [f"{parent}.{part}.{leaf}" for part, _ in spec.parts]
+    return [fp8.scale_key(key) for key in keys] if spec.block else keys
 
 
 def checkpoint_keys(model: CausalLM) -> set[str]:
     """Every checkpoint tensor (text layout) the model's parameters are read from."""
-    return {key for name, param in model.named_parameters()
-            for key in sources(model, name, getattr(param, "parts", None), getattr(param, "experts", None))}
+    return {key for name, spec in slice_specs(model).items() for key in sources(model, name, spec)}
 
 
 def _read_shard(full, spec: tuple | None) -> torch.Tensor:

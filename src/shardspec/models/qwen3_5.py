@@ -19,6 +19,7 @@ from shardspec.layers.mlp import MLP
 from shardspec.layers.moe import SparseMoE
 from shardspec.layers.norm import RMSNorm
 from shardspec.layers.parallel import TPGroup
+from shardspec.layers.quantization import QuantConfig
 from shardspec.models.base import CausalLM, Stage
 from shardspec.models.config import ConfigError, text_config
 from shardspec.models.registry import Family, register
@@ -242,32 +243,38 @@ def _listed(degrees: list[int]) -> str:
     return ", ".join(map(str, degrees)) or "none"
 
 
-def feed_forward(config: HybridConfig, tp: TPGroup) -> MLP | SparseMoE:
+def feed_forward(config: HybridConfig, tp: TPGroup, quant: QuantConfig | None, prefix: str) -> MLP | SparseMoE:
     """A layer's MLP: the dense one, or the sparse mixture of experts."""
     if isinstance(config, Qwen3_5MoeConfig):
         return SparseMoE(config.hidden_size, config.num_experts, config.num_experts_per_tok,
                          config.moe_intermediate_size, config.shared_expert_intermediate_size, tp,
-                         config.expert_parallel)
-    return MLP(config.hidden_size, config.intermediate_size, tp)
+                         config.expert_parallel, quant, prefix)
+    return MLP(config.hidden_size, config.intermediate_size, tp, quant, prefix)
 
 
-def mixer(config: HybridConfig, layer_type: str, tp: TPGroup) -> GatedDeltaNet | GatedAttention:
+def mixer(config: HybridConfig, layer_type: str, tp: TPGroup, quant: QuantConfig | None,
+          prefix: str) -> GatedDeltaNet | GatedAttention:
     """A layer's token mixer: Gated DeltaNet ("linear_attention") or gated attention."""
     if layer_type == "linear_attention":
         return GatedDeltaNet(config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads,
                              config.linear_key_head_dim, config.linear_value_head_dim,
-                             config.linear_conv_kernel_dim, config.rms_norm_eps, tp)
+                             config.linear_conv_kernel_dim, config.rms_norm_eps, tp, quant, prefix)
     return GatedAttention(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-                          config.head_dim, config.rotary_dim, config.rope_theta, config.rms_norm_eps, tp)
+                          config.head_dim, config.rotary_dim, config.rope_theta, config.rms_norm_eps, tp, quant,
+                          prefix)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: HybridConfig, layer_type: str, tp: TPGroup):
+    """`prefix`: the layer's checkpoint name (`model.layers.3`), which its projections ask `quant` by."""
+
+    def __init__(self, config: HybridConfig, layer_type: str, tp: TPGroup, quant: QuantConfig | None = None,
+                 prefix: str = ""):
         super().__init__()
         # the checkpoint's module names: linear_attn or self_attn; `mixer` is the same module
-        setattr(self, "linear_attn" if layer_type == "linear_attention" else "self_attn", mixer(config, layer_type, tp))
+        name = "linear_attn" if layer_type == "linear_attention" else "self_attn"
+        setattr(self, name, mixer(config, layer_type, tp, quant, f"{prefix}.{name}"))
         self.mixer: GatedDeltaNet | GatedAttention = getattr(self, "linear_attn", None) or self.self_attn
-        self.mlp = feed_forward(config, tp)
+        self.mlp = feed_forward(config, tp, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tp = tp
@@ -288,12 +295,12 @@ class DecoderLayer(nn.Module):
 class MTPHead(nn.Module):
     """Predicts token t+2 from the embedding of token t+1 and the target's final hidden state at t."""
 
-    def __init__(self, config: HybridConfig, tp: TPGroup):
+    def __init__(self, config: HybridConfig, tp: TPGroup, quant: QuantConfig | None = None):
         super().__init__()
-        self.fc = ReplicatedLinear(2 * config.hidden_size, config.hidden_size)
+        self.fc = ReplicatedLinear(2 * config.hidden_size, config.hidden_size, quant, "mtp.fc")
         self.pre_fc_norm_embedding = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.layers = nn.ModuleList([DecoderLayer(config, "full_attention", tp)])
+        self.layers = nn.ModuleList([DecoderLayer(config, "full_attention", tp, quant, "mtp.layers.0")])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tp = tp
 
@@ -307,9 +314,11 @@ class MTPHead(nn.Module):
 
 class Qwen3_5Model(CausalLM):
     """One stage of the text model. The last stage also holds the embedding when it has the MTP
-    module, which embeds the token it drafts from."""
+    module, which embeds the token it drafts from. `quant`: how its projections hold their weights
+    (None: all in the model's dtype)."""
 
-    def __init__(self, config: HybridConfig, tp: TPGroup, stage: Stage | None = None, with_mtp: bool = False):
+    def __init__(self, config: HybridConfig, tp: TPGroup, stage: Stage | None = None, with_mtp: bool = False,
+                 quant: QuantConfig | None = None):
         super().__init__()
         stage = stage or Stage.whole(config.num_hidden_layers)
         self.config, self.tp, self.stage = config, tp, stage
@@ -317,11 +326,11 @@ class Qwen3_5Model(CausalLM):
         needs_embedding = stage.first or with_mtp
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
                              if needs_embedding else None)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(config, config.layer_types[i], tp)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config, config.layer_types[i], tp, quant, f"model.layers.{i}")
                                      for i in range(stage.start, stage.end)})  # keys: the checkpoint's indices
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.last else None
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp) if stage.last else None
-        self.mtp = MTPHead(config, tp) if with_mtp else None
+        self.mtp = MTPHead(config, tp, quant) if with_mtp else None
 
     @property
     def has_mtp(self) -> bool:

@@ -28,7 +28,8 @@ class Family:
     architectures: tuple[str, ...]  # config.json `architectures` entries it runs
     model_types: tuple[str, ...]  # `model_type` values (top level or text_config) it runs
     parse_config: Callable[[dict[str, Any]], ModelConfig]  # raises ConfigError
-    build: Callable[[Any, TPGroup, Stage, bool], CausalLM]  # (config, tp, stage, with_mtp)
+    # (config, tp, stage, with_mtp, quant): quant a layers.quantization.QuantConfig or None
+    build: Callable[[Any, TPGroup, Stage, bool, Any], CausalLM]
     draft_prefix: str = ""  # checkpoint keys of the MTP module ("mtp."); "": the family has none
 
     def has_mtp(self, keys: Any) -> bool:
