@@ -75,11 +75,11 @@ class Bench:
     async def reload(self, slots: int, k: int | None, forced: float | None, deterministic: bool = False) -> None:
         """New caches, MTP settings and mode on the loaded weights (the workers keep them); the rest of
         the engine's load request as it is."""
-        load = dataclasses.replace(self.engine.group.load_request, max_slots=slots, mtp="on" if k else "off",
+        load = dataclasses.replace(self.engine.group.load_request, max_seqs=slots, mtp="on" if k else "off",
                                    draft_tokens=k or 1, forced_acceptance=-1.0 if forced is None else forced,
                                    deterministic=deterministic)
         await self.engine.group.load(load)
-        self.engine.scheduler.max_slots = slots
+        self.engine.scheduler.max_seqs = slots
 
     async def decode(self, batch: int, new_tokens: int, prompt_len: int = PROMPT_LEN) -> dict:
         rng = random.Random(batch)
@@ -220,7 +220,7 @@ async def run_checkpoint(args: argparse.Namespace, ckpt: Path, weights: str, out
     options = from_flags(args, WorkerOptions, fp8_decode=fp8_decode or WorkerOptions.fp8_decode)
     async with shardspec.connect(model=str(ckpt), local=args.tp * args.pp, pp=args.pp, tp=args.tp, ep=args.ep,
                                  **stages, worker_options=options,
-                                 device=args.device, mtp=None, max_slots=max(args.batch), max_seq_len=max_seq_len,
+                                 device=args.device, mtp=None, max_seqs=max(args.batch), max_seq_len=max_seq_len,
                                  connect_timeout=600) as engine:  # a fresh VM loads a large checkpoint slowly
         bench = Bench(engine, config, out["bandwidth_GBps"] * 1e9, last_rank=(args.pp - 1) * args.tp,
                       fp8=weights == "fp8")

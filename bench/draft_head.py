@@ -26,6 +26,7 @@ from shardspec.models.loader import load_model
 from shardspec.orchestrator.tokenizer import Tokenizer
 from shardspec.protocol.messages import PrefillSpec, StepRequest
 from shardspec.shard_worker.decoder import Decoder
+from shardspec.testing.grants import Grants
 
 
 def prompts(count: int, length: int) -> list[list[int]]:
@@ -38,13 +39,14 @@ def prompts(count: int, length: int) -> list[list[int]]:
 def decode(model, texts: list[list[int]], tokens: int, k: int) -> tuple[list[list[int]], float]:
     """Greedy MTP decoding of each prompt alone: (outputs, mean acceptance length)."""
     runner = Decoder(model, torch.device("cpu"), 1, 512, 512, k)
+    grants = Grants(runner)
     outputs = []
     for text in texts:
-        out = runner.step(StepRequest(prefill=[PrefillSpec(seq=0, length=len(text), max_tokens=tokens)]),
+        out = grants.step(StepRequest(prefill=[PrefillSpec(seq=0, length=len(text), max_tokens=tokens)]),
                           torch.tensor(text)).tokens[0]
         while not runner.sequences[0].finished:
             out += runner.step(StepRequest(decode=[0]), torch.empty(0, dtype=torch.long)).tokens[0]
-        runner.release([0])
+        grants.release([0])
         outputs.append(out)
     c = runner.counters
     runner.close()

@@ -32,7 +32,7 @@ PROMPT = "def fibonacci(n):"
 
 
 async def shardspec_rate(tp: int, mtp: bool, dtype: str, tokens: int, repeats: int) -> tuple[float, list[int], float]:
-    async with shardspec.connect(model=str(BUNDLED_MODEL), local=tp, mtp=mtp, dtype=dtype, max_slots=1) as engine:
+    async with shardspec.connect(model=str(BUNDLED_MODEL), local=tp, mtp=mtp, dtype=dtype, max_seqs=1) as engine:
         async def once():
             out, final = [], None
             async for chunk in engine.generate(PROMPT, max_tokens=tokens, stop_at_eos=False):

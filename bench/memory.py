@@ -25,7 +25,7 @@ CONFIG = tiny_config(
 
 
 async def measure(model: Path, tp: int) -> list:
-    async with shardspec.connect(model=str(model), local=tp, max_slots=1, max_seq_len=64) as engine:
+    async with shardspec.connect(model=str(model), local=tp, max_seqs=1, max_seq_len=64) as engine:
         return await engine.stats()
 
 

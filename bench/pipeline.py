@@ -42,7 +42,7 @@ async def client(options: dict, batch: int, tokens: int, repeats: int) -> dict:
     import shardspec
     from shardspec.cli import BUNDLED_MODEL
 
-    async with shardspec.connect(model=str(BUNDLED_MODEL), max_slots=batch, **options) as engine:
+    async with shardspec.connect(model=str(BUNDLED_MODEL), max_seqs=batch, **options) as engine:
         ids = [engine.tokenizer.encode(p) for p in (PROMPTS * 2)[:batch]]
 
         async def one(prompt):

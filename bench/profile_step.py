@@ -34,6 +34,7 @@ from shardspec.option_flags import add_flags, from_flags
 from shardspec.orchestrator.workers import free_port
 from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepRequest, WorkerOptions
 from shardspec.shard_worker.decoder import Decoder
+from shardspec.testing.grants import Grants
 from shardspec.testing.sizes import SIZES
 from shardspec.testing.step_bytes import StepBytes, step_bytes
 
@@ -132,12 +133,13 @@ def prefill_profile(model: Qwen3_5Model, device: torch.device, length: int, chun
     """Median prefill tokens/s of one prompt through the runner, in chunks of `chunk` tokens (the
     engine's prefill_chunk), and the operators of one prefill by device time."""
     runner = Decoder(model, device, 1, length + 8, chunk, 0, None)
+    grants = Grants(runner)
     torch.manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (length,))
 
     def once() -> None:
-        runner.step(StepRequest(prefill=[PrefillSpec(seq=0, length=length, max_tokens=1)]), prompt)
-        runner.release([0])
+        grants.step(StepRequest(prefill=[PrefillSpec(seq=0, length=length, max_tokens=1)]), prompt)
+        grants.release([0])
 
     times = []
     for _ in range(5):  # the first two warm up (fla's autotuning)
@@ -214,7 +216,7 @@ def run(rank: int, args: argparse.Namespace, address: str) -> None:
                          peek=lambda _until: StepRequest(decode=seqs))  # every next step is already here
         prefill = [PrefillSpec(seq=s, length=64, sampling=SamplingParams(seed=s), max_tokens=500) for s in seqs]
         torch.manual_seed(0)  # the same prompts on every rank
-        runner.step(StepRequest(prefill=prefill), torch.randint(0, model.config.vocab_size, (64 * args.batch,)))
+        Grants(runner).step(StepRequest(prefill=prefill), torch.randint(0, model.config.vocab_size, (64 * args.batch,)))
         for _ in range(3):  # warm-up
             runner.step(StepRequest(decode=seqs), torch.empty(0, dtype=torch.long))
         sync(device)  # (with launch ahead a step returns with the next one queued: time them together)

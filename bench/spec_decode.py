@@ -39,7 +39,7 @@ async def run(model: str, tp: int, k: int | None, forced: float | None, batch: i
     rng = random.Random(0)
     async with shardspec.connect(model=model, local=tp, device=device, mtp=k is not None, draft_tokens=k or 1,
                                  pipeline=pipeline, forced_acceptance=forced if k else None,
-                                 max_slots=batch) as engine:
+                                 max_seqs=batch) as engine:
         vocab = engine.load_info.vocab_size
         prompts = [rng.choices(range(vocab), k=prompt_len) for _ in range(batch)]
 

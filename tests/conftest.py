@@ -157,6 +157,13 @@ class WorkerPool:
 POOL = WorkerPool()
 
 
+def full_blocks(engine) -> list[int]:
+    """K/V blocks for a sequence of any length, from an engine's pool, for a test that sends its own
+    steps through engine.group (the engine's requests get theirs from its scheduler)."""
+    paging = engine.group.paging
+    return engine.scheduler.pool.take(paging.blocks_for(paging.context))
+
+
 def pooled(count: int) -> list[str]:
     """`count` worker addresses for `connect(workers=...)`, shared by this test process's tests."""
     return POOL.take(count)

@@ -38,7 +38,7 @@ def test_greedy_output_with_mtp_equals_output_without_on_the_bundled_model(tp):
     # k + 1 rows can round differently from the same rows one at a time and flip a close argmax;
     # docs/architecture.md, "Deterministic decoding")
     async def run(mtp):
-        async with shardspec.connect(model=str(BUNDLED_MODEL), workers=pooled(tp), mtp=mtp, max_slots=8,
+        async with shardspec.connect(model=str(BUNDLED_MODEL), workers=pooled(tp), mtp=mtp, max_seqs=8,
                                      dtype="bfloat16", deterministic=True) as engine:
             async def one(prompt):
                 tokens, final = [], None

@@ -292,11 +292,12 @@ def test_every_graph_a_step_replays_is_captured_at_load():
     verify + draft graphs where greedy ones take the fused one: no step may stop to capture."""
     from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepRequest
     from shardspec.shard_worker.decoder import Decoder
+    from shardspec.testing.grants import Grants
 
     if not kernels.active():
         pytest.skip("graphs are captured per context bucket on first use without the kernels")
     model = load_model(BUNDLED_MODEL, TPGroup(), torch.bfloat16, torch.device("cuda"), with_mtp=True)
-    runner = Decoder(model, torch.device("cuda"), max_slots=6, max_seq_len=128, prefill_chunk=128, draft_len=2)
+    runner = Decoder(model, torch.device("cuda"), max_seqs=6, max_seq_len=128, prefill_chunk=128, draft_len=2)
     captured = {key: set(bucket.graphs) for key, bucket in runner.passes.buckets.items()}
     assert sorted(size for size, _, _ in captured) == [1, 2, 4, 8]
     assert all(names == {"fused", "verify", "draft"} for names in captured.values())
@@ -304,7 +305,7 @@ def test_every_graph_a_step_replays_is_captured_at_load():
     sampled = 5  # the longest-lived: mixed steps at every size, greedy-only steps of up to 5 rows
     specs = [PrefillSpec(seq=i, length=len(prompt), max_tokens=4 + 3 * i,
                          sampling=SamplingParams(temperature=0.8 if i == sampled else 0.0, seed=i)) for i in range(6)]
-    runner.step(StepRequest(prefill=specs), prompt.repeat(6))
+    Grants(runner).step(StepRequest(prefill=specs), prompt.repeat(6))
     while live := [s for s, seq in runner.sequences.items() if not seq.finished]:
         runner.step(StepRequest(decode=live), torch.empty(0, dtype=torch.long))
         runner.step(StepRequest(decode=[s for s in live if s != sampled]), torch.empty(0, dtype=torch.long))
@@ -329,7 +330,7 @@ def test_deterministic_greedy_output_on_the_gpu_is_the_same_alone_and_among_othe
 
     async def run(mtp: bool, together: bool) -> list[list[int]]:
         async with shardspec.connect(model=str(BUNDLED_MODEL), local=1, device="cuda", dtype="bfloat16", mtp=mtp,
-                                     max_slots=32, deterministic=True) as engine:
+                                     max_seqs=32, deterministic=True) as engine:
             async def one(prompt):
                 tokens = []
                 async for chunk in engine.generate(prompt, max_tokens=24, stop_at_eos=False):

@@ -16,6 +16,7 @@ from shardspec.layers.parallel import TPGroup
 from shardspec.models.loader import load_model
 from shardspec.protocol.messages import PrefillSpec, StepRequest
 from shardspec.shard_worker.decoder import Decoder
+from shardspec.testing.grants import Grants
 
 TOKENS = 12
 
@@ -30,7 +31,7 @@ def decode_logits(model, prompts: list[list[int]], draft_len: int, deterministic
                          deterministic=deterministic)
     try:
         specs = [PrefillSpec(seq=i, length=len(p), max_tokens=TOKENS) for i, p in enumerate(prompts)]
-        runner.step(StepRequest(prefill=specs), torch.tensor([t for p in prompts for t in p]))
+        Grants(runner).step(StepRequest(prefill=specs), torch.tensor([t for p in prompts for t in p]))
         rows: list[dict[int, torch.Tensor]] = [{} for _ in prompts]
         while live := [i for i in range(len(prompts)) if not runner.sequences[i].finished]:
             starts = [runner.sequences[i].length for i in live]
@@ -95,7 +96,7 @@ def test_64_concurrent_greedy_requests_in_bf16_at_tp_2_give_each_ones_solo_token
         return tokens
 
     async def run() -> tuple[list, list, list, list]:
-        options = dict(model=str(BUNDLED_MODEL), workers=pooled(2), dtype="bfloat16", max_slots=64, deterministic=True)
+        options = dict(model=str(BUNDLED_MODEL), workers=pooled(2), dtype="bfloat16", max_seqs=64, deterministic=True)
         async with shardspec.connect(mtp=False, **options) as engine:
             alone = [await generate(engine, p) for p in prompts]
             together = await asyncio.gather(*(generate(engine, p) for p in prompts))

@@ -83,8 +83,8 @@ def test_bad_requests_raise_clear_errors_and_the_engine_keeps_serving(tiny_model
 
 def test_cancelled_generations_free_their_slots(tiny_model):
     async def run():
-        async with shardspec.connect(model=str(tiny_model), workers=pooled(2), max_slots=4) as engine:
-            for n in range(6):  # more than max_slots: leaked slots would block later requests
+        async with shardspec.connect(model=str(tiny_model), workers=pooled(2), max_seqs=4) as engine:
+            for n in range(6):  # more than max_seqs: leaked slots would block later requests
                 stream = engine.generate(PROMPT, max_tokens=50)
                 for _ in range(n % 3 + 1):
                     await anext(stream)
@@ -175,6 +175,7 @@ def test_prompts_prefilled_together_share_the_prefill_chunk_down_to_64_tokens_ea
     from shardspec.models.loader import load_model
     from shardspec.protocol.messages import PrefillSpec, StepRequest
     from shardspec.shard_worker.decoder import Decoder
+    from shardspec.testing.grants import Grants
 
     model = load_model(tiny_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=False)
     runner = Decoder(model, torch.device("cpu"), 8, 512, 256, 0)
@@ -182,7 +183,7 @@ def test_prompts_prefilled_together_share_the_prefill_chunk_down_to_64_tokens_ea
     forward = model.forward
     model.forward = lambda ids, batch: (seen.append(tuple(ids.shape)), forward(ids, batch))[1]
     specs = [PrefillSpec(seq=i, length=300, max_tokens=1) for i in range(prompts)]
-    runner.step(StepRequest(prefill=specs), torch.randint(0, model.config.vocab_size, (300 * prompts,)))
+    Grants(runner).step(StepRequest(prefill=specs), torch.randint(0, model.config.vocab_size, (300 * prompts,)))
     assert seen == [(prompts, t) for t in pass_tokens]
 
 
@@ -192,7 +193,7 @@ def test_a_request_the_workers_refuse_fails_alone_and_every_other_stream_gives_i
     prompts = [[5, 17, 300], [9, 8, 7, 6], [40, 41]]
 
     async def run():
-        async with shardspec.connect(model=str(tiny_model), workers=pooled(2), pp=2, max_slots=4) as engine:
+        async with shardspec.connect(model=str(tiny_model), workers=pooled(2), pp=2, max_seqs=4) as engine:
             alone = [await collect(engine, p, max_tokens=12) for p in prompts]
             running = asyncio.ensure_future(collect(engine, prompts[0], max_tokens=12))
             await asyncio.sleep(0)

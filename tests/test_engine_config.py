@@ -14,8 +14,8 @@ from shardspec.protocol.messages import LoadRequest
     ({"workers": []}, "workers"),
     ({"workers": ["nonsense"]}, "workers"),
     ({"dtype": "int8"}, "dtype"),
-    ({"max_slots": 0}, "max_slots"),
-    ({"max_slots": 10**6}, "max_slots"),
+    ({"max_seqs": 0}, "max_seqs"),
+    ({"max_seqs": 10**6}, "max_seqs"),
     ({"max_seq_len": 1.5}, "max_seq_len"),
     ({"prefill_chunk": 0}, "prefill_chunk"),
     ({"draft_tokens": 99}, "draft_tokens"),
@@ -32,10 +32,10 @@ def test_a_bad_option_is_refused_with_a_message_naming_it(options, field):
 
 
 def test_ranges_are_the_wires_ranges():
-    lo, hi = LoadRequest.__dataclass_fields__["max_slots"].metadata["range"]
-    EngineConfig(model="m", max_slots=hi)
+    lo, hi = LoadRequest.__dataclass_fields__["max_seqs"].metadata["range"]
+    EngineConfig(model="m", max_seqs=hi)
     with pytest.raises(ValueError, match=f"\\[{lo}, {hi}\\]"):
-        EngineConfig(model="m", max_slots=hi + 1)
+        EngineConfig(model="m", max_seqs=hi + 1)
 
 
 def test_workers_and_tp_agree_or_are_refused():

@@ -54,7 +54,7 @@ def overrides(model: str) -> dict[tuple[str, str], st.SearchStrategy]:
         ("InitRequest", "dist_addr"): st.text(max_size=20).filter(lambda s: not s.startswith("tcp://")),
         ("LoadRequest", "model"): st.sampled_from([model, model, model, "/nonexistent", ""]),
         ("LoadRequest", "dtype"): st.sampled_from(["auto", "auto", "float32", "bfloat16", "float16", "float64", ""]),
-        ("LoadRequest", "max_slots"): st.integers(1, 8),
+        ("LoadRequest", "max_seqs"): st.integers(1, 8),
         ("LoadRequest", "max_seq_len"): st.integers(1, 256),
         ("LoadRequest", "mtp"): st.sampled_from(["auto", "on", "off", "yes"]),
         ("PrefillSpec", "seq"): SEQS,
@@ -203,7 +203,7 @@ class Fuzzer:
         if self.call("hello", {}).meta["state"] == "idle":
             assert self.call("init", {"rank": 0, "world_size": 1}).op == "init"
         if self.stats()["slots_total"] == 0:
-            reply = self.call("load", {"model": self.model, "max_slots": 4, "max_seq_len": 128})
+            reply = self.call("load", {"model": self.model, "max_seqs": 4, "max_seq_len": 128})
             assert reply.op == "load", reply
 
 

@@ -44,7 +44,7 @@ from shardspec.orchestrator.tokenizer import Tokenizer
 from shardspec.protocol import ErrorCode, Message, decode, encode, transport
 from shardspec.shard_worker.profiling import TEST_HANG_ENV
 
-LOAD = {"dtype": "auto", "max_slots": 2, "max_seq_len": 64, "prefill_chunk": 8}
+LOAD = {"dtype": "auto", "max_seqs": 2, "max_seq_len": 64, "prefill_chunk": 8}
 
 
 def copy_model(source: Path, target: Path) -> Path:

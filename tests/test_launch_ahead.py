@@ -17,6 +17,7 @@ from shardspec.layers.parallel import TPGroup
 from shardspec.models.loader import load_model
 from shardspec.protocol.messages import PrefillSpec, ReleaseRequest, SamplingParams, StepRequest, WorkerOptions
 from shardspec.shard_worker.decoder import Decoder, Peek
+from shardspec.testing.grants import Grants
 
 NO_PROMPT = torch.empty(0, dtype=torch.long)
 
@@ -40,20 +41,21 @@ def drive(make: Callable[[Peek], Decoder], arrivals: dict[int, list[tuple[Prefil
         decode = [seq for seq in live if keep_finished or seq not in known_done]
         live.extend(spec.seq for spec, _ in new)
         prompts = torch.tensor([t for _, prompt in new for t in prompt], dtype=torch.long)
-        wire.append(("step", StepRequest(prefill=[spec for spec, _ in new], decode=decode), prompts))
+        wire.append(("step", grants(StepRequest(prefill=[spec for spec, _ in new], decode=decode)), prompts))
         sent += 1
 
     def peek(_until) -> StepRequest | None:  # (the next step is on the wire before the current one runs)
         return wire[0][1] if wire and wire[0][0] == "step" else None
 
     runner = make(peek)
+    grants = Grants(runner)
     replies = []
     while sent < max_steps and (sent <= max(arrivals) or set(live) - known_done):
         while sum(kind == "step" for kind, *_ in wire) < 2:
             send_step()
         kind, request, *rest = wire.popleft()
         if kind == "release":
-            runner.release(request.seqs)
+            grants.release(request.seqs)
             continue
         reply = runner.step(request, rest[0]).reply()
         replies.append((reply.seqs, reply.tokens, reply.accepted, reply.drafts, reply.finished))
@@ -139,7 +141,7 @@ def test_the_engine_launches_ahead_and_its_output_is_the_same(small_vocab_model)
     prompts = [[1, 2, 3], [7], [4, 4, 4, 4, 9], [11, 2]]
 
     async def run(**workers):
-        async with shardspec.connect(model=str(small_vocab_model), mtp=True, max_slots=4, dtype="float32",
+        async with shardspec.connect(model=str(small_vocab_model), mtp=True, max_seqs=4, dtype="float32",
                                      deterministic=True, **workers) as engine:
             async def one(prompt, max_tokens):
                 return [t async for chunk in engine.generate(prompt, max_tokens=max_tokens) for t in chunk.token_ids]

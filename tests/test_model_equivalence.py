@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from conftest import pooled
+from conftest import full_blocks, pooled
 from reference import hf_greedy, hf_logits, hf_model
 
 import shardspec
@@ -20,7 +20,8 @@ async def sharded_logits(model_dir, tp: int, prompt: list[int], ep: int = 1) -> 
     """Greedy-decode DECODE_STEPS tokens with logits returned; -> (tokens, logits [len(prompt)+steps, V])."""
     async with shardspec.connect(model=str(model_dir), workers=pooled(tp), ep=ep, prefill_chunk=48,
                                  mtp=False) as engine:
-        prefill = StepRequest(prefill=[PrefillSpec(seq=1, length=len(prompt))], return_logits=True)
+        prefill = StepRequest(prefill=[PrefillSpec(seq=1, length=len(prompt), blocks=full_blocks(engine))],
+                              return_logits=True)
         replies = await engine.group.call_all(prefill, tensors={"prompt_ids": torch.tensor(prompt)})
         tokens, logits = [replies[0][0].tokens[0][0]], [replies[0][1]["logits"]]
         decode = StepRequest(decode=[1], return_logits=True)

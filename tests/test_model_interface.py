@@ -108,7 +108,7 @@ def test_a_second_model_family_generates_through_workers_and_engine(toy_model, t
     expected = [reference_greedy(toy_model, p, 12) for p in prompts]
 
     async def run(mtp: bool) -> tuple[list[list[int]], float]:
-        async with shardspec.connect(model=str(toy_model), local=tp, mtp=mtp, max_slots=2) as engine:
+        async with shardspec.connect(model=str(toy_model), local=tp, mtp=mtp, max_seqs=2) as engine:
             async def one(prompt):
                 tokens, final = [], None
                 async for chunk in engine.generate(prompt, max_tokens=12, temperature=0, stop_at_eos=False):

@@ -98,7 +98,7 @@ def test_moe_greedy_output_with_mtp_equals_output_without(moe_small_vocab_model,
 
     async def run(mtp: bool) -> tuple[list[list[int]], object]:
         # deterministic: equal outputs are guaranteed whatever shares a step and with MTP on or off
-        async with shardspec.connect(model=str(moe_small_vocab_model), workers=pooled(tp), ep=ep, mtp=mtp, max_slots=8,
+        async with shardspec.connect(model=str(moe_small_vocab_model), workers=pooled(tp), ep=ep, mtp=mtp, max_seqs=8,
                                      dtype="float32", deterministic=True) as engine:
             return await generate_all(engine, prompts, max_tokens=24), (await engine.stats())[0]
 

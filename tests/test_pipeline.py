@@ -152,7 +152,7 @@ def test_micro_batches_keep_two_steps_in_flight_on_the_first_stage_and_give_one_
     prompts = [rng.choices(range(512), k=n) for n in (3, 5, 9, 17)]
 
     async def run(**options):
-        async with shardspec.connect(model=str(tiny_model), max_slots=4, **options) as engine:
+        async with shardspec.connect(model=str(tiny_model), max_seqs=4, **options) as engine:
             outputs, _ = await generate_all(engine, prompts, 16)
             return outputs, (await engine.stats())[0].forwarded_max
 

@@ -131,7 +131,7 @@ def test_every_op_round_trips_through_its_typed_definition():
     samples = [
         m.HelloRequest(client="x"),
         m.InitRequest(rank=1, world_size=2, dist_addr="tcp://h:1", timeout_s=3.0),
-        m.LoadRequest(model="/m", dtype="bfloat16", max_slots=2, max_seq_len=16, prefill_chunk=4),
+        m.LoadRequest(model="/m", dtype="bfloat16", max_seqs=2, max_seq_len=16, prefill_chunk=4),
         m.StepRequest(prefill=[m.PrefillSpec(3, 5, m.SamplingParams(0.7, 5, 0.9, 11))], decode=[1, 2]),
         m.ReleaseRequest(seqs=[1]),
         m.StatsRequest(),

@@ -107,7 +107,7 @@ def start_server(folder: Path, *args: str) -> Server:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Server:
     """The bundled model (it has a tokenizer and a chat template) on one local CPU worker."""
-    started = start_server(tmp_path_factory.mktemp("server"), "--local", "1", "--max-slots", str(MAX_SLOTS),
+    started = start_server(tmp_path_factory.mktemp("server"), "--local", "1", "--max-seqs", str(MAX_SLOTS),
                            "--max-seq-len", "512")
     yield started
     assert started.stop() == 0, started.log.read_text(errors="replace")
@@ -198,7 +198,7 @@ def test_metrics_parse_with_the_prometheus_parser_and_count_the_work(server):
 
 @pytest.mark.slow  # 64 requests one at a time, then together
 def test_64_concurrent_requests_return_what_each_returns_alone_and_overflow_queues(server):
-    """Greedy and seeded sampled requests mixed; 64 > --max-slots, so half of them wait for a slot."""
+    """Greedy and seeded sampled requests mixed; 64 > --max-seqs, so half of them wait for a slot."""
     requests = [{"prompt": PROMPTS[i % 16] + " " * (i // 16), "max_tokens": 12 + i % 5,
                  **({"temperature": 0} if i % 4 else {"temperature": 0.9, "seed": i}), "stream": i % 2 == 1,
                  "extra_body": {"ignore_eos": True}} for i in range(64)]

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import pooled
+from conftest import full_blocks, pooled
 from scipy.stats import chisquare
 
 import shardspec
@@ -34,7 +34,7 @@ def greedy_outputs(model, prompts, tp, mtp, max_tokens=64, draft_tokens=3):
     # (docs/architecture.md, "Deterministic decoding")
     async def run():
         async with shardspec.connect(model=str(model), workers=pooled(tp), mtp=mtp, draft_tokens=draft_tokens,
-                                     max_slots=8, dtype="float32", deterministic=True) as engine:
+                                     max_seqs=8, dtype="float32", deterministic=True) as engine:
             return await generate_all(engine, prompts, max_tokens=max_tokens)
 
     return asyncio.run(run())
@@ -66,9 +66,11 @@ def test_sequences_accepting_different_draft_counts_in_one_step_stay_correct(sma
     solo = greedy_outputs(small_vocab_model, prompts, 2, mtp=False, max_tokens=40)
 
     async def run():
-        async with shardspec.connect(model=str(small_vocab_model), workers=pooled(2), mtp=True, max_slots=8,
+        async with shardspec.connect(model=str(small_vocab_model), workers=pooled(2), mtp=True, max_seqs=8,
                                      dtype="float32") as engine:
-            step = StepRequest(prefill=[PrefillSpec(seq=i, length=3, max_tokens=40) for i in range(8)])
+            blocks = [full_blocks(engine) for _ in range(8)]
+            step = StepRequest(prefill=[PrefillSpec(seq=i, length=3, max_tokens=40, blocks=blocks[i])
+                                        for i in range(8)])
             tensors = {"prompt_ids": torch.tensor([t for p in prompts for t in p])}
             replies = await engine.group.call_all(step, tensors=tensors)
             outputs = {i: list(t) for i, t in zip(replies[0][0].seqs, replies[0][0].tokens)}
@@ -104,7 +106,7 @@ def sample_counts(model, n: int, pp: int = 1, positions: tuple[int, ...] = POSIT
     outcome is reproducible; the same arguments are computed once), `at_once` at a time; and the
     first stage's lookaheads whose guess held (at pp > 1 the last stage guesses at every lone step)."""
     async def run():
-        async with shardspec.connect(model=str(model), workers=pooled(pp), pp=pp, mtp=True, max_slots=64,
+        async with shardspec.connect(model=str(model), workers=pooled(pp), pp=pp, mtp=True, max_seqs=64,
                                      dtype="float32", lookahead="on") as engine:
             outs = await generate_all_seeded(engine, n, sampling, max(positions) + 1, at_once)
             held = (await engine.stats())[0].lookaheads_right
@@ -224,7 +226,7 @@ def test_slots_and_states_are_all_free_after_100_generations_with_cancellations(
     rng = random.Random(0)
 
     async def run():
-        async with shardspec.connect(model=str(small_vocab_model), workers=pooled(2), mtp=True, max_slots=6) as engine:
+        async with shardspec.connect(model=str(small_vocab_model), workers=pooled(2), mtp=True, max_seqs=6) as engine:
             async def one(i):
                 stream = engine.generate(rng.choices(range(16), k=rng.randint(1, 12)),
                                          max_tokens=rng.randint(1, 40), temperature=rng.choice([0.0, 1.0]), seed=i)
@@ -302,11 +304,12 @@ def test_a_sequence_that_fills_its_context_accepting_every_draft_finishes_cleanl
     from shardspec.models.loader import load_model
     from shardspec.protocol.messages import SamplingParams
     from shardspec.shard_worker.decoder import Decoder
+    from shardspec.testing.grants import Grants
 
     model = load_model(small_vocab_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=True)
     runner = Decoder(model, torch.device("cpu"), 2, 16, 512, draft_tokens, forced_acceptance=1.0)
     spec = PrefillSpec(seq=0, length=2, sampling=SamplingParams(), max_tokens=1000)
-    tokens = runner.step(StepRequest(prefill=[spec]), torch.tensor([5, 7])).tokens[0]
+    tokens = Grants(runner).step(StepRequest(prefill=[spec]), torch.tensor([5, 7])).tokens[0]
     while not runner.sequences[0].finished:
         tokens += runner.step(StepRequest(decode=[0]), torch.empty(0, dtype=torch.long)).tokens[0]
     assert runner.sequences[0].finished == "length" and len(tokens) == 16 - 2

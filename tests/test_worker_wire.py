@@ -18,7 +18,7 @@ from shardspec.protocol import PROTOCOL_VERSION, ErrorCode, Message, decode, enc
 VALID_META = {
     "hello": {"client": "fuzz"},
     "init": {"rank": 0, "world_size": 1, "dist_addr": "tcp://127.0.0.1:1", "timeout_s": 5.0},
-    "load": {"model": "/nonexistent", "dtype": "auto", "max_slots": 2, "max_seq_len": 64, "prefill_chunk": 8},
+    "load": {"model": "/nonexistent", "dtype": "auto", "max_seqs": 2, "max_seq_len": 64, "prefill_chunk": 8},
     "step": {"prefill": [{"seq": 1, "length": 1, "sampling": {"temperature": 0.0}}], "decode": [2]},
     "release": {"seqs": [1]},
     "stats": {},

@@ -76,7 +76,7 @@ def next_token_accuracy(model_dir: Path, texts: list[str], max_tokens: int, wind
 async def acceptance(model_dir: Path, texts: list[str], k: int, prompts: int, prompt_len: int, new_tokens: int,
                      tp: int) -> dict:
     rng = random.Random(0)
-    async with shardspec.connect(model=str(model_dir), local=tp, mtp=True, draft_tokens=k, max_slots=8) as engine:
+    async with shardspec.connect(model=str(model_dir), local=tp, mtp=True, draft_tokens=k, max_seqs=8) as engine:
         pool = [ids for ids in (engine.tokenizer.encode(t) for t in texts) if len(ids) > prompt_len + new_tokens]
         chosen = []
         for _ in range(prompts):

@@ -66,3 +66,21 @@ def setup_logging(name: str, level: str = "INFO") -> None:
         format=f"%(asctime)s.%(msecs)03d %(levelname)s {name} %(message)s",
         datefmt="%Y-%m-%d %H:%M:%S",
     )
+
+
+SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+              "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'16MiB', '2GiB', '512MB', '1e9' -> bytes; ValueError naming the units otherwise."""
+    number = text.strip().lower().rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text.strip().lower()[len(number) :].strip()
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in SIZE_UNITS or not value > 0 or value * SIZE_UNITS[unit] >= 2**60:
+        raise ValueError(f"{text!r} is not a size: a positive number of bytes, or with a unit such as 512MiB or "
+                         "2GiB (KiB, MiB, GiB, TiB; KB, MB, GB, TB)")
+    return int(value * SIZE_UNITS[unit])

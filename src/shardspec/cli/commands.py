@@ -61,7 +61,7 @@ def engine_config(args: argparse.Namespace, **options: Any) -> EngineConfig:
             model=args.model, workers=workers, local=local, device=device, tp=args.tp, ep=args.ep, pp=args.pp,
             layer_split=split, micro_batches=args.micro_batches, lookahead=args.lookahead, relay=args.relay,
             dtype=dtype,
-            max_seq_len=args.max_seq_len, mtp=False if args.no_mtp else None,
+            max_seq_len=args.max_seq_len, cache_memory=args.cache_memory, mtp=False if args.no_mtp else None,
             draft_tokens=DEFAULT_DRAFT_TOKENS if args.draft_tokens is None else args.draft_tokens,
             keys=args.keys, server_keys=args.server_keys, heartbeat_timeout=args.heartbeat_timeout,
             dist_timeout=args.dist_timeout, dist_port=args.dist_port, connect_timeout=args.connect_timeout,
@@ -193,15 +193,15 @@ async def run_generate(args: argparse.Namespace) -> int:
 
     setup_logging("orchestrator", args.log_level)
     prompt = _generate_prompt(args)
-    config = engine_config(args, max_slots=1, pipeline=not args.no_pipeline, forced_acceptance=args.forced_acceptance)
+    config = engine_config(args, max_seqs=1, pipeline=not args.no_pipeline, forced_acceptance=args.forced_acceptance)
     token_ids: list[int] = []
     final = None
     try:
         progress(f"starting {'workers' if config.spawns_workers else 'connection'} and loading {args.model}")
         async with connect(config=config) as engine:
             info, world_size = engine.load_info, config.world_size
-            progress(f"ready: {world_size} workers, {info.weight_bytes * world_size / 1e6:.0f} MB "
-                     f"of {info.dtype} weights, MTP drafts per step: {info.draft_tokens or 'off'}")
+            progress(f"ready: {world_size} workers, {info.weight_bytes * world_size / 1e6:.0f} MB of {info.dtype} "
+                     f"weights, MTP drafts per step: {info.draft_tokens or 'off'}; {cache_line(engine)}")
             async for chunk in engine.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                                                top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                                **sampling_penalties(args)):
@@ -278,16 +278,24 @@ def _serve_options(args: argparse.Namespace) -> Any:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     return ServeOptions(
-        engine=engine_config(args, max_slots=args.max_slots), host=args.host, port=args.port,
+        engine=engine_config(args, max_seqs=args.max_seqs), host=args.host, port=args.port,
         model_name=args.served_model_name or default_model_name(args.model, BUNDLED_MODEL),
         log_level=args.log_level.lower(), limits=limits,
     )
+
+
+def cache_line(engine: Any) -> str:
+    """What the workers' caches hold, for the ready lines."""
+    paging, info = engine.group.paging, engine.load_info
+    return (f"cache: {paging.positions:,} tokens of K/V in {paging.blocks:,} blocks, up to "
+            f"{engine.scheduler.max_seqs} sequences of up to {info.max_seq_len:,} tokens, "
+            f"{info.cache_bytes / 2**20:,.1f} MiB a worker")
 
 
 def _serving_line(name: str) -> Any:
     def ready(url: str, engine: Any) -> None:
         info = engine.load_info
         progress(f"serving {name} at {url} ({engine.config.world_size} workers, {info.dtype}, MTP drafts per step: "
-                 f"{info.draft_tokens or 'off'}, {engine.scheduler.max_slots} slots of {info.max_seq_len} tokens)")
+                 f"{info.draft_tokens or 'off'}; {cache_line(engine)})")
 
     return ready

@@ -22,6 +22,7 @@ from shardspec.protocol.transport import (
     KEEPALIVE_S,
     REFUSED_GRACE_S,
 )
+from shardspec.utils import parse_size
 
 # generate's when it samples (chosen on held-out signatures: tools/eval_tiny.py --dev); greedy output
 # (--temperature 0) is the model's own argmax unless asked; the server's default is always 1, as vLLM's
@@ -197,10 +198,23 @@ def _add_heartbeat_option(parser: argparse.ArgumentParser, what: str) -> None:
                         help=f"{what} (default {DEFAULT_HEARTBEAT_TIMEOUT_S:g})")
 
 
+def size(text: str) -> int:
+    """An argparse type: a size such as 16MiB or 2GiB, in bytes."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-seq-len", type=int, default=4096, metavar="N",
-                        help="cache length per sequence, prompt and output (default 4096; capped, with a "
-                             "warning, at the model's max_position_embeddings)")
+    parser.add_argument("--max-seq-len", type=int, default=None, metavar="N",
+                        help="the most tokens of a sequence, prompt and output (default: the model's context, "
+                             "max_position_embeddings; a larger value is capped there, with a warning)")
+    parser.add_argument("--cache-memory", type=size, default=None, metavar="SIZE",
+                        help="each worker's cache: K/V blocks and the recurrent states of the sequences at once, "
+                             "e.g. 512MiB or 2GiB (default: 90%% of a GPU less its weights and 1 GiB kept for CUDA "
+                             "graphs; 1 GiB on a CPU). A worker takes no more than its sequences at full length "
+                             "can use; too little for one sequence of --max-seq-len is an error at load")
     parser.add_argument("--no-mtp", action="store_true",
                         help="plain decoding (default: speculative decoding with the model's MTP head, if it has one)")
     parser.add_argument("--draft-tokens", type=int, default=None, metavar="K",
@@ -225,8 +239,9 @@ def _add_serve_parser(commands: Any) -> None:
     _add_decoding_options(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
-    serve.add_argument("--max-slots", type=int, default=64, metavar="N",
-                       help="sequences generated at once (default 64); more requests wait for a free slot")
+    serve.add_argument("--max-seqs", type=int, default=64, metavar="N",
+                       help="sequences generated at once (default 64), each with a recurrent state in the cache; "
+                       "more requests wait, as they do for K/V blocks")
     serve.add_argument("--served-model-name", metavar="NAME", default=None,
                        help="the model id clients send (default: the model folder's name)")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],

@@ -1,5 +1,5 @@
-"""Gated full attention (Qwen3.5's: an output gate per head, q/k norms, partial rotary) with a
-fixed-size per-slot KV cache."""
+"""Gated full attention (Qwen3.5's: an output gate per head, q/k norms, partial rotary) over a paged
+KV cache: K/V in blocks of a pool, found through each sequence's block table (CacheShape)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
 from shardspec import kernels
-from shardspec.layers.batch import Batch, CachedLayer
+from shardspec.layers.batch import BLOCK_TOKENS, Batch, CachedLayer, CacheShape
 from shardspec.layers.invariant import pointwise
 from shardspec.layers.linear import MergedColumnParallelLinear, RowParallelLinear, head_ranges
 from shardspec.layers.norm import RMSNorm
@@ -33,20 +33,36 @@ def tail_causal_flash(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
     return torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, True)[0]
 
 
-def exact_length_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+def exact_length_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                            positions: torch.Tensor) -> torch.Tensor:
-    """Each query [B, T, H, D] against exactly the cached keys it sees (0 .. its position), one query
-    at a time: a token's arithmetic depends on its position alone, not on the other sequences of the
-    pass or on how many tokens its own row has (batch-invariant mode) -> [B, H, T, D]."""
+    """Each query [B, T, H, D] against exactly the keys it sees (its row's keys [B, L, HK, D] up to its
+    position), one query at a time: a token's arithmetic depends on its position alone, not on the
+    other sequences of the pass or on how many tokens its own row has (batch-invariant mode) ->
+    [B, H, T, D]."""
     B, T, H, D = q.shape
     out = q.new_empty(B, H, T, D)
-    for b, (slot, row) in enumerate(zip(slots.tolist(), positions.tolist())):
+    for b, row in enumerate(positions.tolist()):
         for t, position in enumerate(row):
-            keys = k_cache[slot, : position + 1].transpose(0, 1)[None]  # [1, HK, n, D]
-            values = v_cache[slot, : position + 1].transpose(0, 1)[None]
+            seen_keys = keys[b, : position + 1].transpose(0, 1)[None]  # [1, HK, n, D]
+            seen_values = values[b, : position + 1].transpose(0, 1)[None]
             query = q[b, t, :, None][None]  # [1, H, 1, D]
-            out[b, :, t] = F.scaled_dot_product_attention(query, keys, values, enable_gqa=True)[0, :, 0]
+            out[b, :, t] = F.scaled_dot_product_attention(query, seen_keys, seen_values, enable_gqa=True)[0, :, 0]
     return out
+
+
+def paged_index(tables: torch.Tensor, positions: torch.Tensor, block_tokens: int) -> torch.Tensor:
+    """The flat index (block * block_tokens + offset) of each position [B, T] of rows with block
+    tables [B, max_blocks] in a pool viewed as [blocks * block_tokens, ...]."""
+    blocks = tables.gather(1, torch.div(positions, block_tokens, rounding_mode="floor"))
+    return blocks.long() * block_tokens + positions % block_tokens
+
+
+def gather_paged(cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` positions of each row's blocks (tables [B, max_blocks]) of a pool
+    [blocks, block_tokens, ...] -> [B, length, ...] (a copy)."""
+    block_tokens = cache.shape[1]
+    used = tables[:, : -(-length // block_tokens)].long()
+    return cache[used].flatten(1, 2)[:, :length]
 
 
 def kv_head_ranges(heads: int, dim: int, tp: TPGroup) -> tuple[int, list[tuple[int, int]]]:
@@ -75,15 +91,20 @@ class GatedAttention(CachedLayer):
         self.q_norm = RMSNorm(dim, eps)
         self.k_norm = RMSNorm(dim, eps)
         self.rotary = RotaryEmbedding(dim, rotary_dim, rope_theta)
-        self.k_cache = torch.empty(0)
+        self.k_cache = torch.empty(0)  # [blocks, block_tokens, kv heads, head dim]: the pool's K/V blocks
         self.v_cache = torch.empty(0)
+        self.tables = torch.empty(0, 0, dtype=torch.int32)  # every slot's block table (CacheShape)
         self.invariant = False  # batch-invariant mode (CausalLM.set_batch_invariant)
 
-    def allocate(self, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device) -> int:
-        shape = (num_slots, max_len, self.kv_heads, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+    def allocate(self, shape: CacheShape, dtype: torch.dtype, device: torch.device) -> int:
+        blocks = (shape.blocks, shape.block_tokens, self.kv_heads, self.head_dim)
+        self.k_cache = torch.zeros(blocks, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(blocks, dtype=dtype, device=device)
+        self.tables = shape.tables
         return 2 * self.k_cache.nbytes
+
+    def bytes_per(self, dtype: torch.dtype) -> tuple[int, int]:
+        return 0, 2 * BLOCK_TOKENS * self.kv_heads * self.head_dim * dtype.itemsize
 
     def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         B, T, _ = x.shape
@@ -97,20 +118,22 @@ class GatedAttention(CachedLayer):
         v = v.view(B, T, self.kv_heads, self.head_dim)
 
         if batch.slots is not None:
-            rows = batch.slots[:, None]
-            self.k_cache[rows, batch.positions] = k
-            self.v_cache[rows, batch.positions] = v
-        if batch.slots is None or (batch.kv_len == T and self.k_cache.dtype == k.dtype):
+            tables = self.tables[batch.slots]
+            where = paged_index(tables, batch.positions, self.k_cache.shape[1])
+            self.k_cache.flatten(0, 1)[where] = k
+            self.v_cache.flatten(0, 1)[where] = v
+        if batch.slots is None or (batch.kv_len == T and self.k_cache.dtype == k.dtype and not self.invariant):
             # every row's positions are 0..T-1 (T distinct positions below kv_len = T): the keys are
             # exactly this pass's, so plain causal attention over them (the flash kernel, no mask)
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
             )
-        elif self.invariant and not batch.tail:  # decode and verify passes (the kernels above are per token too)
-            out = exact_length_attention(q, self.k_cache, self.v_cache, batch.slots, batch.positions)
+        elif self.invariant:  # (the kernels above are per token too; prefill as decode: see layers.gdn.delta_rule)
+            keys, values = (gather_paged(cache, tables, batch.kv_len) for cache in (self.k_cache, self.v_cache))
+            out = exact_length_attention(q, keys, values, batch.positions)
         else:
-            keys = self.k_cache[batch.slots, : batch.kv_len].transpose(1, 2)
-            values = self.v_cache[batch.slots, : batch.kv_len].transpose(1, 2)
+            keys = gather_paged(self.k_cache, tables, batch.kv_len).transpose(1, 2)
+            values = gather_paged(self.v_cache, tables, batch.kv_len).transpose(1, 2)
             out = None
             if batch.tail and self.k_cache.dtype == k.dtype:
                 out = tail_causal_flash(q.transpose(1, 2), keys, values)
@@ -124,8 +147,9 @@ class GatedAttention(CachedLayer):
 
     def _cached_kernels(self, qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> torch.Tensor:
         """Decode and verify passes on CUDA: two kernels read and write the cache in place."""
+        tables = self.tables[batch.slots]
         q = kernels.attention.qk_norm_rope(
             qg, k, v, self.q_norm.weight, self.k_norm.weight, self.rotary.inv_freq(qg.device),
-            batch.positions, batch.slots, self.k_cache, self.v_cache, self.q_norm.eps,
+            batch.positions, tables, self.k_cache, self.v_cache, self.q_norm.eps,
         )
-        return kernels.attention.cached_attention(q, qg, self.k_cache, self.v_cache, batch.positions, batch.slots)
+        return kernels.attention.cached_attention(q, qg, self.k_cache, self.v_cache, batch.positions, tables)

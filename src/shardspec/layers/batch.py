@@ -31,12 +31,39 @@ class Batch:
         return cls(None, positions, length)
 
 
-class CachedLayer(nn.Module):
-    """A layer that keeps state per cache slot (a KV cache, a recurrent state). Models find theirs
-    by this type to allocate, reset and commit them (models.base.CausalLM)."""
+BLOCK_TOKENS = 32  # positions per K/V block: the attention kernel's key tile
 
-    def allocate(self, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device) -> int:
-        """(Re)allocate the state of num_slots slots of up to max_len positions; returns its bytes."""
+
+@dataclass
+class CacheShape:
+    """What a model's caches hold: `slots` sequences' recurrent states and block tables, and a pool of
+    `blocks` K/V blocks of `block_tokens` positions. tables [slots, max_blocks] (int32, shared by every
+    attention layer): position p of the sequence in slot s lives in block tables[s, p // block_tokens]."""
+
+    slots: int
+    blocks: int
+    tables: torch.Tensor
+    block_tokens: int = BLOCK_TOKENS
+
+    @classmethod
+    def contiguous(cls, num_slots: int, max_len: int, device: torch.device) -> CacheShape:
+        """Each slot its own run of blocks for max_len positions (tests and benchmarks that drive a
+        model without a runner)."""
+        per = -(-max_len // BLOCK_TOKENS)
+        tables = torch.arange(num_slots * per, dtype=torch.int32, device=device).view(num_slots, per)
+        return cls(num_slots, num_slots * per, tables)
+
+
+class CachedLayer(nn.Module):
+    """A layer that keeps state per cache slot (a recurrent state) or per K/V block. Models find
+    theirs by this type to allocate, reset and commit them (models.base.CausalLM)."""
+
+    def allocate(self, shape: CacheShape, dtype: torch.dtype, device: torch.device) -> int:
+        """(Re)allocate the state of `shape`; returns its bytes."""
+        raise NotImplementedError
+
+    def bytes_per(self, dtype: torch.dtype) -> tuple[int, int]:
+        """(Bytes of one slot's state, bytes of one K/V block), for sizing a cache by memory."""
         raise NotImplementedError
 
     def reset(self, slots: torch.Tensor) -> None:

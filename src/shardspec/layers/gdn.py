@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardspec import kernels
-from shardspec.layers.batch import Batch, CachedLayer
+from shardspec.layers.batch import Batch, CachedLayer, CacheShape
 from shardspec.layers.invariant import matvec, pointwise, row_reduce
 from shardspec.layers.linear import MergedColumnParallelLinear, RowParallelLinear, head_ranges
 from shardspec.layers.norm import GatedRMSNorm
@@ -134,7 +134,9 @@ def delta_rule(qkv, a, b, A_log, dt_bias, state, slots, k_heads, dk, write_out=T
     g = -A_log.float().exp() * pointwise(F.softplus, a.float() + dt_bias.float(), exact)
     q, k, v, g, beta = (t.transpose(1, 2) for t in (q, k, v, g, beta))
     initial = q.new_zeros(B, v_heads, dk, v.shape[-1]) if state is None else state[slots]
-    if T == 1 or lengths is not None or not write_state:
+    # batch-invariant mode prefills token by token too: a token's arithmetic is then the same in a
+    # prompt as in decoding (a preempted sequence, prefilled again, goes on with the same tokens)
+    if T == 1 or lengths is not None or not write_state or exact:
         out, final = recurrent_delta_rule(q, k, v, g, beta, initial, lengths, exact)
     else:
         out, final = chunked_delta_rule(q, k, v, g, beta, initial)
@@ -172,12 +174,16 @@ class GatedDeltaNet(CachedLayer):
         self.recurrent_state = torch.empty(0)
         self.invariant = False  # batch-invariant mode (CausalLM.set_batch_invariant)
 
-    def allocate(self, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device) -> int:
-        self.conv_state = torch.zeros(num_slots, self.conv_dim, self.kernel - 1, dtype=dtype, device=device)
+    def allocate(self, shape: CacheShape, dtype: torch.dtype, device: torch.device) -> int:
+        self.conv_state = torch.zeros(shape.slots, self.conv_dim, self.kernel - 1, dtype=dtype, device=device)
         self.recurrent_state = torch.zeros(
-            num_slots, self.v_heads, self.dk, self.dv, dtype=torch.float32, device=device
+            shape.slots, self.v_heads, self.dk, self.dv, dtype=torch.float32, device=device
         )
         return self.conv_state.nbytes + self.recurrent_state.nbytes
+
+    def bytes_per(self, dtype: torch.dtype) -> tuple[int, int]:
+        conv = self.conv_dim * (self.kernel - 1) * dtype.itemsize
+        return conv + self.v_heads * self.dk * self.dv * 4, 0  # (the recurrent state is fp32)
 
     def reset(self, slots: torch.Tensor) -> None:
         """Zero the states of slots given to new sequences."""

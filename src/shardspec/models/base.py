@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from shardspec.layers.batch import Batch, CachedLayer
+from shardspec.layers.batch import Batch, CachedLayer, CacheShape
 from shardspec.layers.embedding import ParallelLMHead
 from shardspec.layers.parallel import TPGroup
 from shardspec.models.config import ConfigError
@@ -132,8 +132,18 @@ class CausalLM(nn.Module):
         return [m for m in self.modules() if isinstance(m, CachedLayer)]
 
     def allocate_caches(self, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device) -> int:
-        """Allocate every layer's per-slot state; returns the bytes allocated."""
-        return sum(layer.allocate(num_slots, max_len, dtype, device) for layer in self.cached_layers())
+        """Caches for num_slots sequences of up to max_len positions each, every slot its own blocks
+        (CacheShape.contiguous); returns the bytes allocated."""
+        return self.allocate_paged(CacheShape.contiguous(num_slots, max_len, device), dtype, device)
+
+    def allocate_paged(self, shape: CacheShape, dtype: torch.dtype, device: torch.device) -> int:
+        """Allocate every layer's state for `shape`; returns the bytes allocated."""
+        return sum(layer.allocate(shape, dtype, device) for layer in self.cached_layers())
+
+    def cache_bytes_per(self, dtype: torch.dtype) -> tuple[int, int]:
+        """(Bytes of one slot's recurrent state, bytes of one K/V block) over every layer."""
+        sizes = [layer.bytes_per(dtype) for layer in self.cached_layers()]
+        return sum(slot for slot, _ in sizes), sum(block for _, block in sizes)
 
     def reset_slots(self, slots: torch.Tensor) -> None:
         for layer in self.cached_layers():

@@ -18,7 +18,7 @@ from shardspec import security
 from shardspec.protocol import transport
 from shardspec.protocol.messages import LOOKAHEAD_MODES, InitRequest, LoadRequest, WorkerOptions
 from shardspec.security import KeyPair
-from shardspec.utils import DTYPE_CHOICES, check_address
+from shardspec.utils import DTYPE_CHOICES, check_address, parse_size
 
 if TYPE_CHECKING:
     from shardspec.models.checkpoint import Checkpoint
@@ -73,11 +73,16 @@ class EngineConfig:
     dtype: str = "auto"
     """Weights and activations: auto (the checkpoint's dtype on CPU, bfloat16 on GPU), float32, bfloat16, float16."""
 
-    max_slots: int = 8
+    max_seqs: int = 8
     """Sequences generated at once (cache slots per worker); more requests wait for a free slot."""
 
-    max_seq_len: int = 4096
-    """Cache length per sequence: prompt plus generated tokens."""
+    max_seq_len: int | None = None
+    """The most tokens of a sequence, prompt and output; None: the model's context (max_position_embeddings)."""
+
+    cache_memory: int | str | None = None
+    """Bytes of each worker's cache, its K/V blocks and the recurrent states of max_seqs sequences (an int, or
+    a size such as "512MiB" or "2GiB"); None: 90 % of a GPU less its weights and 1 GiB kept for CUDA graphs, or
+    1 GiB on a CPU. A worker takes no more than max_seqs sequences of max_seq_len can use."""
 
     prefill_chunk: int = 2048
     """The most prompt tokens one prefill pass takes; prompts prefilled together share it, at least 64 each."""
@@ -108,7 +113,7 @@ class EngineConfig:
 
     micro_batches: int | None = None
     """Micro-batches the running sequences are split into, each stepped on its own so that every pipeline stage
-    has work at once (a stage runs one micro-batch while the next stage runs another); None: pp (at most max_slots)."""
+    has work at once (a stage runs one micro-batch while the next stage runs another); None: pp (at most max_seqs)."""
 
     forced_acceptance: float | None = None
     """Benchmarks only: accept each draft with this probability whatever the model says (see FORCED_ACCEPTANCE_ENV)."""
@@ -176,8 +181,9 @@ class EngineConfig:
         return LoadRequest(
             model=str(model_dir.resolve()) if model_dir.exists() else self.model,
             dtype=self.dtype,
-            max_slots=self.max_slots,
-            max_seq_len=self.max_seq_len,
+            max_seqs=self.max_seqs,
+            max_seq_len=self.max_seq_len or 0,
+            cache_bytes=self.cache_memory or 0,
             prefill_chunk=self.prefill_chunk,
             mtp=MTP_MODES[self.mtp],
             draft_tokens=self.draft_tokens,
@@ -263,7 +269,20 @@ class EngineConfig:
     def _check_decoding(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
-        for name in ("max_slots", "max_seq_len", "prefill_chunk", "draft_tokens"):
+        if isinstance(self.cache_memory, str):
+            try:
+                self.cache_memory = parse_size(self.cache_memory)
+            except ValueError as exc:
+                raise ValueError(f"cache_memory: {exc}") from None
+        lo, hi = message_range(LoadRequest, "cache_bytes")
+        if self.cache_memory is not None and (type(self.cache_memory) is not int or not 1 <= self.cache_memory <= hi):
+            raise ValueError(f"cache_memory must be a number of bytes in [1, {hi}] or a size such as 512MiB, "
+                             f"got {self.cache_memory!r}")
+        if self.max_seq_len is not None and (type(self.max_seq_len) is not int or self.max_seq_len < 1):
+            raise ValueError(f"max_seq_len must be a positive integer or None, got {self.max_seq_len!r}")
+        for name in ("max_seqs", "max_seq_len", "prefill_chunk", "draft_tokens"):
+            if getattr(self, name) is None:
+                continue
             lo, hi = message_range(LoadRequest, name)
             value = getattr(self, name)
             if type(value) is not int or not lo <= value <= hi:
@@ -277,9 +296,9 @@ class EngineConfig:
         if self.relay is not None and type(self.relay) is not bool:
             raise ValueError(f"relay must be None (auto), True or False, got {self.relay!r}")
         if self.micro_batches is None:
-            self.micro_batches = min(self.pp, self.max_slots)
-        if type(self.micro_batches) is not int or not 1 <= self.micro_batches <= self.max_slots:
-            raise ValueError(f"micro_batches must be an integer in [1, max_slots={self.max_slots}], "
+            self.micro_batches = min(self.pp, self.max_seqs)
+        if type(self.micro_batches) is not int or not 1 <= self.micro_batches <= self.max_seqs:
+            raise ValueError(f"micro_batches must be an integer in [1, max_seqs={self.max_seqs}], "
                              f"got {self.micro_batches!r}")
 
     def _check_forced_acceptance(self) -> None:

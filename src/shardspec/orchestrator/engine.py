@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardspec.orchestrator.blocks import BlockPool
 from shardspec.orchestrator.config import EngineConfig, message_range
 from shardspec.orchestrator.group import WorkerGroup
 from shardspec.orchestrator.requests import Chunk, EngineError, Request, StepObserver, deliver
@@ -52,6 +53,7 @@ class _Step:
 
     batch: ScheduledStep
     futures: list[asyncio.Future]
+    requests: list[Request]  # of its sequences, as they were when it was sent
 
 
 class Engine:
@@ -64,7 +66,7 @@ class Engine:
         self.tokenizer = Tokenizer.from_folder(model_dir) if model_dir.is_dir() else None
         self.wakeup = asyncio.Event()
         self.group = WorkerGroup(config, on_failure=self.wakeup.set)
-        self.scheduler = Scheduler(config.max_slots, config.micro_batches)
+        self.scheduler = Scheduler(config.max_seqs, config.micro_batches)
         self.seq_ids = itertools.count(1)
         self.pipeline_depth = 2 if config.pipeline else 1  # steps in flight per micro-batch
         self.next_group = 0  # the micro-batch whose step is built next, round robin
@@ -110,7 +112,8 @@ class Engine:
 
     async def start(self) -> None:
         await self.group.start()
-        if (context := self.load_info.max_seq_len) < self.config.max_seq_len:
+        self._use_blocks()
+        if (context := self.load_info.max_seq_len) < (self.config.max_seq_len or 0):
             log.warning("max_seq_len %d is above the model's maximum of %d tokens (max_position_embeddings): "
                         "sequences get %d", self.config.max_seq_len, context, context)
         self.loop_task = asyncio.create_task(self._run())
@@ -227,6 +230,14 @@ class Engine:
             await self._step_loop()
             if self.closed or not await self._recover():
                 return
+            self._use_blocks()
+
+    def _use_blocks(self) -> None:
+        """Grant the blocks of the workers' pools as loaded (again)."""
+        paging = self.group.paging
+        self.scheduler.use(BlockPool(paging), self.draft_tokens, self.seq_ids)
+        log.info("K/V cache: %d positions (%d blocks of %d) for up to %d sequences at once", paging.positions,
+                 paging.blocks, paging.block_tokens, self.config.max_seqs)
 
     async def _step_loop(self) -> None:
         """Run steps until the engine closes, or a worker is lost (self.lost then says which)."""
@@ -246,7 +257,12 @@ class Engine:
                 continue
             step = inflight.popleft()
             try:
-                self._deliver(await self.group.gather_step(step))  # within the step watchdog's bound
+                try:
+                    replies = await self.group.gather_step(step)  # within the step watchdog's bound
+                finally:
+                    for request in step.requests:
+                        request.inflight -= 1
+                self._deliver(step, replies)
             except Exception as exc:
                 if _breaks_group(exc):
                     self.lost = str(exc)
@@ -291,10 +307,18 @@ class Engine:
         return None
 
     def _send(self, batch: ScheduledStep) -> _Step:
+        if batch.preempted:  # their slots free on every rank before this step admits others
+            self._release(ReleaseRequest(batch.preempted))
+        requests = self._requests_of(batch)
+        for request in requests:
+            request.inflight += 1
         step, tensors = batch.command()
-        return _Step(batch, self.group.submit_all(step, tensors))
+        return _Step(batch, self.group.submit_all(step, tensors), requests)
 
-    def _deliver(self, replies: list[tuple]) -> None:
+    def _requests_of(self, batch: ScheduledStep) -> list[Request]:
+        return [*batch.prefill, *(self.scheduler.running[seq] for seq in batch.decode)]
+
+    def _deliver(self, step: _Step, replies: list[tuple]) -> None:
         reply = _agreed(replies[-self.config.tp_size :])  # the last stage's ranks decide the step
         if self.observer is not None:
             self.observer.on_step(max(r.step_s for r, _ in replies), reply.accepted)

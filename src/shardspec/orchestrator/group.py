@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import zmq.asyncio
 
+from shardspec.orchestrator.blocks import Paging
 from shardspec.orchestrator.config import EngineConfig
 from shardspec.orchestrator.requests import EngineError
 from shardspec.orchestrator.workers import LocalWorkers, WorkerClient, WorkerLost, free_port, wait_ready
@@ -67,6 +68,7 @@ class WorkerGroup:
         self.stages: list[list[WorkerClient]] = []
         self.load_request = config.load_request()
         self.load_info: LoadReply | None = None  # rank 0's
+        self.paging: Paging | None = None  # the K/V blocks every rank holds (orchestrator.blocks)
         self.relay = config.relay is True  # stage links through this engine (or after a direct one failed)
         self.rank_of: dict[int, int] = {}  # id(WorkerClient) -> its rank, for the relay
         self.watchdog = StepWatchdog(config.step_timeout)
@@ -159,6 +161,7 @@ class WorkerGroup:
             log.info("stage %d: decoder layers %s on %s", stage, replies[ranks[0]][0].layers,
                      ", ".join(self.workers[rank].address for rank in ranks))
         self.load_request, self.load_info = request, replies[0][0]
+        self.paging = Paging.of([reply for reply, _ in replies])
         self.watchdog.loaded(sum(reply.weight_bytes for reply, _ in replies), self.load_info.draft_tokens)
         return self.load_info
 

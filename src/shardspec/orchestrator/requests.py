@@ -69,13 +69,28 @@ class Request:
     drafts: int = 0  # verify steps with drafts
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(init=False)
+    output: list[int] = field(default_factory=list)  # the tokens streamed so far
+    blocks: list[int] = field(default_factory=list)  # its K/V blocks on the workers (orchestrator.blocks)
+    inflight: int = 0  # steps sent with it whose replies have not come
+    preemptions: int = 0  # times its blocks were taken back and its tokens prefilled again
 
     def __post_init__(self) -> None:
         self.accepted_per_position = [0] * self.draft_tokens
 
     def prefill_spec(self) -> PrefillSpec:
-        return PrefillSpec(self.seq, len(self.prompt), self.sampling, self.max_tokens, self.stop_ids,
-                           self.logprobs, self.prompt_logprobs)
+        """Its prefill: the prompt, or after a preemption the prompt and every token streamed, to go on
+        with the tokens still to come."""
+        prompt_logprobs = self.prompt_logprobs if not self.output else -1
+        return PrefillSpec(self.seq, len(self.prompt) + len(self.output), self.sampling,
+                           self.max_tokens - len(self.output), self.stop_ids, self.logprobs, prompt_logprobs,
+                           list(self.blocks))
+
+    def prefill_ids(self) -> list[int]:
+        return self.prompt + self.output
+
+    def known_length(self) -> int:
+        """Positions in the workers' caches as of the last reply (the pending token is not yet in)."""
+        return len(self.prompt) + max(len(self.output) - 1, 0)
 
     def logprob_rows(self, tokens: int, prefill: bool) -> tuple[int, int]:
         """(prompt rows, token rows) this request owns in a step's reply that brought `tokens` tokens."""
@@ -86,6 +101,7 @@ class Request:
         """Count a step's tokens and, for a verify step (accepted >= 0), its accepted drafts."""
         self.first_token_at = self.first_token_at or now
         self.generated += len(tokens)
+        self.output.extend(tokens)
         if accepted >= 0 and self.draft_tokens:
             self.drafts += 1
             self.accepted_tokens += accepted
@@ -124,7 +140,7 @@ def deliver(reply: StepReply, running: dict[int, Request],
     steps = zip(reply.seqs, reply.tokens, reply.accepted, reply.finished, strict=True)
     for index, (seq, tokens, accepted, finish) in enumerate(steps):
         request = running.get(seq)
-        if request is None:  # cancelled while this step was in flight
+        if request is None:  # cancelled or preempted while this step was in flight
             continue
         prompt_rows, token_rows = request.logprob_rows(len(tokens), prefill=request.generated == 0)
         table.check(index, prompt_rows + token_rows, max(request.logprobs, request.prompt_logprobs))

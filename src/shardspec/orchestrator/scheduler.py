@@ -7,17 +7,24 @@ sequence's state, so a step names sequences and carries only the new prompts' to
 Micro-batches: the running sequences are split into `groups`, and a step advances one group. With
 pipeline stages, steps of different groups are in flight at once, each on a different stage. A
 request joins the group it is admitted into and stays there; admission keeps the groups even.
+
+K/V blocks (orchestrator.blocks): a request is admitted while the pool has blocks for its prompt
+and what its first step may write; before each step its sequences get blocks for what that step
+and the ones in flight before it may write. When the pool runs dry, the newest running request is
+preempted: its blocks go back, and it waits at the head of the queue to prefill its prompt and the
+tokens it streamed so far, under a new sequence id, and go on.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from shardspec.orchestrator.blocks import BlockPool
 from shardspec.orchestrator.requests import Request
-from shardspec.protocol.messages import ReleaseRequest, StepRequest
+from shardspec.protocol.messages import BlockGrant, ReleaseRequest, StepRequest
 
 
 @dataclass
@@ -27,24 +34,40 @@ class ScheduledStep:
     prefill: list[Request]
     decode: list[int]
     group: int = 0
+    grow: list[BlockGrant] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)  # sequences to release before this step
 
     def command(self) -> tuple[StepRequest, dict[str, torch.Tensor]]:
         """The step request, and its prompts as one int64 tensor frame."""
-        step = StepRequest(prefill=[r.prefill_spec() for r in self.prefill], decode=self.decode)
-        prompt_ids = torch.tensor([t for r in self.prefill for t in r.prompt], dtype=torch.int64)
+        step = StepRequest(prefill=[r.prefill_spec() for r in self.prefill], decode=self.decode, grow=self.grow)
+        prompt_ids = torch.tensor([t for r in self.prefill for t in r.prefill_ids()], dtype=torch.int64)
         return step, {"prompt_ids": prompt_ids}
 
 
 class Scheduler:
     """Requests waiting for a slot, and the running ones by sequence id (each in one of `groups`
-    micro-batches); at most max_slots run."""
+    micro-batches); at most max_seqs run."""
 
-    def __init__(self, max_slots: int, groups: int = 1) -> None:
-        self.max_slots = max_slots
+    def __init__(self, max_seqs: int, groups: int = 1) -> None:
+        self.max_seqs = max_seqs
         self.groups = groups
         self.waiting: deque[Request] = deque()
-        self.running: dict[int, Request] = {}
+        self.running: dict[int, Request] = {}  # in admission order: the newest last
         self.group_of: dict[int, int] = {}  # sequence id -> its micro-batch
+        self.pool: BlockPool | None = None  # set at each load (use)
+        self.step_advance = 1  # positions a step may advance a sequence: draft tokens + 1
+        self.new_seq = None  # a fresh sequence id for a preempted request (the engine's counter)
+        self.preemptions = 0
+
+    def use(self, pool: BlockPool, draft_tokens: int, new_seq) -> None:
+        """The workers' block pool after a load; draft_tokens: MTP drafts per step (0: off)."""
+        self.pool, self.step_advance, self.new_seq = pool, draft_tokens + 1, new_seq
+
+    def blocks_needed(self, request: Request) -> int:
+        """The blocks `request` must hold before its next step: for what that step may write past
+        the positions its steps in flight may add to its last known length."""
+        paging = self.pool.paging
+        return paging.blocks_for(request.known_length() + request.inflight * self.step_advance + paging.step_span)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -53,18 +76,62 @@ class Scheduler:
         """The next step of micro-batch `group`: its running sequences, and the waiting ones it admits
         into free slots (up to its even share of what can run); None when it has nothing to do."""
         decode = [seq for seq in self.running if self.group_of[seq] == group]
-        share = -(-min(self.max_slots, len(self.running) + len(self.waiting)) // self.groups)
+        grow, preempted = self._grow(decode)
+        share = -(-min(self.max_seqs, len(self.running) + len(self.waiting)) // self.groups)
         admitted = []
-        while self.waiting and len(self.running) < self.max_slots and len(decode) + len(admitted) < share:
+        while self.waiting and len(self.running) < self.max_seqs and len(decode) + len(admitted) < share:
             if admitted and self.waiting[0].solo:
                 break
-            request = self.waiting.popleft()
+            request = self.waiting[0]
+            blocks = self.pool.take(self.blocks_needed(request))
+            if blocks is None:
+                break
+            request.blocks = blocks
+            self.waiting.popleft()
             self.running[request.seq] = request
             self.group_of[request.seq] = group
             admitted.append(request)
             if request.solo:  # suspected of a refused step: admitted alone, so that it fails alone
                 break
-        return ScheduledStep(admitted, decode, group) if decode or admitted else None
+        if decode or admitted:
+            return ScheduledStep(admitted, decode, group, grow, preempted)
+        if preempted:  # (their release must still go out)
+            return ScheduledStep([], [], group, [], preempted)
+        return None
+
+    def _grow(self, decode: list[int]) -> tuple[list[BlockGrant], list[int]]:
+        """Blocks for the sequences of `decode` (which loses those preempted meanwhile); returns the
+        grants and the sequences preempted."""
+        grants, preempted = [], []
+        for seq in list(decode):
+            request = self.running.get(seq)
+            if request is None:  # preempted for an earlier one
+                continue
+            missing = self.blocks_needed(request) - len(request.blocks)
+            while missing > 0 and (blocks := self.pool.take(missing)) is None:
+                victim = next(reversed(self.running.values()))
+                preempted.append(self._preempt(victim))
+                if victim is request:
+                    break
+            else:
+                if missing > 0:
+                    request.blocks += blocks
+                    grants.append(BlockGrant(seq, blocks))
+        decode[:] = [seq for seq in decode if seq in self.running]
+        return [g for g in grants if g.seq in self.running], preempted
+
+    def _preempt(self, request: Request) -> int:
+        """Take a running request's blocks back and queue it first, under a new sequence id, to
+        prefill what it has so far; returns its old id."""
+        old = request.seq
+        self.running.pop(old)
+        self.group_of.pop(old)
+        self.pool.give_back(request.blocks)
+        request.blocks, request.seq = [], next(self.new_seq)
+        request.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(request)
+        return old
 
     def retry(self, requests: list[Request]) -> None:
         """Put requests whose admission the workers refused back at the head of the queue."""
@@ -80,11 +147,16 @@ class Scheduler:
         for request in requests:
             self.running.pop(request.seq, None)
             self.group_of.pop(request.seq, None)
+            self.pool.give_back(request.blocks)
+            request.blocks = []
         return ReleaseRequest([r.seq for r in requests]) if requests else None
 
     def take_all(self) -> list[Request]:
         """Every request, running then waiting, now no longer scheduled."""
         requests = [*self.running.values(), *self.waiting]
+        for request in self.running.values():
+            self.pool.give_back(request.blocks)
+            request.blocks = []
         self.running.clear()
         self.group_of.clear()
         self.waiting.clear()

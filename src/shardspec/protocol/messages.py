@@ -1,47 +1,26 @@
 """Typed request and reply definitions of every op. Worker and orchestrator both import this.
 
-Each op has a request and a reply dataclass. `parse(cls, meta)` checks a received meta map against
-the dataclass — no unknown keys, every required key present, exact types (a bool is not an int),
-numeric ranges and choices from the field's metadata — and raises ProtocolError(BAD_REQUEST) naming
-the bad field. `to_meta(obj)` is the inverse.
+Each op has a request and a reply dataclass, checked on arrival by `parse` (protocol.fields, which
+also holds the field metadata: `bounded`, `one_of`, `switch`) and written by `to_meta`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import types
-import typing
 from dataclasses import dataclass, field
-from functools import cache
-from typing import Any, ClassVar, TypeVar
+from typing import ClassVar
 
-from shardspec.protocol.errors import ErrorCode, ProtocolError
+from shardspec.protocol.fields import MAX_STR as MAX_STR
+from shardspec.protocol.fields import bounded, one_of, switch
+from shardspec.protocol.fields import parse as parse  # (re-exported: the ops' users parse through here)
+from shardspec.protocol.fields import to_meta as to_meta
 
-MAX_STR = 4096
 MAX_DRAFT_TOKENS = 8
 MAX_LOGPROBS = 20  # top log-probabilities per token a sequence may ask for (vLLM's default limit)
 MIN_TEMPERATURE = 1e-4  # below it, logits / temperature overflow float32: use 0 (greedy)
 MIN_TOP_P = 1e-6  # below it, top_p rounds to 0 in float32 (denormals flushed) and would keep no token
-MAX_LIST = 1 << 20
-INT64 = (-(2**63), 2**63 - 1)
 MAX_PROMPT_TOKENS = 1 << 22  # one sequence's prompt
 MAX_STEP_PROMPT_TOKENS = 2 * MAX_PROMPT_TOKENS  # a step's prompts together, by default (a worker's --max-message-mb)
-
-
-def bounded(lo: float, hi: float, default: Any = dataclasses.MISSING) -> Any:
-    """A field whose value must lie in [lo, hi]."""
-    return field(default=default, metadata={"range": (lo, hi)})
-
-
-def one_of(choices: tuple[str, ...], default: str, help: str) -> Any:
-    """An option whose value must be one of `choices`; `help` says what each does (the CLI flag's)."""
-    return field(default=default, metadata={"choices": choices, "help": help})
-
-
-def switch(default: bool, help: str) -> Any:
-    """An on/off option; `help` says what it turns on (the CLI flag's)."""
-    return field(default=default, metadata={"help": help})
 
 
 # --- worker options ---------------------------------------------------------------------------
@@ -209,13 +188,13 @@ LOOKAHEAD_MODES = ("auto", "on", "off")
 
 @dataclass(frozen=True)
 class LoadRequest:
-    """Load this rank's shard of a checkpoint folder and allocate caches for max_slots sequences."""
+    """Load this rank's shard of a checkpoint folder and allocate caches for max_seqs sequences."""
 
     OP: ClassVar[str] = "load"
     model: str
     dtype: str = "auto"
-    max_slots: int = bounded(1, 4096, 8)
-    max_seq_len: int = bounded(1, 1 << 22, 4096)
+    max_seqs: int = bounded(1, 4096, 8)
+    max_seq_len: int = bounded(0, 1 << 22, 0)  # 0: the model's context (max_position_embeddings)
     prefill_chunk: int = bounded(1, 1 << 20, 2048)  # tokens per prefill pass (>= 64 per prompt)
     mtp: str = "auto"  # "auto": on when the checkpoint has mtp.*; "on": required; "off"
     draft_tokens: int = bounded(1, MAX_DRAFT_TOKENS, 3)
@@ -223,7 +202,8 @@ class LoadRequest:
     layer_split: list[int] = field(default_factory=list)  # decoder layers per stage; []: as even as can be
     deterministic: bool = False  # batch-invariant decoding (ModelRunner's `deterministic`)
     expert_parallel: int = bounded(1, 4096, 1)  # MoE: groups of a stage's ranks that hold whole experts (layers.moe)
-    lookahead: str = "off"  # stages with MTP: a lone sequence's next step runs on a guess (ModelRunner)
+    lookahead: str = "off"  # stages with MTP: a lone sequence's next step runs on a guess (stage.ForwardingStage)
+    cache_bytes: int = bounded(0, 1 << 50, 0)  # K/V blocks and recurrent states; 0: the device's default
 
     def __post_init__(self) -> None:
         if self.mtp not in ("auto", "on", "off"):
@@ -249,6 +229,9 @@ class LoadReply:
     eos_token_ids: list[int]
     load_s: float
     rss_bytes: int
+    kv_blocks: int  # K/V blocks the orchestrator may grant (block ids 0 .. kv_blocks - 1)
+    block_tokens: int  # positions per block
+    step_span: int  # positions past a sequence's length that one step may write: its blocks must cover them
 
 
 @dataclass(frozen=True)
@@ -263,17 +246,28 @@ class PrefillSpec:
     # log-probabilities in the step replies: -1 none; N >= 0 each emitted token's and the top N
     logprobs: int = bounded(-1, MAX_LOGPROBS, -1)
     prompt_logprobs: int = bounded(-1, MAX_LOGPROBS, -1)  # the same for prompt tokens 1.. (prefill reply)
+    blocks: list[int] = field(default_factory=list)  # its K/V blocks, in position order (BlockGrant)
+
+
+@dataclass(frozen=True)
+class BlockGrant:
+    """More K/V blocks for a running sequence, appended to its block table in this order."""
+
+    seq: int = bounded(0, 2**63 - 1)
+    blocks: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class StepRequest:
     """Prefill new sequences, then advance running ones: one token each, or with MTP verify the
-    pending drafts, accept, and draft again. Finished sequences in `decode` are skipped."""
+    pending drafts, accept, and draft again. Finished sequences in `decode` are skipped. Every
+    sequence's blocks must cover its length plus the worker's step_span (LoadReply)."""
 
     OP: ClassVar[str] = "step"
     prefill: list[PrefillSpec] = field(default_factory=list)
     decode: list[int] = field(default_factory=list)
     return_logits: bool = False
+    grow: list[BlockGrant] = field(default_factory=list)  # blocks for decoding sequences, before the step runs
 
 
 @dataclass(frozen=True)
@@ -414,83 +408,3 @@ REPLIES: dict[str, type] = {
 }
 LINKS: dict[str, type] = {cls.OP: cls for cls in (HiddenStates, AcceptRecord)}
 OPS = frozenset(REQUESTS) | frozenset(REPLIES) | frozenset(LINKS)
-
-# --- validation -------------------------------------------------------------------------------
-
-T = TypeVar("T")
-
-
-def parse(cls: type[T], meta: Any, where: str = "meta") -> T:
-    """Build `cls` from a received map, validating every field; raises ProtocolError."""
-    if not isinstance(meta, dict):
-        _bad(where, f"must be a map, got {type(meta).__name__}")
-    hints = _hints(cls)
-    unknown = set(meta) - set(hints)
-    if unknown:
-        _bad(where, f"unknown fields {sorted(map(str, unknown))}; expected {sorted(hints)}")
-    values = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in meta:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                _bad(where, f"missing required field {f.name!r}")
-            continue
-        value = _check(hints[f.name], meta[f.name], f"{where}.{f.name}")
-        if "range" in f.metadata:
-            lo, hi = f.metadata["range"]
-            if not lo <= value <= hi:
-                _bad(f"{where}.{f.name}", f"{value!r} is outside [{lo}, {hi}]")
-        if "choices" in f.metadata and value not in f.metadata["choices"]:
-            _bad(f"{where}.{f.name}", f"{value!r:.100} is not one of {', '.join(f.metadata['choices'])}")
-        values[f.name] = value
-    try:
-        return cls(**values)
-    except ValueError as exc:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where}: {exc}") from None
-
-
-def to_meta(obj: Any) -> dict[str, Any]:
-    """The msgpack-ready map of a message dataclass."""
-    return dataclasses.asdict(obj)
-
-
-@cache
-def _hints(cls: type) -> dict[str, Any]:
-    return {f.name: typing.get_type_hints(cls)[f.name] for f in dataclasses.fields(cls)}
-
-
-def _check(tp: Any, value: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    if tp is bool:
-        if type(value) is not bool:
-            _bad(where, f"expected a bool, got {type(value).__name__}")
-        return value
-    if tp is int:
-        if type(value) is not int or not INT64[0] <= value <= INT64[1]:
-            _bad(where, f"expected a 64-bit int, got {type(value).__name__}")
-        return value
-    if tp is float:
-        if type(value) not in (int, float) or not math.isfinite(value):
-            _bad(where, f"expected a finite number, got {value!r}"[:200])
-        return float(value)
-    if tp is str:
-        if type(value) is not str or len(value) > MAX_STR:
-            _bad(where, f"expected a string of at most {MAX_STR} chars")
-        return value
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        if type(value) is not list or len(value) > MAX_LIST:
-            _bad(where, f"expected a list of at most {MAX_LIST} items")
-        return [_check(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _check(inner, value, where)
-    if dataclasses.is_dataclass(tp):
-        return parse(tp, value, where)
-    raise TypeError(f"unsupported schema type {tp!r} at {where}")  # a bug in this module
-
-
-def _bad(where: str, what: str) -> typing.NoReturn:
-    raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where}: {what}")

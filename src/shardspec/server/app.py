@@ -209,7 +209,7 @@ class Service:
             raise self.unavailable(failure)
         workers = await self.worker_stats()
         scheduler = self.engine.scheduler
-        return {"running": len(scheduler.running), "waiting": len(scheduler.waiting), "max_slots": scheduler.max_slots,
+        return {"running": len(scheduler.running), "waiting": len(scheduler.waiting), "max_seqs": scheduler.max_seqs,
                 "workers": [dataclasses.asdict(stats) for stats in workers]}
 
 

@@ -410,6 +410,9 @@ class ShardWorker:
             eos_token_ids=config.eos_token_ids,
             load_s=load_s,
             rss_bytes=memory_stats()["rss_bytes"],
+            kv_blocks=self.runner.paging.kv_blocks,
+            block_tokens=self.runner.paging.block_tokens,
+            step_span=self.runner.paging.span,
         )
         return reply, None
 

@@ -66,7 +66,8 @@ class LaunchAhead:
         """The pass launched for this step, if any (a step that is not the one it was launched for is
         a bug: said as one)."""
         launched, self.launched = self.launched, None
-        if launched is not None and (request.prefill or request.return_logits or request.decode != launched.seqs):
+        if launched is not None and (request.prefill or request.return_logits or request.grow
+                                     or request.decode != launched.seqs):
             raise RuntimeError("a pass was launched ahead for a step that did not come next")
         return launched
 
@@ -253,12 +254,12 @@ class Decoder(ModelRunner):
 
     def _continues(self, request: StepRequest | None, seqs: list[int]) -> bool:
         """Whether `request` is the step after this one over the same rows (the sequences `seqs`, in
-        order, no prefill, no logits), none of them known to be finished (a finished sequence's row
+        order, no prefill, no logits, no blocks granted), none of them known to be finished (a finished sequence's row
         would run on past its length, which the host no longer advances), none that can run past the
         caches (the pass runs before the host knows how far this step took them: at most k + 1
         positions), and the graph serves the next context."""
-        if request is None or request.prefill or request.return_logits or request.decode != seqs:
-            return False
+        if request is None or request.prefill or request.return_logits or request.grow or request.decode != seqs:
+            return False  # (a grant changes the block tables after the pass would have been queued)
         limit = self.max_seq_len - 2 * (self.draft_len + 1)
         rows = [self.sequences[seq] for seq in seqs]
         return all(not s.finished and s.length <= limit for s in rows) and self.passes.can_go_again()

@@ -28,6 +28,9 @@ from shardspec.utils import resolve_dtype
 
 log = logging.getLogger("shardspec.worker")
 PROGRESS_EVERY_S = 2.0  # how often a load logs its progress
+CPU_CACHE_BYTES = 1 << 30  # a CPU worker's K/V blocks and recurrent states, unless told (--cache-memory)
+GPU_MEMORY_FRACTION = 0.9  # a GPU worker's share of its device, weights and cache together (as vLLM's default)
+GRAPH_RESERVE_BYTES = 1 << 30  # of that share, kept for CUDA graphs and activations
 
 
 @dataclass(frozen=True)
@@ -107,13 +110,26 @@ def make_runner(model: CausalLM, device: torch.device, body: LoadRequest, draft_
     forced = body.forced_acceptance if body.forced_acceptance >= 0 else None
     if forced is not None:
         log.warning("FORCED ACCEPTANCE %.2f: benchmark mode, the output is not the model's", forced)
-    max_seq_len = min(body.max_seq_len, model.config.max_position_embeddings)
+    max_seq_len = min(body.max_seq_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
     common = dict(forced_acceptance=forced, links=links, deterministic=body.deterministic, lookahead=body.lookahead,
-                  draft_head=kernels.settings.draft_head)
-    if model.stage.last:
-        return Decoder(model, device, body.max_slots, max_seq_len, body.prefill_chunk, draft_len, peek=peek,
-                       launch_ahead=kernels.settings.launch_ahead, **common)
-    return ForwardingStage(model, device, body.max_slots, max_seq_len, body.prefill_chunk, draft_len, **common)
+                  draft_head=kernels.settings.draft_head, cache_bytes=body.cache_bytes or default_cache_bytes(device))
+    try:
+        if model.stage.last:
+            return Decoder(model, device, body.max_seqs, max_seq_len, body.prefill_chunk, draft_len, peek=peek,
+                           launch_ahead=kernels.settings.launch_ahead, **common)
+        return ForwardingStage(model, device, body.max_seqs, max_seq_len, body.prefill_chunk, draft_len, **common)
+    except ValueError as exc:  # the cache cannot hold one sequence
+        raise ProtocolError(ErrorCode.CAPACITY, str(exc)) from None
+
+
+def default_cache_bytes(device: torch.device) -> int:
+    """The cache of a worker not told its size: CPU_CACHE_BYTES on a CPU; on a GPU, GPU_MEMORY_FRACTION
+    of the device less what is allocated (the weights) and GRAPH_RESERVE_BYTES, within what is free."""
+    if device.type != "cuda":
+        return CPU_CACHE_BYTES
+    free, total = torch.cuda.mem_get_info(device)
+    share = int(GPU_MEMORY_FRACTION * total) - torch.cuda.memory_allocated(device)
+    return max(0, min(free, share) - GRAPH_RESERVE_BYTES)
 
 
 def free_memory(device: torch.device) -> None:

@@ -22,14 +22,14 @@ from typing import Any
 import torch
 
 from shardspec import kernels
-from shardspec.layers.batch import Batch
+from shardspec.layers.batch import BLOCK_TOKENS, Batch, CacheShape
 from shardspec.models.base import CausalLM
 from shardspec.protocol.errors import ErrorCode, ProtocolError
 from shardspec.protocol.messages import PrefillSpec, StepReply, StepRequest, WorkerOptions
 from shardspec.shard_worker.graphs import StepPasses
 from shardspec.shard_worker.links import StageLinks
 from shardspec.shard_worker.logprobs import LogprobRows, reply_tensors
-from shardspec.shard_worker.sequences import Rows, Sequence, SequenceTable
+from shardspec.shard_worker.sequences import Paging, Rows, Sequence, SequenceTable
 
 log = logging.getLogger("shardspec.worker")
 # batch-invariant mode: rows per matmul block (layers.linear.linear). On a GPU a decode step's matmuls
@@ -50,6 +50,24 @@ def draft_head_mode(requested: str, model: CausalLM, dtype: torch.dtype, device:
     if requested == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
         return "bf16"
     return requested
+
+
+def kv_blocks_in(model: CausalLM, dtype: torch.dtype, max_seqs: int, max_blocks: int, budget: int | None) -> int:
+    """The K/V blocks a cache of `budget` bytes holds once max_seqs + 1 recurrent states and block
+    tables are set aside, and the scratch block; no more than max_seqs sequences of max_blocks each
+    can use (None: that many). ValueError when it holds fewer than one sequence at full length."""
+    useful = max_seqs * max_blocks
+    slot_bytes, block_bytes = model.cache_bytes_per(dtype)
+    if budget is None or block_bytes == 0:  # (a stage without attention layers: its blocks cost nothing)
+        return useful
+    fixed = (max_seqs + 1) * (slot_bytes + 4 * max_blocks) + block_bytes  # (+ the scratch block)
+    blocks = (budget - fixed) // block_bytes
+    if blocks < max_blocks:
+        raise ValueError(f"a cache of {budget / 2**20:.1f} MiB holds {max(blocks, 0) * BLOCK_TOKENS} positions of "
+                         f"K/V after {max_seqs} sequences' recurrent states ({fixed / 2**20:.1f} MiB); one sequence "
+                         f"of the longest length needs {max_blocks * BLOCK_TOKENS}: raise --cache-memory, or lower "
+                         "--max-seq-len or --max-seqs")
+    return min(useful, blocks)
 
 
 @dataclass
@@ -133,7 +151,7 @@ class ModelRunner:
         self,
         model: CausalLM,
         device: torch.device,
-        max_slots: int,
+        max_seqs: int,
         max_seq_len: int,
         prefill_chunk: int,
         draft_len: int = 0,
@@ -143,6 +161,7 @@ class ModelRunner:
         deterministic: bool = False,
         lookahead: str = "off",
         draft_head: str = WorkerOptions.draft_head,
+        cache_bytes: int | None = None,
     ):
         if not (model.stage.first and model.stage.last) and links is None:
             raise ValueError("a model stage needs links to the other stages")
@@ -170,7 +189,6 @@ class ModelRunner:
         # at a time in chunks that depend on the prompt alone
         self.deterministic = deterministic
         model.set_batch_invariant(invariant_block_rows(device) if deterministic else 0)
-        self.table = SequenceTable(max_slots, max_seq_len, model.config.vocab_size, device, forced_acceptance)
         self.counters = SpecCounters(accepted_per_position=[0] * draft_len)
         # the model's dtype: of its weights, not of FP8 ones or their fp32 scales (layers.fp8)
         dtype = next(p.dtype for name, p in model.named_parameters()
@@ -180,28 +198,34 @@ class ModelRunner:
         # scratch space for the padding rows of graphed batches
         # (with lookahead: a verify pass k + 1 positions past those, and a chain of 2k + 1)
         self.context = max_seq_len + (4 * draft_len + 2 if self.lookahead else 2 * draft_len)
+        max_blocks = -(-self.context // BLOCK_TOKENS)
+        kv_blocks = kv_blocks_in(model, dtype, max_seqs, max_blocks, cache_bytes)
+        self.paging = Paging(kv_blocks, BLOCK_TOKENS, max_blocks, self.context - max_seq_len + 1, self.context)
+        self.table = SequenceTable(max_seqs, max_seq_len, model.config.vocab_size, device, forced_acceptance,
+                                   self.paging)
         self.cache_dtype = dtype
         # the stage links stay outside the graphs: a later stage's graphs read the received hidden
         # states from a buffer; an earlier one's end at its layers' output, and commit when the record comes
         inputs = None if model.stage.first else (model.config.hidden_size, dtype)
         self.passes = StepPasses(self._verify_pass, self._follow_pass, self._fused_pass, device, self.rows,
-                                 scratch_slot=max_slots, max_context=self.context, graphs=cuda_graphs, inputs=inputs,
+                                 scratch_slot=max_seqs, max_context=self.context, graphs=cuda_graphs, inputs=inputs,
                                  copies=self.COPIES)
         try:  # out of memory, say: leave no caches, fp8 head or graphs behind on the (kept) model
             self.draft_head = "cublas"
             if draft_len and model.lm_head is not None:
                 self.draft_head = draft_head_mode(draft_head, model, dtype, device)
                 model.lm_head.use_draft_kernel(self.draft_head)
-            self.cache_bytes = model.allocate_caches(max_slots + 1, self.context, dtype, device)
+            shape = CacheShape(max_seqs + 1, self.paging.kv_blocks + 1, self.table.tables)
+            self.cache_bytes = model.allocate_paged(shape, dtype, device) + self.table.tables.nbytes
             started = time.perf_counter()
             with torch.inference_mode():
-                captured = self.passes.capture_all(max_slots)
+                captured = self.passes.capture_all(max_seqs)
         except BaseException:
             self.close()
             raise
         if captured:
             log.info("captured %d CUDA graphs (batch buckets for up to %d sequences) in %.1fs; drafts' LM head: %s",
-                     captured, max_slots, time.perf_counter() - started, self.draft_head)
+                     captured, max_seqs, time.perf_counter() - started, self.draft_head)
 
     @property
     def sequences(self) -> dict[int, Sequence]:
@@ -211,7 +235,7 @@ class ModelRunner:
         """Free the caches, the fp8 head and the graphs (with what the passes saved in the graphs'
         memory pool), so that a new runner on the same model does not hold both."""
         self.passes.close()
-        self.model.allocate_caches(0, 0, self.cache_dtype, self.device)
+        self.model.allocate_caches(0, 0, self.cache_dtype, self.device)  # (no blocks: frees them)
         if self.model.lm_head is not None:
             self.model.lm_head.use_draft_kernel("cublas")
         self.table.clear()
@@ -235,6 +259,8 @@ class ModelRunner:
     def _begin(self, request: StepRequest, prompt_ids: torch.Tensor) -> list[torch.Tensor]:
         """Check a step's request; returns its prompts."""
         prompts = self.table.check(request, prompt_ids)
+        for grant in request.grow:
+            self.table.grant(self.sequences[grant.seq], grant.blocks)
         self.steps, self.passes_run = self.steps + 1, 0
         return prompts
 
@@ -256,9 +282,12 @@ class ModelRunner:
             slots = torch.tensor(slot_ids, device=self.device)
             self.model.reset_slots(slots)
             seqs = [self.table.new(spec, slot, prompts.shape[1]) for spec, slot in zip(specs, slot_ids)]
+            for seq, spec in zip(seqs, specs):
+                self.table.grant(seq, spec.blocks)
             self._prefill_slots(seqs, specs, prompts.to(self.device), slots, result, want_logits)
         except BaseException:
             for slot in slot_ids:
+                self.table.tables[slot] = self.paging.scratch
                 self.table.slots.give_back(slot)
             raise
         self.table.add(seqs)

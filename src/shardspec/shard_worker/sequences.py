@@ -35,6 +35,7 @@ class Sequence:
     guess: list[int] = field(default_factory=list)
     guess_held: bool = False  # the last stage: its last step proved the guess the next step's lookahead ran on
     draws: torch.Generator | None = None  # on the host: benchmark-only forced acceptance (drawn with no device sync)
+    blocks: int = 0  # K/V blocks in its block table (granted by the orchestrator)
 
     def penalise(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
         """logits [P, V] as this sequence samples from them (penalised, row j after drafts[:j])."""
@@ -128,17 +129,42 @@ class SlotAllocator:
         self.free.append(slot)
 
 
-class SequenceTable:
-    """The live sequences by id, and the cache slots they hold."""
+@dataclass(frozen=True)
+class Paging:
+    """How a rank's K/V pool is shared out: `kv_blocks` blocks of `block_tokens` positions (one more,
+    the scratch block, for padding rows and unused table entries), at most `max_blocks` a sequence,
+    whose blocks must cover its length plus `span` positions (what one step may write), up to `context`."""
 
-    def __init__(self, max_slots: int, max_seq_len: int, vocab_size: int, device: torch.device,
-                 forced_acceptance: float | None):
-        self.slots = SlotAllocator(max_slots)
+    kv_blocks: int
+    block_tokens: int
+    max_blocks: int
+    span: int
+    context: int
+
+    @property
+    def scratch(self) -> int:
+        return self.kv_blocks
+
+    def needed(self, length: int) -> int:
+        """Blocks a sequence of `length` positions must hold before a step runs it."""
+        return -(-min(length + self.span, self.context) // self.block_tokens)
+
+
+class SequenceTable:
+    """The live sequences by id, the cache slots they hold, and their block tables (`tables`: a row
+    per slot, on the device; the layers read it, CacheShape)."""
+
+    def __init__(self, max_seqs: int, max_seq_len: int, vocab_size: int, device: torch.device,
+                 forced_acceptance: float | None, paging: Paging):
+        self.slots = SlotAllocator(max_seqs)
         self.sequences: dict[int, Sequence] = {}
         self.max_seq_len = max_seq_len
         self.vocab_size = vocab_size
         self.device = device
         self.forced = forced_acceptance
+        self.paging = paging
+        # one row more: the scratch slot of padding rows
+        self.tables = torch.full((max_seqs + 1, paging.max_blocks), paging.scratch, dtype=torch.int32, device=device)
 
     def __getitem__(self, seq: int) -> Sequence:
         return self.sequences[seq]
@@ -176,7 +202,36 @@ class SequenceTable:
         too_long = [s.seq for s in request.prefill if s.length >= self.max_seq_len]
         if too_long:
             raise ProtocolError(ErrorCode.CAPACITY, f"prompts of {too_long} do not fit max_seq_len {self.max_seq_len}")
+        self._check_blocks(request)
         return list(prompt_ids.long().split(lengths)) if lengths else []
+
+    def _check_blocks(self, request: StepRequest) -> None:
+        """Block ids in the pool, no table past max_blocks, and every sequence the step runs covered
+        for what it may write."""
+        paging, held = self.paging, {seq: self.sequences[seq].blocks for seq in request.decode}
+        grants = [(spec.seq, spec.blocks) for spec in request.prefill] + [(g.seq, g.blocks) for g in request.grow]
+        for seq, blocks in grants:
+            if seq not in held and seq not in {spec.seq for spec in request.prefill}:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"blocks granted to sequence {seq}, which the step does "
+                                    "not run")
+            if any(not 0 <= b < paging.kv_blocks for b in blocks):
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"block ids must lie in [0, {paging.kv_blocks})")
+            held[seq] = held.get(seq, 0) + len(blocks)
+            if held[seq] > paging.max_blocks:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"sequence {seq} would hold {held[seq]} blocks; at most "
+                                    f"{paging.max_blocks}")
+        lengths = {spec.seq: spec.length for spec in request.prefill}
+        lengths |= {seq: self.sequences[seq].length for seq in request.decode if not self.sequences[seq].finished}
+        short = [seq for seq, length in lengths.items() if held.get(seq, 0) < paging.needed(length)]
+        if short:
+            raise ProtocolError(ErrorCode.CAPACITY, f"sequences {short[:8]} hold too few K/V blocks for this step "
+                                f"({paging.block_tokens} positions a block, {paging.span} past the length)")
+
+    def grant(self, seq: Sequence, blocks: list[int]) -> None:
+        """Append blocks to a sequence's table (checked by `check`)."""
+        if blocks:
+            self.tables[seq.slot, seq.blocks : seq.blocks + len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            seq.blocks += len(blocks)
 
     def new(self, spec: PrefillSpec, slot: int, length: int) -> Sequence:
         """A sequence for a prompt of `length` tokens prefilled into `slot` (not yet in the table)."""
@@ -197,8 +252,11 @@ class SequenceTable:
         """Free the slots of those of `seqs` that are live; returns them."""
         released = [s for s in dict.fromkeys(seqs) if s in self.sequences]
         for seq in released:
-            self.slots.give_back(self.sequences.pop(seq).slot)
+            slot = self.sequences.pop(seq).slot
+            self.tables[slot] = self.paging.scratch
+            self.slots.give_back(slot)
         return released
 
     def clear(self) -> None:
         self.sequences.clear()
+        self.tables.fill_(self.paging.scratch)
