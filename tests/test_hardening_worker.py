@@ -124,6 +124,10 @@ def test_a_hello_queued_by_a_client_that_left_does_not_make_it_the_owner(spawn_w
     # rank 0 of a group of 2 whose peer never comes: the worker is busy for timeout_s
     init = {"rank": 0, "world_size": 2, "dist_addr": f"tcp://127.0.0.1:{free_port()}", "timeout_s": 3.0}
     busy.sock.send_multipart(encode(Message("init", 2, init)))
+    deadline = time.monotonic() + 30
+    while "joining gloo group" not in worker.log_text():  # the worker is in the init, not reading its socket
+        assert time.monotonic() < deadline, worker.log_text()[-2000:]
+        time.sleep(0.01)
     departed = SyncClient(worker.address)
     departed.sock.send_multipart(HELLO)
     departed.sock.close(linger=2000)  # the hello is delivered, then the connection closes

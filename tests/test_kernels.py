@@ -205,7 +205,7 @@ def test_attention_kernels_match_the_reference_and_fill_the_cache(dtype, head_di
         pytest.skip("the interpreter's truncation to bf16 is an ulp of the larger term off, beyond two of the sum")
     config = Qwen3_5Config.from_dict(tiny_config(head_dim=head_dim))
     torch.manual_seed(0)
-    layer = mixer(config, "full_attention", TPGroup())
+    layer = mixer(config, "full_attention", TPGroup(), None, "model.layers.0")
     for p in layer.parameters():
         p.data.normal_(0, 0.3)
     layer = layer.to(dtype)
