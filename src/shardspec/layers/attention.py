@@ -126,6 +126,7 @@ class GatedAttention(CachedLayer):
         """Decode and verify passes on CUDA: two kernels read and write the cache in place."""
         q = kernels.attention.qk_norm_rope(
             qg, k, v, self.q_norm.weight, self.k_norm.weight, self.rotary.inv_freq(qg.device),
-            batch.positions, batch.slots, self.k_cache, self.v_cache, self.q_norm.eps,
+            batch.positions, batch.block_tables, self.k_cache, self.v_cache, self.q_norm.eps,
         )
-        return kernels.attention.cached_attention(q, qg, self.k_cache, self.v_cache, batch.positions, batch.slots)
+        return kernels.attention.cached_attention(q, qg, self.k_cache, self.v_cache, batch.positions,
+                                                  batch.block_tables)

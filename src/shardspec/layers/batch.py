@@ -21,6 +21,7 @@ class Batch:
     kv_len: int  # keys to attend over: at least max(positions) + 1 (a context bucket may be more)
     speculative: bool = False  # recurrent layers leave their states alone until commit() (verify passes)
     tail: bool = False  # every row's positions are kv_len - T .. kv_len - 1 (prefill passes)
+    block_tables: torch.Tensor | None = None  # [B, max_blocks] int32: each row's cache blocks, in order
     saved: dict[CachedLayer, Any] = field(default_factory=dict)  # a speculative pass's inputs, per layer
 
     @classmethod
