@@ -8,6 +8,7 @@ the GPU to nearest).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -25,7 +26,8 @@ from shardspec import kernels
 from shardspec.kernels import gdn as kernel_gdn
 from shardspec.kernels import norm as kernel_norm
 from shardspec.layers import gdn as reference_gdn
-from shardspec.layers.batch import Batch
+from shardspec.layers.attention import exact_length_attention
+from shardspec.layers.batch import Batch, CacheShape
 from shardspec.layers.norm import GatedRMSNorm, RMSNorm
 from shardspec.layers.parallel import TPGroup
 from shardspec.models.qwen3_5 import Qwen3_5Config, Qwen3_5Model, mixer
@@ -215,7 +217,9 @@ def test_attention_kernels_match_the_reference_and_fill_the_cache(dtype, head_di
     outputs = []
     for use_kernels, device in ((False, "cpu"), (True, DEVICE)):
         monkeypatch.setattr(kernels, "enabled", lambda x, on=use_kernels: on)
-        layer.to(device).allocate(3, 64, dtype, torch.device(device))
+        # each slot's two blocks of 32 positions scattered over the pool, in no order
+        tables = torch.randperm(6, generator=torch.Generator().manual_seed(1)).view(3, 2).int().to(device)
+        layer.to(device).allocate(CacheShape(3, 6, tables), dtype, torch.device(device))
         s = slots.to(device)
         positions = torch.arange(37, device=device).expand(2, -1)
         layer(prompt.to(device), Batch(s, positions, 37))  # prefill: never the kernels
@@ -228,6 +232,89 @@ def test_attention_kernels_match_the_reference_and_fill_the_cache(dtype, head_di
     assert_agree(out_k, out, dtype, bf16_tol=0.05 * (head_dim / 16) ** 0.5)
     assert_agree(k_cache_k, k_cache, dtype)
     assert_agree(v_cache_k, v_cache, dtype)
+
+
+def scattered_block_tables(lengths: list[int], block_tokens: int, seed: int = 0) -> tuple[torch.Tensor, int]:
+    """Block tables [B, max_blocks + 1] int32 whose rows hold blocks drawn from a shuffled pool: no two
+    rows share one, no row's are in order; past a row's last block every entry names block 0 (scratch).
+    Returns the tables and the pool's size (two blocks of it held by no row)."""
+    needed = [-(-n // block_tokens) for n in lengths]
+    order = torch.randperm(sum(needed) + 2, generator=torch.Generator().manual_seed(seed)) + 1
+    tables = torch.zeros(len(lengths), max(needed) + 1, dtype=torch.int32)
+    for b, (n, start) in enumerate(zip(needed, itertools.accumulate(needed, initial=0))):
+        tables[b, :n] = order[start : start + n]
+    assert all((row[1:n] < row[: n - 1]).any() for row, n in zip(tables, needed) if n > 1), "pick another seed"
+    return tables, len(order) + 1
+
+
+def paged_write_reference(layer, qg, k, v, positions, tables, k_cache, v_cache) -> torch.Tensor:
+    """The layer's q/k norms and rotation: writes the pass's keys and values into k_cache, v_cache at
+    (tables[b, p // block_tokens], p % block_tokens) and returns the rotated q [B, T, HQ, D]."""
+    B, T, _ = qg.shape
+    D, block_tokens = layer.head_dim, k_cache.shape[1]
+    blocks, offsets = tables.long().gather(1, positions // block_tokens), positions % block_tokens
+    k_cache[blocks, offsets] = layer.rotary(layer.k_norm(k.view(B, T, layer.kv_heads, D)), positions)
+    v_cache[blocks, offsets] = v.view(B, T, layer.kv_heads, D)
+    return layer.rotary(layer.q_norm(qg.view(B, T, layer.heads, 2 * D)[..., :D]), positions)
+
+
+def paged_attention_reference(q, qg, k_cache, v_cache, positions, tables) -> torch.Tensor:
+    """Each query against its row's keys 0 .. its position, gathered through the row's table, times
+    sigmoid(gate) -> [B, T, HQ*D]."""
+    B, T, _, D = q.shape
+    block_tokens = k_cache.shape[1]
+    keys = torch.arange(int(positions.max()) + 1)
+    rows = tables.long()[:, keys // block_tokens], keys % block_tokens  # [B, L]: each row's keys in order
+    out = exact_length_attention(q, k_cache[rows], v_cache[rows], positions)
+    gate = qg.view(B, T, -1, 2 * D)[..., D:].reshape(B, T, -1)
+    return out.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_tokens", [16, 64])  # 16: a 32-key tile spans two blocks; 64: a block two tiles
+@pytest.mark.parametrize("T", [1, 4])  # decode, verify
+def test_attention_kernels_read_and_write_only_the_blocks_their_tables_name(dtype, block_tokens, T):
+    config = Qwen3_5Config.from_dict(tiny_config(head_dim=16))
+    torch.manual_seed(0)
+    layer = mixer(config, "full_attention", TPGroup(), None, "attention")
+    for p in layer.parameters():
+        p.data.normal_(0, 0.3)
+    layer = layer.to(dtype)
+    B, D, HKV, bt = 4, layer.head_dim, layer.kv_heads, block_tokens
+    lengths = [2 * bt, 2 * bt + 1, bt + bt // 2 + 3, 5]  # the last key ends a block, opens one, mid-block, in the first
+    tables, num_blocks = scattered_block_tables(lengths, bt)
+    positions = torch.stack([torch.arange(n - T, n) for n in lengths])
+    k_cache = torch.full((num_blocks, bt, HKV, D), float("nan"), dtype=dtype)  # NaN: any read past a position shows
+    v_cache = k_cache.clone()
+    for b, n in enumerate(lengths):  # the keys of earlier passes
+        earlier = torch.arange(n - T)
+        k_cache[tables[b, earlier // bt].long(), earlier % bt] = torch.randn(n - T, HKV, D, dtype=dtype)
+        v_cache[tables[b, earlier // bt].long(), earlier % bt] = torch.randn(n - T, HKV, D, dtype=dtype)
+    qg = torch.randn(B, T, layer.heads * 2 * D, dtype=dtype)
+    k, v = torch.randn(B, T, HKV * D, dtype=dtype), torch.randn(B, T, HKV * D, dtype=dtype)
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    q_expected = paged_write_reference(layer, qg, k, v, positions, tables, k_expected, v_expected)
+
+    layer.to(DEVICE)
+    qg_d, k_d, v_d, positions_d, tables_d, k_cache_d, v_cache_d = (
+        x.to(DEVICE) for x in (qg, k, v, positions, tables, k_cache, v_cache)
+    )
+    q = kernels.attention.qk_norm_rope(
+        qg_d, k_d, v_d, layer.q_norm.weight, layer.k_norm.weight, layer.rotary.inv_freq(DEVICE), positions_d,
+        tables_d, k_cache_d, v_cache_d, layer.q_norm.eps,
+    )
+    out = kernels.attention.cached_attention(q, qg_d, k_cache_d, v_cache_d, positions_d, tables_d)
+
+    assert_agree(q, q_expected, dtype)
+    written = torch.zeros(num_blocks, bt, dtype=torch.bool)
+    written[tables.long().gather(1, positions // bt), positions % bt] = True
+    assert written.sum() == B * T
+    k_cache_d, v_cache_d = k_cache_d.cpu(), v_cache_d.cpu()
+    for actual, want, before in ((k_cache_d, k_expected, k_cache), (v_cache_d, v_expected, v_cache)):
+        assert_agree(actual[written], want[written], dtype)
+        torch.testing.assert_close(actual[~written], before[~written], rtol=0, atol=0, equal_nan=True)
+    # against the q and cache the first kernel made, so that each kernel answers for its own bf16 rounding
+    assert_agree(out, paged_attention_reference(q.cpu(), qg, k_cache_d, v_cache_d, positions, tables), dtype)
 
 
 @pytest.mark.skipif(not GPU or kernel_gdn.chunk_gated_delta_rule is None, reason="needs a GPU and fla-core")

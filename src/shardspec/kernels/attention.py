@@ -1,8 +1,10 @@
-"""Gated attention kernels for decode and verify passes over the per-slot KV cache, read in place.
+"""Gated attention kernels for decode and verify passes over the paged KV cache, read in place.
 
-`qk_norm_rope` normalises (zero-centred RMSNorm per head) and rotates q and k, and writes k and v
-into the cache at (slot, position); `cached_attention` attends each query to its slot's keys up to
-its own position (online softmax over key blocks) and multiplies by sigmoid(gate).
+The cache is one pool of blocks [num_blocks, block_tokens, HKV, D]; position p of row b lives in
+block tables[b, p // block_tokens] at offset p % block_tokens. `qk_norm_rope` normalises
+(zero-centred RMSNorm per head) and rotates q and k, and writes k and v into the cache there;
+`cached_attention` attends each query to its row's keys up to its own position (online softmax over
+key tiles) and multiplies by sigmoid(gate).
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, inv_freq_ptr, pos_ptr, slots_ptr, q_out_ptr,
-                         k_cache_ptr, v_cache_ptr, T, stride_q, stride_k, stride_v, cache_len, eps,
+def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, inv_freq_ptr, pos_ptr, tables_ptr, q_out_ptr,
+                         k_cache_ptr, v_cache_ptr, T, stride_q, stride_k, stride_v, max_blocks, eps,
                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                         ROT: tl.constexpr):
+                         ROT: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)  # b * T + t
     head = tl.program_id(1)
     is_q = head < HQ
@@ -53,44 +55,45 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, inv_freq_ptr, pos_
         tl.store(q_out_ptr + (token * HQ + head) * D + cols, out, mask=live)
     else:
         b = token // T
-        slot = tl.load(slots_ptr + b)
         position = tl.load(pos_ptr + token)
-        where = ((slot * cache_len + position) * HKV + (head - HQ)) * D + cols
+        block = tl.load(tables_ptr + b * max_blocks + position // BLOCK).to(tl.int64)
+        where = ((block * BLOCK + position % BLOCK) * HKV + (head - HQ)) * D + cols
         tl.store(k_cache_ptr + where, out, mask=live)
         tl.store(v_cache_ptr + where, tl.load(v_ptr + token * stride_v + (head - HQ) * D + cols, mask=live), mask=live)
 
 
 def qk_norm_rope(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                 inv_freq: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                 inv_freq: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, eps: float) -> torch.Tensor:
     """qg [B, T, HQ*2D] (query|gate per head), k, v [B, T, HKV*D]: returns rotated q [B, T, HQ, D];
-    the rotated k and v go into the caches [slots, L, HKV, D] at (slot, position)."""
+    the rotated k and v go into the caches [blocks, block_tokens, HKV, D] at position p of row b:
+    block tables[b, p // block_tokens] ([B, max_blocks] int32), offset p % block_tokens."""
     B, T, _ = qg.shape
-    L, HKV, D = k_cache.shape[1:]
+    block_tokens, HKV, D = k_cache.shape[1:]
     HQ = qg.shape[-1] // (2 * D)
     qg2, k2, v2 = qg.reshape(B * T, -1), k.reshape(B * T, -1), v.reshape(B * T, -1)
     assert qg2.stride(1) == 1 and k2.stride(1) == 1 and v2.stride(1) == 1 and k_cache.is_contiguous()
-    assert slots.is_contiguous()
+    assert tables.is_contiguous() and block_tokens & (block_tokens - 1) == 0
     q_out = torch.empty(B, T, HQ, D, dtype=qg.dtype, device=qg.device)
     positions = positions.contiguous()
     _qk_norm_rope_kernel[(B * T, HQ + HKV)](
-        qg2, k2, v2, q_weight, k_weight, inv_freq, positions, slots, q_out, k_cache, v_cache, T,
-        qg2.stride(0), k2.stride(0), v2.stride(0), L, eps, HQ=HQ, HKV=HKV, D=D, DP=triton.next_power_of_2(D),
-        ROT=2 * inv_freq.numel(),
+        qg2, k2, v2, q_weight, k_weight, inv_freq, positions, tables, q_out, k_cache, v_cache, T,
+        qg2.stride(0), k2.stride(0), v2.stride(0), tables.shape[1], eps, HQ=HQ, HKV=HKV, D=D,
+        DP=triton.next_power_of_2(D), ROT=2 * inv_freq.numel(), BLOCK=block_tokens,
         num_warps=1,
     )
     return q_out
 
 
 @triton.jit
-def _cached_attention_kernel(q_ptr, gate_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slots_ptr, out_ptr, T, stride_g,
-                             cache_len, scale, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+def _cached_attention_kernel(q_ptr, gate_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, tables_ptr, out_ptr, T, stride_g,
+                             max_blocks, scale, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                              DP: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr,
-                             DOT_FP32: tl.constexpr):
+                             BLOCK: tl.constexpr, DOT_FP32: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)  # b * T + t
     kv_head = tl.program_id(1)
     b = token // T
-    slot = tl.load(slots_ptr + b)
+    table = tables_ptr + b * max_blocks
     last = tl.load(pos_ptr + token)  # this query sees keys 0 .. last
     g = tl.arange(0, GP)
     heads = kv_head * GROUP + g
@@ -102,11 +105,13 @@ def _cached_attention_kernel(q_ptr, gate_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
     m = tl.full([GP], float("-inf"), dtype=tl.float32)
     denom = tl.zeros([GP], dtype=tl.float32)
     acc = tl.zeros([GP, DP], dtype=tl.float32)
-    base = slot * cache_len * HKV * D + kv_head * D
     for start in range(0, last + 1, BN):
         keys = start + tl.arange(0, BN)
         visible = keys <= last
-        offsets = base + keys[:, None] * (HKV * D) + cols[None, :]
+        # a tile may span blocks: each key's block from the table (entries past `last` never read)
+        blocks = tl.load(table + keys // BLOCK, mask=visible, other=0).to(tl.int64)
+        rows = (blocks * BLOCK + keys % BLOCK) * HKV + kv_head
+        offsets = rows[:, None] * D + cols[None, :]
         kv_tile = visible[:, None] & in_head[None, :]
         k = tl.load(k_cache_ptr + offsets, mask=kv_tile, other=0.0)
         v = tl.load(v_cache_ptr + offsets, mask=kv_tile, other=0.0)
@@ -133,17 +138,19 @@ def _cached_attention_kernel(q_ptr, gate_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
 
 
 def cached_attention(q: torch.Tensor, qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """q [B, T, HQ, D] rotated; qg [B, T, HQ*2D] (the gate is each head's second half) -> [B, T, HQ*D]."""
+                     positions: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """q [B, T, HQ, D] rotated; qg [B, T, HQ*2D] (the gate is each head's second half); caches
+    [blocks, block_tokens, HKV, D] read through tables [B, max_blocks] int32 -> [B, T, HQ*D]."""
     B, T, HQ, D = q.shape
-    L, HKV = k_cache.shape[1:3]
+    block_tokens, HKV = k_cache.shape[1:3]
     group = HQ // HKV
     qg2 = qg.reshape(B * T, -1)
-    assert slots.is_contiguous() and q.is_contiguous()
+    assert tables.is_contiguous() and q.is_contiguous() and block_tokens & (block_tokens - 1) == 0
     out = torch.empty(B, T, HQ * D, dtype=q.dtype, device=q.device)
     _cached_attention_kernel[(B * T, HKV)](
-        q, qg2[:, D:], k_cache, v_cache, positions.contiguous(), slots, out, T, qg2.stride(0), L, D**-0.5,
-        HQ=HQ, HKV=HKV, D=D, DP=max(16, triton.next_power_of_2(D)), GROUP=group,
-        GP=max(16, triton.next_power_of_2(group)), BN=32, DOT_FP32=q.dtype == torch.float32 or INTERPRETER, num_warps=4,
+        q, qg2[:, D:], k_cache, v_cache, positions.contiguous(), tables, out, T, qg2.stride(0), tables.shape[1],
+        D**-0.5, HQ=HQ, HKV=HKV, D=D, DP=max(16, triton.next_power_of_2(D)), GROUP=group,
+        GP=max(16, triton.next_power_of_2(group)), BN=32, BLOCK=block_tokens,
+        DOT_FP32=q.dtype == torch.float32 or INTERPRETER, num_warps=4,
     )
     return out
