@@ -108,3 +108,27 @@ def test_a_cache_too_small_for_one_sequence_fails_at_start_naming_the_flag(small
 
     with pytest.raises(RemoteError, match="raise --cache-memory"):
         asyncio.run(run())
+
+
+@pytest.mark.slow
+def test_a_long_request_runs_beside_many_short_ones_in_a_cache_smaller_than_slots_times_context():
+    """The bundled model on two workers with 16 MiB of cache each and 32 sequences at once: a
+    3,700-token request and 24 short ones all complete, where 32 slots of its 4,096 positions would
+    need several times the memory."""
+    rng = random.Random(2)
+
+    async def run():
+        async with shardspec.connect(workers=pooled(2), dtype="float32", max_seqs=32, cache_memory="16MiB") as engine:
+            paging = engine.group.paging
+            assert paging.positions < 32 * engine.load_info.max_seq_len // 4
+            prompts = [rng.choices(range(1000), k=3700)] + [rng.choices(range(1000), k=50) for _ in range(24)]
+            budgets = [16] + [32] * 24
+
+            async def one(prompt, budget):
+                chunks = [c async for c in engine.generate(prompt, max_tokens=budget, stop_at_eos=False)]
+                return sum(len(c.token_ids) for c in chunks)
+
+            return await asyncio.gather(*(one(p, b) for p, b in zip(prompts, budgets))), budgets
+
+    lengths, budgets = asyncio.run(run())
+    assert lengths == budgets

@@ -61,8 +61,8 @@ class ServingMetrics:
 
     def _gauges(self) -> None:
         r = self.registry
-        self.running = Gauge("shardspec_requests_running", "Sequences holding a cache slot", registry=r)
-        self.waiting = Gauge("shardspec_requests_waiting", "Requests queued for a free cache slot", registry=r)
+        self.running = Gauge("shardspec_requests_running", "Sequences being generated", registry=r)
+        self.waiting = Gauge("shardspec_requests_waiting", "Requests queued for a slot or K/V blocks", registry=r)
         self.healthy = Gauge("shardspec_workers_healthy", "1 when every worker is connected, else 0", registry=r)
         self.slots_total = Gauge("shardspec_worker_slots_total", "Cache slots of each worker", ["rank"],
                                  registry=r)
@@ -70,6 +70,11 @@ class ServingMetrics:
                                 registry=r)
         self.live_sequences = Gauge("shardspec_worker_live_sequences", "Sequences live on each worker",
                                     ["rank"], registry=r)
+        self.cache_usage = Gauge("shardspec_cache_usage", "Fraction of the workers' K/V blocks held by "
+                                 "sequences", registry=r)
+        self.preemptions = Counter("shardspec_preemptions", "Requests preempted (their blocks taken back, "
+                                   "their tokens prefilled again later) when the K/V blocks ran out", registry=r)
+        self.preemptions_seen = 0
 
     def on_step(self, step_s: float, accepted: list[int]) -> None:
         """The engine's StepObserver hook: one call per step reply."""
@@ -84,10 +89,13 @@ class ServingMetrics:
         for position in range(1, max(verified) + 1):
             self.accepted_per_position.labels(position=str(position)).inc(sum(n >= position for n in verified))
 
-    def refresh(self, running: int, waiting: int, healthy: bool, worker_stats: list[Any]) -> None:
-        """Gauges from the engine's queues and the workers' StatsReplies (rank order)."""
-        self.running.set(running)
-        self.waiting.set(waiting)
+    def refresh(self, scheduler: Any, healthy: bool, worker_stats: list[Any]) -> None:
+        """Gauges from the engine's scheduler and the workers' StatsReplies (rank order)."""
+        self.running.set(len(scheduler.running))
+        self.waiting.set(len(scheduler.waiting))
+        self.cache_usage.set(scheduler.pool.usage if scheduler.pool is not None else 0.0)
+        self.preemptions.inc(scheduler.preemptions - self.preemptions_seen)
+        self.preemptions_seen = scheduler.preemptions
         self.healthy.set(1 if healthy else 0)
         for rank, stats in enumerate(worker_stats):
             self.slots_total.labels(rank=str(rank)).set(stats.slots_total)

@@ -201,7 +201,7 @@ class Service:
     async def metrics_text(self) -> bytes:
         scheduler = self.engine.scheduler
         stats = await self.worker_stats()
-        self.metrics.refresh(len(scheduler.running), len(scheduler.waiting), self.engine.healthy, stats)
+        self.metrics.refresh(scheduler, self.engine.healthy, stats)
         return self.metrics.render()
 
     async def internal_stats(self) -> dict[str, Any]:
