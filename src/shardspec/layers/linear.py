@@ -4,7 +4,7 @@ parameters, with their slice specs, and multiplies by them."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -13,9 +13,6 @@ from torch import nn
 from shardspec import kernels
 from shardspec.layers import invariant
 from shardspec.layers.parallel import WHOLE, Ranges, SliceSpec, TPGroup
-
-if TYPE_CHECKING:
-    from shardspec.layers.quantization import QuantConfig
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, block_rows: int = 0) -> torch.Tensor:
@@ -27,6 +24,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, block_rows: int = 0) -> torch.
         return kernels.gemv.linear(x, weight)
     return F.linear(x, weight)
 
+
+
+class Quantization(Protocol):
+    """What gives a layer its method when it is built (layers.quantization.QuantConfig)."""
+
+    def linear_method(self, keys: list[str]) -> LinearMethod: ...
 
 class LinearMethod:
     """How a projection holds and multiplies its weights: unquantised here, block-wise FP8 in
@@ -63,7 +66,7 @@ class Linear(nn.Module):
 
     block_rows = 0
 
-    def __init__(self, rows: int, cols: int, spec: SliceSpec, keys: list[str], quant: QuantConfig | None):
+    def __init__(self, rows: int, cols: int, spec: SliceSpec, keys: list[str], quant: Quantization | None):
         super().__init__()
         self.slice_specs: dict[str, SliceSpec] = {}
         self.method = quant.linear_method(keys) if quant is not None else UNQUANTIZED
@@ -79,7 +82,7 @@ class MergedColumnParallelLinear(Linear):
     order (views of one tensor). `parts` maps each checkpoint module name to this rank's rows; the
     names are siblings of `prefix`'s last one."""
 
-    def __init__(self, in_features: int, parts: dict[str, Ranges], quant: QuantConfig | None = None,
+    def __init__(self, in_features: int, parts: dict[str, Ranges], quant: Quantization | None = None,
                  prefix: str = ""):
         sizes = [sum(end - start for start, end in ranges) for ranges in parts.values()]
         parent = prefix.rpartition(".")[0]
@@ -101,13 +104,13 @@ class RowParallelLinear(Linear):
     one of these layers feeds an RMSNorm, which sums it across the group (RMSNorm's `reduce`), in
     the same kernel as its residual add where it can."""
 
-    def __init__(self, ranges: Ranges, out_features: int, quant: QuantConfig | None = None, prefix: str = ""):
+    def __init__(self, ranges: Ranges, out_features: int, quant: Quantization | None = None, prefix: str = ""):
         in_features = sum(end - start for start, end in ranges)
         super().__init__(out_features, in_features, SliceSpec(cut=(1, tuple(ranges))), [f"{prefix}.weight"], quant)
 
 
 class ReplicatedLinear(Linear):
-    def __init__(self, in_features: int, out_features: int, quant: QuantConfig | None = None, prefix: str = ""):
+    def __init__(self, in_features: int, out_features: int, quant: Quantization | None = None, prefix: str = ""):
         super().__init__(out_features, in_features, WHOLE, [f"{prefix}.weight"], quant)
 
 

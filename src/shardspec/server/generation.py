@@ -8,15 +8,22 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
-from shardspec.orchestrator.engine import ENGINE_ERRORS
+from shardspec.orchestrator.engine import ENGINE_ERRORS, Engine
+from shardspec.orchestrator.metrics import ServingMetrics
 from shardspec.orchestrator.requests import Chunk, TokenLogprob
 from shardspec.server.api import ApiError, usage
 from shardspec.server.jobs import Job
 
-if TYPE_CHECKING:
-    from shardspec.server.app import Service
+
+class Service(Protocol):
+    """What a generation needs of the server (server.app.Service)."""
+
+    engine: Engine
+    metrics: ServingMetrics
+
+    def engine_failed(self, exc: Exception) -> Exception: ...
 
 T = TypeVar("T")
 
