@@ -61,7 +61,12 @@ def overrides(model: str) -> dict[tuple[str, str], st.SearchStrategy]:
         ("PrefillSpec", "length"): st.integers(1, 8),
         ("PrefillSpec", "max_tokens"): st.integers(1, 40),
         ("PrefillSpec", "stop_ids"): st.lists(st.integers(0, VOCAB + 5), max_size=3),
+        # ids of the pool a load of ensure_loaded's has (4 sequences of 128 positions: 20 blocks); one covers a prompt
+        ("PrefillSpec", "blocks"): st.lists(st.integers(0, 19), min_size=1, max_size=2),
         ("StepRequest", "prefill"): None,  # built by _prefills, with a matching prompt tensor
+        ("StepRequest", "grow"): st.lists(st.fixed_dictionaries({"seq": SEQS, "blocks": st.lists(st.integers(0, 19),
+                                                                                                max_size=2)}),
+                                          max_size=2),
         ("StepRequest", "decode"): st.lists(SEQS, max_size=6),
         ("ReleaseRequest", "seqs"): st.lists(SEQS, max_size=6),
     }
