@@ -17,6 +17,7 @@ from shardspec.models.loader import load_model
 from shardspec.protocol.errors import RemoteError
 from shardspec.protocol.messages import PrefillSpec, StepRequest
 from shardspec.shard_worker.decoder import Decoder
+from shardspec.shard_worker.runner import fixed_cache_bytes
 from shardspec.testing.grants import Grants
 
 MAX_SEQ_LEN = 96
@@ -53,13 +54,13 @@ def test_blocks_scattered_over_the_pool_give_the_tokens_of_blocks_in_order(small
 def cache_memory_for(model_dir, blocks: int, max_seqs: int, tp: int = 1, pp: int = 1) -> int:
     """The --cache-memory that gives every worker of `pp` stages of `tp` ranks at least `blocks` K/V
     blocks beside max_seqs recurrent states at MAX_SEQ_LEN, the worker with the largest blocks
-    exactly that many (runner.kv_blocks_in's arithmetic)."""
+    exactly that many."""
     checkpoint = Checkpoint.open(model_dir)
     sizes = [load_model(checkpoint, TPGroup(0, tp), torch.float32, torch.device("cpu"), with_mtp=True,
                         stage=checkpoint.stage(s, pp)).cache_bytes_per(torch.float32) for s in range(pp)]
     slot_bytes, block_bytes = max(sizes, key=lambda size: size[1])
     max_blocks = -(-(MAX_SEQ_LEN + 2 * DRAFTS) // 32)
-    return (max_seqs + 1) * (slot_bytes + 4 * max_blocks) + (blocks + 1) * block_bytes
+    return fixed_cache_bytes(slot_bytes, block_bytes, max_seqs, max_blocks) + blocks * block_bytes
 
 
 async def generate_all(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -52,6 +52,12 @@ def draft_head_mode(requested: str, model: CausalLM, dtype: torch.dtype, device:
     return requested
 
 
+def fixed_cache_bytes(slot_bytes: int, block_bytes: int, max_seqs: int, max_blocks: int) -> int:
+    """What a cache sets aside before its K/V blocks: max_seqs + 1 recurrent states and block-table
+    rows (one for padding rows), and the scratch block."""
+    return (max_seqs + 1) * (slot_bytes + 4 * max_blocks) + block_bytes
+
+
 def kv_blocks_in(model: CausalLM, dtype: torch.dtype, max_seqs: int, max_blocks: int, budget: int | None) -> int:
     """The K/V blocks a cache of `budget` bytes holds once max_seqs + 1 recurrent states and block
     tables are set aside, and the scratch block; no more than max_seqs sequences of max_blocks each
@@ -60,7 +66,7 @@ def kv_blocks_in(model: CausalLM, dtype: torch.dtype, max_seqs: int, max_blocks:
     slot_bytes, block_bytes = model.cache_bytes_per(dtype)
     if budget is None or block_bytes == 0:  # (a stage without attention layers: its blocks cost nothing)
         return useful
-    fixed = (max_seqs + 1) * (slot_bytes + 4 * max_blocks) + block_bytes  # (+ the scratch block)
+    fixed = fixed_cache_bytes(slot_bytes, block_bytes, max_seqs, max_blocks)
     blocks = (budget - fixed) // block_bytes
     if blocks < max_blocks:
         raise ValueError(f"a cache of {budget / 2**20:.1f} MiB holds {max(blocks, 0) * BLOCK_TOKENS} positions of "
