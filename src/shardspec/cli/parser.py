@@ -215,6 +215,10 @@ def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
                              "e.g. 512MiB or 2GiB (default: 90%% of a GPU less its weights and 1 GiB kept for CUDA "
                              "graphs; 1 GiB on a CPU). A worker takes no more than its sequences at full length "
                              "can use; too little for one sequence of --max-seq-len is an error at load")
+    parser.add_argument("--no-prefix-cache", action="store_true",
+                        help="prefill every prompt whole (default: reuse the K/V blocks and recurrent states a prompt "
+                             "shares with earlier prompts and outputs; the saved states take at most 1/8 of "
+                             "--cache-memory past the sequences' own)")
     parser.add_argument("--no-mtp", action="store_true",
                         help="plain decoding (default: speculative decoding with the model's MTP head, if it has one)")
     parser.add_argument("--draft-tokens", type=int, default=None, metavar="K",

@@ -103,6 +103,10 @@ class GatedAttention(CachedLayer):
         self.tables = shape.tables
         return 2 * self.k_cache.nbytes
 
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.k_cache[dst] = self.k_cache[src]
+        self.v_cache[dst] = self.v_cache[src]
+
     def bytes_per(self, dtype: torch.dtype) -> tuple[int, int]:
         return 0, 2 * BLOCK_TOKENS * self.kv_heads * self.head_dim * dtype.itemsize
 

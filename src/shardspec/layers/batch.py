@@ -36,14 +36,17 @@ BLOCK_TOKENS = 32  # positions per K/V block: the attention kernel's key tile
 
 @dataclass
 class CacheShape:
-    """What a model's caches hold: `slots` sequences' recurrent states and block tables, and a pool of
-    `blocks` K/V blocks of `block_tokens` positions. tables [slots, max_blocks] (int32, shared by every
-    attention layer): position p of the sequence in slot s lives in block tables[s, p // block_tokens]."""
+    """What a model's caches hold: `slots` sequences' recurrent states and block tables, a pool of
+    `blocks` K/V blocks of `block_tokens` positions, and `saved` more recurrent states (rows slots ..
+    slots + saved - 1, which the prefix cache saves and restores: CachedLayer.copy_states). tables
+    [slots, max_blocks] (int32, shared by every attention layer): position p of the sequence in slot s
+    lives in block tables[s, p // block_tokens]."""
 
     slots: int
     blocks: int
     tables: torch.Tensor
     block_tokens: int = BLOCK_TOKENS
+    saved: int = 0
 
     @classmethod
     def contiguous(cls, num_slots: int, max_len: int, device: torch.device) -> CacheShape:
@@ -68,6 +71,13 @@ class CachedLayer(nn.Module):
 
     def reset(self, slots: torch.Tensor) -> None:
         """Clear the state of slots given to new sequences (state indexed by position needs nothing)."""
+
+    def copy_states(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the recurrent state of rows `src` to rows `dst` (slots and saved states alike; state
+        indexed by position has none)."""
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy K/V blocks `src` to blocks `dst` (state per slot has none)."""
 
     def commit(self, saved: Any, slots: torch.Tensor, index: torch.Tensor) -> None:
         """After a speculative pass that left `saved` in Batch.saved: advance each slot's state past

@@ -175,10 +175,9 @@ class GatedDeltaNet(CachedLayer):
         self.invariant = False  # batch-invariant mode (CausalLM.set_batch_invariant)
 
     def allocate(self, shape: CacheShape, dtype: torch.dtype, device: torch.device) -> int:
-        self.conv_state = torch.zeros(shape.slots, self.conv_dim, self.kernel - 1, dtype=dtype, device=device)
-        self.recurrent_state = torch.zeros(
-            shape.slots, self.v_heads, self.dk, self.dv, dtype=torch.float32, device=device
-        )
+        rows = shape.slots + shape.saved
+        self.conv_state = torch.zeros(rows, self.conv_dim, self.kernel - 1, dtype=dtype, device=device)
+        self.recurrent_state = torch.zeros(rows, self.v_heads, self.dk, self.dv, dtype=torch.float32, device=device)
         return self.conv_state.nbytes + self.recurrent_state.nbytes
 
     def bytes_per(self, dtype: torch.dtype) -> tuple[int, int]:
@@ -202,6 +201,10 @@ class GatedDeltaNet(CachedLayer):
         if batch.speculative:  # what commit() replays
             batch.saved[self] = (qkv, mixed, a, b)
         return self.out_proj(self.norm(out, z.view(B, T, self.v_heads, self.dv)).reshape(B, T, -1))
+
+    def copy_states(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.conv_state[dst] = self.conv_state[src]
+        self.recurrent_state[dst] = self.recurrent_state[src]
 
     def snapshot(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.conv_state[slots].clone(), self.recurrent_state[slots].clone()

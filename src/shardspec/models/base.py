@@ -149,6 +149,16 @@ class CausalLM(nn.Module):
         for layer in self.cached_layers():
             layer.reset(slots)
 
+    def copy_states(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy recurrent states from rows `src` to rows `dst` in every layer (CacheShape.saved)."""
+        for layer in self.cached_layers():
+            layer.copy_states(src, dst)
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy K/V blocks `src` to `dst` in every attention layer."""
+        for layer in self.cached_layers():
+            layer.copy_blocks(src, dst)
+
     def commit(self, saved: dict[CachedLayer, Any], slots: torch.Tensor, index: torch.Tensor) -> None:
         """Keep tokens 0..index[b] of the speculative pass that left `saved` (its Batch.saved)."""
         for layer, inputs in saved.items():

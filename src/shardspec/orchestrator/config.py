@@ -84,6 +84,11 @@ class EngineConfig:
     a size such as "512MiB" or "2GiB"); None: 90 % of a GPU less its weights and 1 GiB kept for CUDA graphs, or
     1 GiB on a CPU. A worker takes no more than max_seqs sequences of max_seq_len can use."""
 
+    prefix_cache: bool = True
+    """Prefix caching: K/V blocks and recurrent states a prompt shares with earlier requests' prompts and outputs
+    are reused instead of prefilled again (docs/architecture.md, "Prefix caching"); its saved recurrent states
+    take at most an eighth of cache_memory past the sequences' own."""
+
     prefill_chunk: int = 2048
     """The most prompt tokens one prefill pass takes; prompts prefilled together share it, at least 64 each."""
 
@@ -184,6 +189,7 @@ class EngineConfig:
             max_seqs=self.max_seqs,
             max_seq_len=self.max_seq_len or 0,
             cache_bytes=self.cache_memory or 0,
+            prefix_cache=self.prefix_cache,
             prefill_chunk=self.prefill_chunk,
             mtp=MTP_MODES[self.mtp],
             draft_tokens=self.draft_tokens,

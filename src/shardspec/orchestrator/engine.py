@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import numbers
@@ -29,6 +30,7 @@ from typing import Any
 from shardspec.orchestrator.blocks import BlockPool
 from shardspec.orchestrator.config import EngineConfig, message_range
 from shardspec.orchestrator.group import WorkerGroup
+from shardspec.orchestrator.prefix import PrefixCache
 from shardspec.orchestrator.requests import Chunk, EngineError, Request, StepObserver, deliver
 from shardspec.orchestrator.scheduler import ScheduledStep, Scheduler
 from shardspec.orchestrator.tokenizer import Detokenizer, Tokenizer
@@ -235,9 +237,13 @@ class Engine:
     def _use_blocks(self) -> None:
         """Grant the blocks of the workers' pools as loaded (again)."""
         paging = self.group.paging
-        self.scheduler.use(BlockPool(paging), self.draft_tokens, self.seq_ids)
-        log.info("K/V cache: %d positions (%d blocks of %d) for up to %d sequences at once", paging.positions,
-                 paging.blocks, paging.block_tokens, self.config.max_seqs)
+        pool = BlockPool(paging)
+        cache = PrefixCache(pool, paging.states, self.draft_tokens > 0, paging.keeps_finished_state,
+                            self.config.prefix_cache)
+        self.scheduler.use(pool, cache, self.draft_tokens, self.seq_ids)
+        log.info("K/V cache: %d positions (%d blocks of %d) for up to %d sequences at once; prefix cache: %s",
+                 paging.positions, paging.blocks, paging.block_tokens, self.config.max_seqs,
+                 f"{paging.states} saved states" if cache.enabled else "off")
 
     async def _step_loop(self) -> None:
         """Run steps until the engine closes, or a worker is lost (self.lost then says which)."""
@@ -323,12 +329,26 @@ class Engine:
         if self.observer is not None:
             self.observer.on_step(max(r.step_s for r, _ in replies), reply.accepted)
         tensors = replies[-self.config.tp_size][1]  # the reply _agreed returns: the deciding stage's first rank
-        self._release(self.scheduler.release(deliver(reply, self.scheduler.running, tensors)))
+        finished = deliver(reply, self.scheduler.running, tensors)
+        self.scheduler.replied(reply)
+        self._release(self.scheduler.release(finished))
 
     def _release(self, release: ReleaseRequest | None) -> None:
-        """Free the slots: the release goes on the wire behind the steps already sent."""
-        if release is not None:  # its errors are gathered here and ignored: a broken worker fails the next step
-            asyncio.gather(*self.group.submit_all(release), return_exceptions=True)
+        """Free the slots: the release goes on the wire behind the steps already sent. Its errors are
+        gathered and logged (a broken worker fails the next step); the states it was to save are
+        forgotten."""
+        if release is None:
+            return
+        done = asyncio.gather(*self.group.submit_all(release), return_exceptions=True)
+        if release.saves:
+            done.add_done_callback(functools.partial(self._released, self.scheduler.cache, release))
+
+    @staticmethod
+    def _released(cache: PrefixCache, release: ReleaseRequest, done: asyncio.Future) -> None:
+        errors = [r for r in done.result() if isinstance(r, BaseException)] if not done.cancelled() else [None]
+        if errors:
+            log.error("a release that saves prefix-cache states failed (%s); forgetting them", errors[0])
+            cache.forget([save.state for save in release.saves])
 
     async def _fail_running(self, exc: Exception) -> None:
         log.error("step failed: %s", exc)

@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepReply
+
+if TYPE_CHECKING:
+    from shardspec.orchestrator.prefix import CacheUse
 
 
 class EngineError(RuntimeError):
@@ -73,6 +76,16 @@ class Request:
     blocks: list[int] = field(default_factory=list)  # its K/V blocks on the workers (orchestrator.blocks)
     inflight: int = 0  # steps sent with it whose replies have not come
     preemptions: int = 0  # times its blocks were taken back and its tokens prefilled again
+    drafts_pending: list[int] = field(default_factory=list)  # the drafts its next step verifies (last reply's)
+    past_output: list[int] | None = None  # drafts its last step committed past a cut (a stop, the budget)
+    # the prefix cache (orchestrator.prefix): its part while admitted, where its prefill starts (cached
+    # positions, the saved state and the block to copy), the chain keys of its blocks
+    cache: CacheUse | None = None
+    cached: int = 0
+    restore: int = -1
+    copy_from: int = -1
+    cached_tokens: int = 0  # prompt tokens its first prefill found cached
+    block_hashes: list[bytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.accepted_per_position = [0] * self.draft_tokens
@@ -81,9 +94,10 @@ class Request:
         """Its prefill: the prompt, or after a preemption the prompt and every token streamed, to go on
         with the tokens still to come."""
         prompt_logprobs = self.prompt_logprobs if not self.output else -1
+        saves = list(self.cache.saves) if self.cache is not None else []
         return PrefillSpec(self.seq, len(self.prompt) + len(self.output), self.sampling,
                            self.max_tokens - len(self.output), self.stop_ids, self.logprobs, prompt_logprobs,
-                           list(self.blocks))
+                           list(self.blocks), self.cached, self.restore, self.copy_from, saves)
 
     def prefill_ids(self) -> list[int]:
         return self.prompt + self.output
@@ -92,15 +106,27 @@ class Request:
         """Positions in the workers' caches as of the last reply (the pending token is not yet in)."""
         return len(self.prompt) + max(len(self.output) - 1, 0)
 
+    def committed_tokens(self) -> list[int]:
+        """The tokens in the workers' caches as of the last reply: the prompt and the output but the
+        pending token; after a step that cut its tokens short, all of them and the drafts it accepted
+        past the cut."""
+        if self.past_output is not None:
+            return self.prompt + self.output + self.past_output
+        return (self.prompt + self.output)[: self.known_length()]
+
     def logprob_rows(self, tokens: int, prefill: bool) -> tuple[int, int]:
         """(prompt rows, token rows) this request owns in a step's reply that brought `tokens` tokens."""
         prompt = len(self.prompt) - 1 if prefill and self.prompt_logprobs >= 0 else 0
         return prompt, tokens if self.logprobs >= 0 else 0
 
-    def record(self, tokens: list[int], accepted: int, now: float) -> None:
-        """Count a step's tokens and, for a verify step (accepted >= 0), its accepted drafts."""
+    def record(self, tokens: list[int], accepted: int, drafts: list[int], now: float) -> None:
+        """Count a step's tokens and, for a verify step (accepted >= 0), its accepted drafts; keep
+        its next drafts."""
         self.first_token_at = self.first_token_at or now
         self.generated += len(tokens)
+        if accepted >= 0 and len(tokens) <= accepted:  # cut short: the caches hold all it accepted
+            self.past_output = self.drafts_pending[len(tokens) : accepted]
+        self.drafts_pending = drafts
         self.output.extend(tokens)
         if accepted >= 0 and self.draft_tokens:
             self.drafts += 1
@@ -121,6 +147,7 @@ class Request:
             "tokens_per_s": self.generated / elapsed if elapsed > 0 else 0.0,
             "decode_tokens_per_s": (self.generated - 1) / (now - first) if now > first else 0.0,
             "time_to_first_token_s": first - self.started,
+            "cached_tokens": self.cached_tokens,
         }
         if self.draft_tokens:
             stats |= spec_decode_metrics(self.drafts, self.draft_tokens, self.accepted_tokens,
@@ -137,14 +164,14 @@ def deliver(reply: StepReply, running: dict[int, Request],
     now = time.perf_counter()
     finished = []
     table = LogprobTable(reply, tensors or {})
-    steps = zip(reply.seqs, reply.tokens, reply.accepted, reply.finished, strict=True)
-    for index, (seq, tokens, accepted, finish) in enumerate(steps):
+    steps = zip(reply.seqs, reply.tokens, reply.accepted, reply.drafts, reply.finished, strict=True)
+    for index, (seq, tokens, accepted, drafts, finish) in enumerate(steps):
         request = running.get(seq)
         if request is None:  # cancelled or preempted while this step was in flight
             continue
         prompt_rows, token_rows = request.logprob_rows(len(tokens), prefill=request.generated == 0)
         table.check(index, prompt_rows + token_rows, max(request.logprobs, request.prompt_logprobs))
-        request.record(tokens, accepted, now)
+        request.record(tokens, accepted, drafts, now)
         chunk = Chunk(tokens)
         if prompt_rows:
             chunk.prompt_logprobs = table.entries(index, 0, request.prompt[1:], request.prompt_logprobs)

@@ -13,6 +13,9 @@ and what its first step may write; before each step its sequences get blocks for
 and the ones in flight before it may write. When the pool runs dry, the newest running request is
 preempted: its blocks go back, and it waits at the head of the queue to prefill its prompt and the
 tokens it streamed so far, under a new sequence id, and go on.
+
+Prefix cache (orchestrator.prefix): admission starts a request's prefill at its longest hit; each
+reply caches the blocks its sequences filled; a finished sequence's release saves its state.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from dataclasses import dataclass, field
 import torch
 
 from shardspec.orchestrator.blocks import BlockPool
+from shardspec.orchestrator.prefix import PrefixCache
 from shardspec.orchestrator.requests import Request
-from shardspec.protocol.messages import BlockGrant, ReleaseRequest, StepRequest
+from shardspec.protocol.messages import BlockGrant, ReleaseRequest, StepReply, StepRequest
 
 
 @dataclass
@@ -55,13 +59,14 @@ class Scheduler:
         self.running: dict[int, Request] = {}  # in admission order: the newest last
         self.group_of: dict[int, int] = {}  # sequence id -> its micro-batch
         self.pool: BlockPool | None = None  # set at each load (use)
+        self.cache: PrefixCache | None = None
         self.step_advance = 1  # positions a step may advance a sequence: draft tokens + 1
         self.new_seq = None  # a fresh sequence id for a preempted request (the engine's counter)
         self.preemptions = 0
 
-    def use(self, pool: BlockPool, draft_tokens: int, new_seq) -> None:
-        """The workers' block pool after a load; draft_tokens: MTP drafts per step (0: off)."""
-        self.pool, self.step_advance, self.new_seq = pool, draft_tokens + 1, new_seq
+    def use(self, pool: BlockPool, cache: PrefixCache, draft_tokens: int, new_seq) -> None:
+        """The workers' block pool and prefix cache after a load; draft_tokens: MTP drafts per step (0: off)."""
+        self.pool, self.cache, self.step_advance, self.new_seq = pool, cache, draft_tokens + 1, new_seq
 
     def blocks_needed(self, request: Request) -> int:
         """The blocks `request` must hold before its next step: for what that step may write past
@@ -83,10 +88,8 @@ class Scheduler:
             if admitted and self.waiting[0].solo:
                 break
             request = self.waiting[0]
-            blocks = self.pool.take(self.blocks_needed(request))
-            if blocks is None:
+            if not self.cache.admit(request, self.blocks_needed(request)):
                 break
-            request.blocks = blocks
             self.waiting.popleft()
             self.running[request.seq] = request
             self.group_of[request.seq] = group
@@ -126,8 +129,8 @@ class Scheduler:
         old = request.seq
         self.running.pop(old)
         self.group_of.pop(old)
-        self.pool.give_back(request.blocks)
-        request.blocks, request.seq = [], next(self.new_seq)
+        self.cache.release(request)
+        request.seq = next(self.new_seq)
         request.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(request)
@@ -142,21 +145,36 @@ class Scheduler:
         self.waiting = deque(r for r in self.waiting if not r.cancelled)
         return self.release([r for r in self.running.values() if r.cancelled])
 
+    def replied(self, reply: StepReply) -> None:
+        """After a step's reply (delivered): the prefix cache takes what its sequences committed."""
+        for seq, accepted in zip(reply.seqs, reply.accepted):
+            request = self.running.get(seq)
+            if request is None or request.finished:
+                continue
+            if accepted < 0:
+                self.cache.prefilled(request)
+            else:
+                self.cache.advance(request, request.prompt + request.output, request.known_length())
+
     def release(self, requests: list[Request]) -> ReleaseRequest | None:
-        """Take finished or cancelled requests out of the running table; the release for the workers."""
+        """Take finished, cancelled or refused requests out of the running table; the release for the
+        workers, which first saves the states of finished ones the prefix cache keeps."""
+        saves = []
         for request in requests:
             self.running.pop(request.seq, None)
             self.group_of.pop(request.seq, None)
-            self.pool.give_back(request.blocks)
-            request.blocks = []
-        return ReleaseRequest([r.seq for r in requests]) if requests else None
+            if request.finished and not request.cancelled:  # (a request that failed is released before it fails)
+                self.cache.prefilled(request)  # (once only: it may have finished in its prefill)
+                if (save := self.cache.finish(request)) is not None:
+                    saves.append(save)
+            self.cache.release(request)
+        return ReleaseRequest([r.seq for r in requests], saves) if requests else None
 
     def take_all(self) -> list[Request]:
         """Every request, running then waiting, now no longer scheduled."""
         requests = [*self.running.values(), *self.waiting]
         for request in self.running.values():
-            self.pool.give_back(request.blocks)
-            request.blocks = []
+            self.cache.release(request)
         self.running.clear()
         self.group_of.clear()
         self.waiting.clear()

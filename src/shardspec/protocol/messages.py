@@ -20,6 +20,7 @@ MAX_LOGPROBS = 20  # top log-probabilities per token a sequence may ask for (vLL
 MIN_TEMPERATURE = 1e-4  # below it, logits / temperature overflow float32: use 0 (greedy)
 MIN_TOP_P = 1e-6  # below it, top_p rounds to 0 in float32 (denormals flushed) and would keep no token
 MAX_PROMPT_TOKENS = 1 << 22  # one sequence's prompt
+MAX_PREFIX_STATES = 1 << 16  # saved recurrent states of a worker's prefix cache
 MAX_STEP_PROMPT_TOKENS = 2 * MAX_PROMPT_TOKENS  # a step's prompts together, by default (a worker's --max-message-mb)
 
 
@@ -204,6 +205,7 @@ class LoadRequest:
     expert_parallel: int = bounded(1, 4096, 1)  # MoE: groups of a stage's ranks that hold whole experts (layers.moe)
     lookahead: str = "off"  # stages with MTP: a lone sequence's next step runs on a guess (stage.ForwardingStage)
     cache_bytes: int = bounded(0, 1 << 50, 0)  # K/V blocks and recurrent states; 0: the device's default
+    prefix_cache: bool = True  # room for saved recurrent states (LoadReply.prefix_states), for prefix caching
 
     def __post_init__(self) -> None:
         if self.mtp not in ("auto", "on", "off"):
@@ -232,6 +234,10 @@ class LoadReply:
     kv_blocks: int  # K/V blocks the orchestrator may grant (block ids 0 .. kv_blocks - 1)
     block_tokens: int  # positions per block
     step_span: int  # positions past a sequence's length that one step may write: its blocks must cover them
+    prefix_states: int  # saved recurrent states it holds for the prefix cache (ids 0 .. prefix_states - 1)
+    # a finished sequence's state stays at its last committed token until released (no pass launched
+    # ahead runs past it), so a release may save it (ReleaseRequest.saves)
+    keeps_finished_state: bool
 
 
 @dataclass(frozen=True)
@@ -247,6 +253,29 @@ class PrefillSpec:
     logprobs: int = bounded(-1, MAX_LOGPROBS, -1)
     prompt_logprobs: int = bounded(-1, MAX_LOGPROBS, -1)  # the same for prompt tokens 1.. (prefill reply)
     blocks: list[int] = field(default_factory=list)  # its K/V blocks, in position order (BlockGrant)
+    # the prefix cache: the first `cached` positions' K/V are in its blocks already, and their recurrent
+    # state is saved state `state`; the prefill starts after them. copy_from >= 0: its block holding
+    # position cached - 1 starts as a copy of that block (the saved boundary's, which it may not write)
+    cached: int = bounded(0, MAX_PROMPT_TOKENS - 1, 0)
+    state: int = bounded(-1, MAX_PREFIX_STATES - 1, -1)
+    copy_from: int = bounded(-1, 2**31 - 1, -1)
+    saves: list[SaveAt] = field(default_factory=list)  # recurrent states to save on the way, in position order
+
+
+@dataclass(frozen=True)
+class SaveAt:
+    """Save a prefilling sequence's recurrent state after its first `position` tokens as saved state `state`."""
+
+    position: int = bounded(1, MAX_PROMPT_TOKENS)
+    state: int = bounded(0, MAX_PREFIX_STATES - 1)
+
+
+@dataclass(frozen=True)
+class SaveFinished:
+    """Save a finished sequence's recurrent state (at its last committed token) as saved state `state`."""
+
+    seq: int = bounded(0, 2**63 - 1)
+    state: int = bounded(0, MAX_PREFIX_STATES - 1)
 
 
 @dataclass(frozen=True)
@@ -294,8 +323,11 @@ class StepReply:
 
 @dataclass(frozen=True)
 class ReleaseRequest:
+    """Free sequences' slots and blocks; first save the recurrent states `saves` names (of sequences in `seqs`)."""
+
     OP: ClassVar[str] = "release"
     seqs: list[int] = field(default_factory=list)
+    saves: list[SaveFinished] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

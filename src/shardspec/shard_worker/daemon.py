@@ -413,6 +413,8 @@ class ShardWorker:
             kv_blocks=self.runner.paging.kv_blocks,
             block_tokens=self.runner.paging.block_tokens,
             step_span=self.runner.paging.span,
+            prefix_states=self.runner.prefix_states,
+            keeps_finished_state=self.runner.keeps_finished_state,
         )
         return reply, None
 
@@ -441,7 +443,7 @@ class ShardWorker:
 
     def _release(self, body: ReleaseRequest, _tensors: dict) -> tuple[ReleaseReply, None]:
         runner = self._loaded()
-        released = runner.release(body.seqs)
+        released = runner.release(body.seqs, body.saves)
         return ReleaseReply(released=released, free_slots=len(runner.table.slots.free)), None
 
     def _stats(self, _body: Any, _tensors: dict) -> tuple[StatsReply, None]:

@@ -137,21 +137,28 @@ class Decoder(ModelRunner):
 
     def _prefill_slots(self, seqs: list[Sequence], specs: list[PrefillSpec], prompts: torch.Tensor,
                        slots: torch.Tensor, result: StepResult, want_logits: bool) -> None:
-        """The prompts [B, L] through the model, the MTP layer's cache filled one position behind; the
-        first tokens sampled and drafted from."""
-        hidden_before = None  # the target's hidden state just before the current chunk (for MTP)
-        for ids, batch in self._chunks(prompts, slots):
+        """The prompts [B, L] through the model from their cached position, saving states on the way,
+        the MTP layer's cache filled one position behind; the first tokens sampled and drafted from."""
+        start, saves = specs[0].cached, self._saves_by_position(specs)
+        # the target's hidden state just before the current chunk (for MTP): at a cached position, saved with its state
+        hidden_before = None
+        if start and self.draft_len:
+            hidden_before = self.saved_hidden[torch.tensor([spec.state for spec in specs], device=self.device)][:, None]
+        for ids, batch in self._chunks(prompts, slots, start, tuple(saves)):
             hidden = self._forward(ids, batch)
-            start = batch.kv_len - ids.shape[1]
+            chunk_start = batch.kv_len - ids.shape[1]
             if want_logits:
                 result.logits.append(self.model.lm_head.logits(hidden).reshape(-1, self.model.config.vocab_size))
-            self._prompt_logprobs(specs, prompts, start, hidden, result)
+            self._prompt_logprobs(specs, prompts, chunk_start, hidden, result)
             if self.draft_len:  # MTP entry i pairs hidden i with token i+1: one position behind
                 pairs = hidden[:, :-1] if hidden_before is None else torch.cat([hidden_before, hidden[:, :-1]], 1)
                 if pairs.shape[1]:
                     n = pairs.shape[1]
                     self._mtp(ids[:, -n:], pairs, slots, batch.positions[:, -n:] - 1, batch.kv_len - 1, tail=True)
                 hidden_before = hidden[:, -1:]
+            if batch.kv_len in saves:
+                self._keep_last_hidden(slots, hidden[:, -1])
+                self._save_states(slots, saves[batch.kv_len])
         last_logits = self.model.lm_head.logits(hidden[:, -1])
         for b, (seq, spec, logits) in enumerate(zip(seqs, specs, last_logits)):
             if spec.sampling.penalised:
@@ -162,6 +169,7 @@ class Decoder(ModelRunner):
                 token = torch.tensor([seq.next_token])
                 result.pending_rows.setdefault(seq.seq, []).append(token_rows(logits[None], token, seq.logprobs))
         if self.draft_len:
+            self._keep_last_hidden(slots, hidden[:, -1])
             length = prompts.shape[1]
             first = torch.tensor([[s.next_token] for s in seqs], device=self.device)
             heads = self._mtp(first, hidden_before, slots, torch.full_like(first, length - 1), length)[:, 0]
@@ -171,6 +179,30 @@ class Decoder(ModelRunner):
                 seq.drafts = [] if seq.finished else d
         for seq in seqs:
             result.add(seq, [seq.next_token], -1)
+
+    # --- saved states: with MTP, the target's hidden state before the saved position beside each ------
+
+    def _allocate_boundaries(self, rows: int, saved: int, dtype: torch.dtype) -> int:
+        """With MTP: each slot's last committed hidden state and each saved state's, which the MTP layer
+        pairs with the token after a cached position."""
+        hidden = self.model.config.hidden_size if self.draft_len else 0
+        self.last_hidden = torch.zeros(rows, hidden, dtype=dtype, device=self.device)
+        self.saved_hidden = torch.zeros(saved, hidden, dtype=dtype, device=self.device)
+        return self.last_hidden.nbytes + self.saved_hidden.nbytes
+
+    def _keep_last_hidden(self, slots: torch.Tensor, hidden: torch.Tensor) -> None:
+        if self.draft_len:
+            self.last_hidden[slots] = hidden
+
+    def _save_states(self, slots: torch.Tensor, states: list[int]) -> None:
+        super()._save_states(slots, states)
+        if self.draft_len:
+            self.saved_hidden[torch.tensor(states, device=self.device)] = self.last_hidden[slots]
+
+    @property
+    def keeps_finished_state(self) -> bool:
+        """Not where a pass launched ahead may run on past a sequence that finished (LaunchAhead)."""
+        return isinstance(self.ahead, NoLaunchAhead)
 
     def _prompt_logprobs(self, specs: list[PrefillSpec], prompts: torch.Tensor, start: int, hidden: torch.Tensor,
                          result: StepResult) -> None:
@@ -287,7 +319,9 @@ class Decoder(ModelRunner):
                 n = accept_greedy(argmax[i], s.drafts)
             else:
                 n = accept_sampled(probs, s.drafts, s.generator)
-            if probs is None:
+            if n > (cap := s.cap()) and self.forced is None:  # the draft after the cap ends the sequence
+                n, token = cap, s.drafts[cap]
+            elif probs is None:
                 token = argmax[i][n]
             else:
                 token = resample(probs, s.drafts, n, s.generator)
@@ -304,6 +338,8 @@ class Decoder(ModelRunner):
         ids, positions, slots = self.rows.ids(packed), self.rows.positions(packed), self.rows.slots(packed)
         index, new_tokens = accepts[:, 0], accepts[:, 1]
         self.model.commit(saved, slots, index)
+        if self.prefix_states:  # the hidden state at the last committed position, for a state saved at its release
+            self._keep_last_hidden(slots, hidden.gather(1, index[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0])
         # MTP entry j pairs hidden j with token j+1: the accepted drafts, then the new token
         following = torch.cat([ids[:, 1:], ids[:, -1:]], 1).scatter(1, index[:, None], new_tokens[:, None])
         heads = self._mtp(following, hidden, slots, positions, context)
@@ -325,7 +361,7 @@ class Decoder(ModelRunner):
         k = self.draft_len
         matches = (argmax[:, :k] == self.rows.ids(packed)[:, 1:]).long().cumprod(1).sum(1)
         forced = self.rows.forced(packed)
-        accepted = torch.where(forced >= 0, forced, matches)
+        accepted = torch.where(forced >= 0, forced, torch.minimum(matches, self.rows.cap(packed)))
         accepts = torch.stack([accepted, argmax.gather(1, accepted[:, None])[:, 0]], 1)
         return torch.cat([accepts, self._follow_pass(packed, accepts, hidden, saved, context)], 1)
 

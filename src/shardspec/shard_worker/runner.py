@@ -25,7 +25,7 @@ from shardspec import kernels
 from shardspec.layers.batch import BLOCK_TOKENS, Batch, CacheShape
 from shardspec.models.base import CausalLM
 from shardspec.protocol.errors import ErrorCode, ProtocolError
-from shardspec.protocol.messages import PrefillSpec, StepReply, StepRequest, WorkerOptions
+from shardspec.protocol.messages import PrefillSpec, SaveFinished, StepReply, StepRequest, WorkerOptions
 from shardspec.shard_worker.graphs import StepPasses
 from shardspec.shard_worker.links import StageLinks
 from shardspec.shard_worker.logprobs import LogprobRows, reply_tensors
@@ -52,28 +52,38 @@ def draft_head_mode(requested: str, model: CausalLM, dtype: torch.dtype, device:
     return requested
 
 
-def fixed_cache_bytes(slot_bytes: int, block_bytes: int, max_seqs: int, max_blocks: int) -> int:
+def fixed_cache_bytes(slot_bytes: int, block_bytes: int, max_seqs: int, max_blocks: int, saved: int = 0) -> int:
     """What a cache sets aside before its K/V blocks: max_seqs + 1 recurrent states and block-table
-    rows (one for padding rows), and the scratch block."""
-    return (max_seqs + 1) * (slot_bytes + 4 * max_blocks) + block_bytes
+    rows (one for padding rows), `saved` recurrent states of the prefix cache, and the scratch block."""
+    return (max_seqs + 1) * (slot_bytes + 4 * max_blocks) + saved * slot_bytes + block_bytes
 
 
-def kv_blocks_in(model: CausalLM, dtype: torch.dtype, max_seqs: int, max_blocks: int, budget: int | None) -> int:
-    """The K/V blocks a cache of `budget` bytes holds once max_seqs + 1 recurrent states and block
-    tables are set aside, and the scratch block; no more than max_seqs sequences of max_blocks each
-    can use (None: that many). ValueError when it holds fewer than one sequence at full length."""
+# the share of a cache (past its sequences' own states) the prefix cache's saved recurrent states may take
+SAVED_STATES_SHARE = 1 / 8
+
+
+def cache_plan(model: CausalLM, dtype: torch.dtype, max_seqs: int, max_blocks: int, budget: int | None,
+               prefix_cache: bool) -> tuple[int, int]:
+    """(K/V blocks, saved recurrent states) of a cache of `budget` bytes (None: no limit). The cache
+    first sets aside max_seqs + 1 recurrent states and block tables and the scratch block; with the
+    prefix cache, up to max_seqs saved states within SAVED_STATES_SHARE of the rest; the rest is K/V
+    blocks, no more than max_seqs sequences of max_blocks each can use. ValueError when it holds
+    fewer than one sequence at full length."""
     useful = max_seqs * max_blocks
     slot_bytes, block_bytes = model.cache_bytes_per(dtype)
+    saved = max_seqs if prefix_cache else 0
     if budget is None or block_bytes == 0:  # (a stage without attention layers: its blocks cost nothing)
-        return useful
+        return useful, saved
     fixed = fixed_cache_bytes(slot_bytes, block_bytes, max_seqs, max_blocks)
-    blocks = (budget - fixed) // block_bytes
+    if slot_bytes:
+        saved = min(saved, max(0, int((budget - fixed) * SAVED_STATES_SHARE)) // slot_bytes)
+    blocks = (budget - fixed - saved * slot_bytes) // block_bytes
     if blocks < max_blocks:
         raise ValueError(f"a cache of {budget / 2**20:.1f} MiB holds {max(blocks, 0) * BLOCK_TOKENS} positions of "
                          f"K/V after {max_seqs} sequences' recurrent states ({fixed / 2**20:.1f} MiB); one sequence "
                          f"of the longest length needs {max_blocks * BLOCK_TOKENS}: raise --cache-memory, or lower "
                          "--max-seq-len or --max-seqs")
-    return min(useful, blocks)
+    return min(useful, blocks), saved
 
 
 @dataclass
@@ -168,6 +178,7 @@ class ModelRunner:
         lookahead: str = "off",
         draft_head: str = WorkerOptions.draft_head,
         cache_bytes: int | None = None,
+        prefix_cache: bool = False,
     ):
         if not (model.stage.first and model.stage.last) and links is None:
             raise ValueError("a model stage needs links to the other stages")
@@ -205,10 +216,11 @@ class ModelRunner:
         # (with lookahead: a verify pass k + 1 positions past those, and a chain of 2k + 1)
         self.context = max_seq_len + (4 * draft_len + 2 if self.lookahead else 2 * draft_len)
         max_blocks = -(-self.context // BLOCK_TOKENS)
-        kv_blocks = kv_blocks_in(model, dtype, max_seqs, max_blocks, cache_bytes)
+        kv_blocks, self.prefix_states = cache_plan(model, dtype, max_seqs, max_blocks, cache_bytes, prefix_cache)
+        self.saved_rows = max_seqs + 1  # saved state i is recurrent-state row saved_rows + i (CacheShape.saved)
         self.paging = Paging(kv_blocks, BLOCK_TOKENS, max_blocks, self.context - max_seq_len + 1, self.context)
         self.table = SequenceTable(max_seqs, max_seq_len, model.config.vocab_size, device, forced_acceptance,
-                                   self.paging)
+                                   self.paging, self.prefix_states)
         self.cache_dtype = dtype
         # the stage links stay outside the graphs: a later stage's graphs read the received hidden
         # states from a buffer; an earlier one's end at its layers' output, and commit when the record comes
@@ -221,8 +233,9 @@ class ModelRunner:
             if draft_len and model.lm_head is not None:
                 self.draft_head = draft_head_mode(draft_head, model, dtype, device)
                 model.lm_head.use_draft_kernel(self.draft_head)
-            shape = CacheShape(max_seqs + 1, self.paging.kv_blocks + 1, self.table.tables)
+            shape = CacheShape(max_seqs + 1, self.paging.kv_blocks + 1, self.table.tables, saved=self.prefix_states)
             self.cache_bytes = model.allocate_paged(shape, dtype, device) + self.table.tables.nbytes
+            self.cache_bytes += self._allocate_boundaries(max_seqs + 1, self.prefix_states, dtype)
             started = time.perf_counter()
             with torch.inference_mode():
                 captured = self.passes.capture_all(max_seqs)
@@ -259,7 +272,12 @@ class ModelRunner:
         raise NotImplementedError
 
     @torch.inference_mode()  # (a commit a stage settles writes into the graphs' inference tensors)
-    def release(self, seqs: list[int]) -> list[int]:
+    def release(self, seqs: list[int], saves: list[SaveFinished] = ()) -> list[int]:
+        """Free the sequences of `seqs` that are live, after saving the states `saves` names."""
+        self.table.check_saves(seqs, saves)
+        if saves:
+            slots = torch.tensor([self.sequences[save.seq].slot for save in saves], device=self.device)
+            self._save_states(slots, [save.state for save in saves])
         return self.table.release(seqs)
 
     def _begin(self, request: StepRequest, prompt_ids: torch.Tensor) -> list[torch.Tensor]:
@@ -273,16 +291,20 @@ class ModelRunner:
     # --- prefill --------------------------------------------------------------------------------
 
     def _prefill_all(self, request: StepRequest, prompts: list[torch.Tensor], result: StepResult) -> None:
-        by_length: dict[int, list[int]] = {}  # prompts of one length prefill together, as one batch
+        # prompts of one length, starting at one cached position and saving states at the same
+        # positions, prefill together as one batch
+        groups: dict[tuple, list[int]] = {}
         for i, spec in enumerate(request.prefill):
-            by_length.setdefault(spec.length, []).append(i)
-        groups = by_length.values() if not self.deterministic else [[i] for i in range(len(request.prefill))]
-        for group in groups:
+            key = (spec.length, spec.cached, tuple(save.position for save in spec.saves))
+            groups.setdefault(key if not self.deterministic else (i,), []).append(i)
+        for group in groups.values():
             self._prefill([request.prefill[i] for i in group], torch.stack([prompts[i] for i in group]), result,
                           request.return_logits)
 
     def _prefill(self, specs: list[PrefillSpec], prompts: torch.Tensor, result: StepResult, want_logits: bool) -> None:
-        """Prefill same-length prompts [B, L] together (the role's _prefill_slots) into new slots."""
+        """Prefill same-length prompts [B, L] together (the role's _prefill_slots) into new slots,
+        each from the same cached position (PrefillSpec.cached: its saved state restored, its boundary
+        block copied)."""
         slot_ids = [self.table.slots.take() for _ in specs]
         try:
             slots = torch.tensor(slot_ids, device=self.device)
@@ -290,6 +312,13 @@ class ModelRunner:
             seqs = [self.table.new(spec, slot, prompts.shape[1]) for spec, slot in zip(specs, slot_ids)]
             for seq, spec in zip(seqs, specs):
                 self.table.grant(seq, spec.blocks)
+            copies = [(spec.copy_from, spec.blocks[(spec.cached - 1) // self.paging.block_tokens])
+                      for spec in specs if spec.copy_from >= 0]
+            if copies:
+                src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*copies))
+                self.model.copy_blocks(src, dst)
+            if specs[0].cached:
+                self._restore_states([spec.state for spec in specs], slots)
             self._prefill_slots(seqs, specs, prompts.to(self.device), slots, result, want_logits)
         except BaseException:
             for slot in slot_ids:
@@ -302,6 +331,31 @@ class ModelRunner:
                        slots: torch.Tensor, result: StepResult, want_logits: bool) -> None:
         raise NotImplementedError
 
+    # --- saved states (the prefix cache) -------------------------------------------------------------
+
+    def _allocate_boundaries(self, rows: int, saved: int, dtype: torch.dtype) -> int:
+        """What a role keeps per slot and per saved state beside the model's recurrent states (bytes)."""
+        return 0
+
+    def _save_states(self, slots: torch.Tensor, states: list[int]) -> None:
+        """Save the recurrent states of `slots` as saved states `states`."""
+        rows = torch.tensor(states, device=self.device) + self.saved_rows
+        self.model.copy_states(slots, rows)
+
+    def _restore_states(self, states: list[int], slots: torch.Tensor) -> None:
+        rows = torch.tensor(states, device=self.device) + self.saved_rows
+        self.model.copy_states(rows, slots)
+
+    @staticmethod
+    def _saves_by_position(specs: list[PrefillSpec]) -> dict[int, list[int]]:
+        """The saved states a prefill batch writes, by position (the same positions for every spec)."""
+        return {save.position: [spec.saves[i].state for spec in specs] for i, save in enumerate(specs[0].saves)}
+
+    @property
+    def keeps_finished_state(self) -> bool:
+        """Whether a finished sequence's state stays at its last committed token until its release."""
+        return True
+
     def chunk_length(self, prompts: int) -> int:
         """Tokens per prompt in one prefill pass: the pass takes at most prefill_chunk tokens in all,
         in whole multiples of 64 (fla's chunk) per prompt, but never fewer than 64 each (so more than
@@ -312,12 +366,16 @@ class ModelRunner:
         share = self.prefill_chunk // prompts
         return max(64, share - share % 64)
 
-    def _chunks(self, prompts: torch.Tensor, slots: torch.Tensor):
-        """(ids [B, T], the prefill batch of them) for each chunk of the prompts [B, L]."""
-        for start in range(0, prompts.shape[1], chunk := self.chunk_length(len(prompts))):
-            ids = prompts[:, start : start + chunk]
-            positions = torch.arange(start, start + ids.shape[1], device=self.device).expand(len(prompts), -1)
-            yield ids, Batch(slots, positions, start + ids.shape[1], tail=True)
+    def _chunks(self, prompts: torch.Tensor, slots: torch.Tensor, start: int = 0, stops: tuple[int, ...] = ()):
+        """(ids [B, T], the prefill batch of them) for each chunk of the prompts [B, L] from position
+        `start`; a chunk ends at each of `stops` (where a state is saved: Batch.kv_len tells)."""
+        chunk = self.chunk_length(len(prompts))
+        for stop in sorted({*stops, prompts.shape[1]}):
+            while start < stop:
+                end = min(start + chunk, stop)
+                positions = torch.arange(start, end, device=self.device).expand(len(prompts), -1)
+                yield prompts[:, start:end], Batch(slots, positions, end, tail=True)
+                start = end
 
     # --- the stage's layers and its links -------------------------------------------------------
 

@@ -12,7 +12,7 @@ import torch
 
 from shardspec.layers.sampling import forced_accepts
 from shardspec.protocol.errors import ErrorCode, ProtocolError
-from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepRequest
+from shardspec.protocol.messages import PrefillSpec, SamplingParams, SaveFinished, StepRequest
 from shardspec.shard_worker.penalties import TokenCounts
 
 
@@ -57,6 +57,12 @@ class Sequence:
             self.finished = "length"
         return tokens
 
+    def cap(self) -> int:
+        """The most drafts its next step may keep: none past a stop token among them or past its token
+        budget, so that its caches hold only tokens it emits (a greedy step's tokens are the same)."""
+        stop = next((i for i, d in enumerate(self.drafts) if d in self.stop_ids), len(self.drafts))
+        return max(0, min(stop, self.remaining - 1))
+
     def forced(self, rate: float | None) -> int:
         """Benchmark mode: the drafts this sequence keeps, drawn before the pass; -1 otherwise."""
         return -1 if rate is None else forced_accepts(len(self.drafts), rate, self.draws)
@@ -66,27 +72,28 @@ class Sequence:
 class Rows:
     """The columns of the int64 rows a verify pass takes, one row per sequence:
 
-        [pending, d1..dk | length | slot | forced | guess g0..gk]
+        [pending, d1..dk | length | slot | forced | cap | guess g0..gk]
 
-    forced: the drafts to keep (benchmark mode), -1 to let the model decide; guess (only with
-    lookahead, eager passes of the last stage): the tokens the stages before verify next, -1s for none."""
+    forced: the drafts to keep (benchmark mode), -1 to let the model decide; cap: the most drafts it
+    may keep (Sequence.cap); guess (only with lookahead, eager passes of the last stage): the tokens
+    the stages before verify next, -1s for none."""
 
     draft_len: int
 
     @property
     def width(self) -> int:
         """Columns of a row without a guess."""
-        return self.draft_len + 4
+        return self.draft_len + 5
 
     def row(self, s: Sequence, forced: int = -1) -> list[int]:
-        return [s.next_token, *s.drafts, s.length, s.slot, forced]
+        return [s.next_token, *s.drafts, s.length, s.slot, forced, s.cap()]
 
     def with_guess(self, row: list[int], s: Sequence) -> list[int]:
         return [*row, *(s.guess or [-1] * (self.draft_len + 1))]
 
     def padding(self, scratch_slot: int) -> list[int]:
         """A row that touches only the scratch slot (graphed batches pad with it)."""
-        return [0] * (self.draft_len + 2) + [scratch_slot, -1]
+        return [0] * (self.draft_len + 2) + [scratch_slot, -1, 0]
 
     def ids(self, rows: torch.Tensor) -> torch.Tensor:
         return rows[:, : self.draft_len + 1]
@@ -104,17 +111,21 @@ class Rows:
     def forced(self, rows: torch.Tensor) -> torch.Tensor:
         return rows[:, self.draft_len + 3]
 
+    def cap(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows[:, self.draft_len + 4]
+
     def guess(self, rows: torch.Tensor) -> torch.Tensor | None:
         return rows[:, self.width :] if rows.shape[1] > self.width else None
 
     def following(self, rows: torch.Tensor, out: torch.Tensor, forced: torch.Tensor | None) -> torch.Tensor:
         """The rows of the step after a greedy pass over `rows` with result `out` [B, 2 + k] =
-        (accepted, token, drafts): [token, drafts, length + accepted + 1, slot, forced] (`forced`
-        [B, 1]; None: as before)."""
+        (accepted, token, drafts): [token, drafts, length + accepted + 1, slot, forced, k] (`forced`
+        [B, 1]; None: as before; no cap: the host has not seen the drafts)."""
+        k = self.draft_len
         length = self.lengths(rows) + out[:, 0] + 1
-        slot = rows[:, self.draft_len + 2 : self.draft_len + 3]
-        tail = rows[:, self.draft_len + 3 :] if forced is None else forced
-        return torch.cat([out[:, 1:], length[:, None], slot, tail], 1)
+        slot = rows[:, k + 2 : k + 3]
+        forced = rows[:, k + 3 : k + 4] if forced is None else forced
+        return torch.cat([out[:, 1:], length[:, None], slot, forced, torch.full_like(slot, k), rows[:, k + 5 :]], 1)
 
 
 class SlotAllocator:
@@ -155,7 +166,7 @@ class SequenceTable:
     per slot, on the device; the layers read it, CacheShape)."""
 
     def __init__(self, max_seqs: int, max_seq_len: int, vocab_size: int, device: torch.device,
-                 forced_acceptance: float | None, paging: Paging):
+                 forced_acceptance: float | None, paging: Paging, prefix_states: int = 0):
         self.slots = SlotAllocator(max_seqs)
         self.sequences: dict[int, Sequence] = {}
         self.max_seq_len = max_seq_len
@@ -163,6 +174,7 @@ class SequenceTable:
         self.device = device
         self.forced = forced_acceptance
         self.paging = paging
+        self.prefix_states = prefix_states  # saved states of the prefix cache (ids 0 .. prefix_states - 1)
         # one row more: the scratch slot of padding rows
         self.tables = torch.full((max_seqs + 1, paging.max_blocks), paging.scratch, dtype=torch.int32, device=device)
 
@@ -203,6 +215,8 @@ class SequenceTable:
         if too_long:
             raise ProtocolError(ErrorCode.CAPACITY, f"prompts of {too_long} do not fit max_seq_len {self.max_seq_len}")
         self._check_blocks(request)
+        for spec in request.prefill:
+            self._check_cached(spec)
         return list(prompt_ids.long().split(lengths)) if lengths else []
 
     def _check_blocks(self, request: StepRequest) -> None:
@@ -226,6 +240,36 @@ class SequenceTable:
         if short:
             raise ProtocolError(ErrorCode.CAPACITY, f"sequences {short[:8]} hold too few K/V blocks for this step "
                                 f"({paging.block_tokens} positions a block, {paging.span} past the length)")
+
+    def _check_cached(self, spec: PrefillSpec) -> None:
+        """A prefill's use of the prefix cache: a saved state to start from at a cached position inside
+        the prompt, a boundary block to copy, states to save at block boundaries past it."""
+        where, states = f"sequence {spec.seq}", self.prefix_states
+        if spec.cached >= spec.length:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where}: {spec.cached} cached positions of a "
+                                f"{spec.length}-token prompt; at least its last token must prefill")
+        if (spec.cached > 0) != (spec.state >= 0) or spec.state >= states:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where}: cached positions need a saved state in "
+                                f"[0, {states}) to start from, and a saved state needs cached positions")
+        if spec.copy_from >= 0 and (spec.cached == 0 or spec.copy_from >= self.paging.kv_blocks):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where}: copy_from needs cached positions and a block "
+                                f"id in [0, {self.paging.kv_blocks})")
+        if spec.cached and spec.prompt_logprobs >= 0:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where}: prompt log-probabilities need the whole "
+                                "prompt prefilled (cached = 0)")
+        positions = [save.position for save in spec.saves]
+        if (positions != sorted(set(positions)) or any(not spec.cached < p <= spec.length for p in positions)
+                or any(save.state >= states for save in spec.saves)):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where}: states are saved at increasing positions in "
+                                f"({spec.cached}, {spec.length}], as saved states in [0, {states})")
+
+    def check_saves(self, seqs: list[int], saves: list[SaveFinished]) -> None:
+        """A release's saves: of live sequences it releases, as saved states in [0, prefix_states)."""
+        states = self.prefix_states
+        for save in saves:
+            if save.seq not in seqs or save.seq not in self.sequences or save.state >= states:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"a release saves the state of sequence {save.seq} as "
+                                    f"{save.state}: the sequence must be live and released, the state in [0, {states})")
 
     def grant(self, seq: Sequence, blocks: list[int]) -> None:
         """Append blocks to a sequence's table (checked by `check`)."""

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from shardspec.protocol.errors import ErrorCode, ProtocolError
-from shardspec.protocol.messages import PrefillSpec, StepRequest
+from shardspec.protocol.messages import PrefillSpec, SaveFinished, StepRequest
 from shardspec.shard_worker.runner import ModelRunner, RunnerStats, StepResult
 from shardspec.shard_worker.sequences import Sequence
 
@@ -81,15 +81,19 @@ class ForwardingStage(ModelRunner):
         return StepResult()
 
     @torch.inference_mode()  # (a commit it settles writes into the graphs' inference tensors)
-    def release(self, seqs: list[int]) -> list[int]:
-        self._settle(set(seqs))  # a slot is free once the commit of its last step has landed
-        return super().release(seqs)
+    def release(self, seqs: list[int], saves: list[SaveFinished] = ()) -> list[int]:
+        self._settle(set(seqs))  # a slot is free (and its state final) once the commit of its last step has landed
+        return super().release(seqs, saves)
 
     def _prefill_slots(self, seqs: list[Sequence], specs: list[PrefillSpec], prompts: torch.Tensor,
                        slots: torch.Tensor, result: StepResult, want_logits: bool) -> None:
-        """The layers over the prompts; the first tokens and drafts come with the last stage's record."""
-        for ids, batch in self._chunks(prompts, slots):
+        """The layers over the prompts from their cached position, saving states on the way; the first
+        tokens and drafts come with the last stage's record."""
+        saves = self._saves_by_position(specs)
+        for ids, batch in self._chunks(prompts, slots, specs[0].cached, tuple(saves)):
             self._forward(ids, batch)
+            if batch.kv_len in saves:
+                self._save_states(slots, saves[batch.kv_len])
 
     def _send(self, index: int, hidden: torch.Tensor, kind: str = "pass") -> None:
         self.links.send_hidden(self.steps, index, hidden, kind)  # (one copy off the device)
@@ -171,7 +175,7 @@ class ForwardingStage(ModelRunner):
         previous.commit([[k, 0]])  # as if it keeps all its drafts
         guessed = list(s.guess)
         # (sequences.Rows) at the positions after the in-flight step's
-        rows = [[*guessed, s.length + k + 1, s.slot, -1]]
+        rows = [[*guessed, s.length + k + 1, s.slot, -1, k]]
         commit = self._stage_verify(self._next_pass(), rows, self._context([s], k + 1), "lookahead")
         self.lookaheads += 1
         self._forwarded(Forwarded(self.steps, [], [s], commit, guessed=guessed))
@@ -181,10 +185,14 @@ class ForwardingStage(ModelRunner):
         """The record of a step a lookahead ran on top of, which committed it as if it kept all its
         drafts: the guess was right when it did and its new token and drafts are the guessed ones.
         Else put the state back, commit what was kept and run the next step's pass again on the
-        record's tokens. A finished sequence leaves the lookahead with no record to come."""
+        record's tokens. A finished sequence leaves the lookahead with no record to come, and its state
+        at what it kept (which a release may save)."""
         s, ahead = step.running[0], self.forwarded[0]
         if s.finished:  # the last stage skips it from now on
             self.forwarded.popleft()
+            if accepted != self.draft_len:
+                self.model.restore(step.snapshot, torch.tensor([s.slot], device=self.device))
+                step.commit([[accepted, 0]])
         elif accepted != self.draft_len or [s.next_token, *s.drafts] != ahead.guessed:
             self.model.restore(step.snapshot, torch.tensor([s.slot], device=self.device))
             step.commit([[accepted, 0]])

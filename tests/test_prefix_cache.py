@@ -1,0 +1,236 @@
+"""The prefix cache: the orchestrator's tree of cached blocks and saved states (no workers), then
+whole engines whose greedy tokens with the cache equal those without it."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from conftest import pooled
+
+import shardspec
+from shardspec.orchestrator.blocks import BlockPool, Paging
+from shardspec.orchestrator.prefix import PrefixCache
+from shardspec.orchestrator.requests import Request
+from shardspec.protocol.messages import SamplingParams
+
+BT = 32
+
+
+def cache(blocks: int = 64, states: int = 4, mtp: bool = False, finish: bool = True) -> PrefixCache:
+    return PrefixCache(BlockPool(Paging(blocks, BT, 4, 1 << 20, states, finish)), states, mtp, finish)
+
+
+def request(tokens: list[int], seq: int = 0) -> Request:
+    return Request(seq, list(tokens), 100, SamplingParams(), [], 0)
+
+
+def run(c: PrefixCache, r: Request, output: list[int], blocks: int) -> None:
+    """Admit `r` with `blocks` blocks, reply to its prefill, stream `output` and finish it (as the
+    scheduler does): its blocks cached, its end saved."""
+    assert c.admit(r, blocks)
+    r.record(output[:1], -1, [], 0.0)
+    c.prefilled(r)
+    for token in output[1:]:
+        r.record([token], 0, [], 0.0)
+        c.advance(r, r.prompt + r.output, r.known_length())
+    r.finished = True
+    c.finish(r)
+    c.release(r)
+
+
+def test_the_same_prompt_again_starts_after_its_last_full_block_before_its_last_token():
+    c, prompt = cache(), list(range(100))
+    first = request(prompt)
+    assert c.admit(first, 4) and first.cached == 0
+    assert [s.position for s in first.cache.saves] == [96]
+    first.record([7], -1, [], 0.0)
+    c.prefilled(first)
+    c.release(first)
+    again = request(prompt, 1)
+    assert c.admit(again, 4)
+    assert (again.cached, again.copy_from) == (96, -1)
+    assert again.blocks[:3] == first_blocks(c, 3)  # the cached blocks, shared
+    assert again.restore >= 0
+
+
+def first_blocks(c: PrefixCache, depth: int) -> list[int]:
+    node, blocks = c.root, []
+    for _ in range(depth):
+        node = next(iter(node.children.values()))
+        blocks.append(node.block)
+    return blocks
+
+
+def test_a_finished_sequence_is_hit_partway_through_its_last_block_which_the_hit_copies():
+    c = cache()
+    turn = request(list(range(50)))
+    run(c, turn, [60, 61, 62, 63], 3)  # caches 50 + 3 tokens: the state at 53
+    tail_block = next(iter(c.root.children.values())).points[(*range(32, 50), 60, 61, 62)].tail_block
+    follow = request([*range(50), 60, 61, 62, 63, 70, 71], 1)
+    assert c.admit(follow, 3)
+    assert follow.cached == 53 and follow.copy_from == tail_block
+    assert follow.blocks[1] != tail_block  # the partial block is a copy, never shared
+
+
+def test_with_mtp_a_hit_on_a_block_boundary_copies_the_block_before_it():
+    c = cache(mtp=True)
+    prompt = list(range(70))
+    first = request(prompt)
+    assert c.admit(first, 3)
+    first.record([1], -1, [], 0.0)
+    c.prefilled(first)
+    c.release(first)
+    again = request(prompt, 1)
+    assert c.admit(again, 3)
+    blocks = first_blocks(c, 2)
+    assert (again.cached, again.copy_from) == (64, blocks[1])
+    assert again.blocks[0] == blocks[0] and again.blocks[1] not in blocks
+
+
+def test_a_shared_prefix_is_saved_where_the_second_prompt_leaves_it_and_hit_by_the_third():
+    c, system = cache(), list(range(80))
+    for seq, user in enumerate([[500, 501], [600, 601], [700, 701]]):
+        r = request(system + user * 20, seq)
+        assert c.admit(r, 6)
+        assert r.cached == (0, 0, 64)[seq]
+        r.record([1], -1, [], 0.0)
+        c.prefilled(r)
+        c.release(r)
+
+
+def test_eviction_takes_least_recently_used_blocks_no_sequence_holds():
+    c = cache(blocks=8, states=8)
+    old, new = request(list(range(64))), request(list(range(1000, 1064)), 1)
+    for r in (old, new):
+        assert c.admit(r, 3)
+        r.record([1], -1, [], 0.0)
+        c.prefilled(r)
+    c.release(old)
+    held = set(new.blocks)
+    assert c.unused == 2 and len(c.pool.free) == 3  # old's two full blocks cached, its third free
+    taken = c.pool.take(5)  # frees old's cached blocks, never new's
+    assert taken is not None and not held & set(taken)
+    assert c.unused == 0 and old.block_hashes[0] not in c.root.children and new.block_hashes[0] in c.root.children
+    assert c.pool.take(1) is None  # all that is left is held
+
+
+def test_saved_states_are_reused_least_recently_used_first_and_never_one_a_prefill_starts_from():
+    c = cache(states=1)
+    a = request(list(range(40)))
+    run(c, a, [1], 2)  # its state at 40 (the one state; its prompt's save at 32 found none free)
+    b = request([*range(40), 1, 9], 1)
+    assert c.admit(b, 2) and b.cached == 40
+    assert c._take_state() is None  # the only state is in use until b's first reply
+    b.record([5], -1, [], 0.0)
+    c.prefilled(b)
+    assert c._take_state() is not None  # now it may go
+
+
+def test_off_it_neither_hits_nor_saves():
+    c = PrefixCache(BlockPool(Paging(64, BT, 4, 1 << 20, 4, True)), 4, False, True, enabled=False)
+    for seq in range(2):
+        r = request(list(range(100)), seq)
+        assert c.admit(r, 4) and r.cached == 0 and not r.cache.saves
+        r.record([1], -1, [], 0.0)
+        c.prefilled(r)
+        c.release(r)
+    assert not c.root.children and len(c.pool.free) == 64
+
+
+def test_a_request_that_asks_for_prompt_logprobs_prefills_its_whole_prompt():
+    c, prompt = cache(), list(range(100))
+    run(c, request(prompt), [1], 4)
+    r = request(prompt, 1)
+    r.prompt_logprobs = 0
+    assert c.admit(r, 4) and r.cached == 0
+
+
+# --- engines: the same greedy tokens with the cache as without -----------------------------------
+
+
+async def conversation(engine, rng: random.Random, system: list[int], turns: int, max_tokens: int):
+    """A chat: each turn sends the conversation so far and a new message; the tokens and cached
+    tokens of every turn, then of two more conversations that share its system prompt."""
+    history, out = list(system), []
+    for _ in range(turns):
+        history += rng.choices(range(16), k=rng.randint(5, 40))
+        tokens, stats = await generate(engine, history, max_tokens)
+        out.append((tokens, stats["cached_tokens"]))
+        history += tokens
+    for _ in range(2):
+        tokens, stats = await generate(engine, system + rng.choices(range(16), k=9), max_tokens)
+        out.append((tokens, stats["cached_tokens"]))
+    return out
+
+
+async def generate(engine, prompt, max_tokens):
+    tokens, stats = [], None
+    async for chunk in engine.generate(prompt, max_tokens=max_tokens, stop_at_eos=False):
+        tokens += chunk.token_ids
+        stats = chunk.stats or stats
+    return tokens, stats
+
+
+@pytest.mark.parametrize(("tp", "pp", "mtp"), [(1, 1, True), (1, 1, False), (2, 1, True), (1, 2, True),
+                                               (1, 2, False)])
+def test_greedy_tokens_with_the_prefix_cache_equal_those_without(small_vocab_model, tp, pp, mtp):
+    """Deterministic mode: a five-turn chat and two more chats that share its system prompt, with the
+    cache on and off; the cache hits partway through a block (a turn after the last), on a block
+    boundary (a shared system prompt), and after its blocks were evicted."""
+    seed = tp * 10 + pp + mtp
+    system = random.Random(seed).choices(range(16), k=75)
+
+    async def both():
+        results = []
+        for prefix_cache in (True, False):
+            async with shardspec.connect(model=str(small_vocab_model), workers=pooled(tp * pp), tp=tp, pp=pp,
+                                         mtp=mtp, deterministic=True, max_seq_len=512, max_seqs=2,
+                                         prefix_cache=prefix_cache) as engine:
+                results.append(await conversation(engine, random.Random(seed), system, 5, 12))
+        return results
+
+    cached, plain = asyncio.run(both())
+    assert [tokens for tokens, _ in cached] == [tokens for tokens, _ in plain]
+    hits = [hit for _, hit in cached]
+    assert all(hit == 0 for _, hit in plain)
+    assert hits[0] == 0 and all(h % BT for h in hits[1:5]), hits  # each turn after the first: mid-block
+    assert hits[5] == 0 and hits[6] == 64, hits  # the shared system prompt: saved by the second, hit by the third
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (1, 2)])
+def test_after_eviction_a_chat_hits_less_and_keeps_its_greedy_tokens(small_vocab_model, tp, pp):
+    """Deterministic mode, a cache of fewer blocks than three 200-token prompts take: a chat's second
+    turn hits its first; three other prompts then take the blocks and saved states, and its third
+    turn, which finds less of itself cached, still gets the tokens it gets with no cache."""
+    rng = random.Random(7)
+    chat = rng.choices(range(16), k=90)
+    others = [rng.choices(range(16), k=200) for _ in range(3)]
+
+    async def run(prefix_cache: bool):
+        async with shardspec.connect(model=str(small_vocab_model), workers=pooled(tp * pp), tp=tp, pp=pp,
+                                     deterministic=True, max_seq_len=256, max_seqs=2, cache_memory="1MiB",
+                                     prefix_cache=prefix_cache) as engine:
+            paging = engine.group.paging  # (fewer blocks than the other prompts take together)
+            assert paging.blocks < 21 and (paging.states > 0) == prefix_cache
+            history, turns = list(chat), []
+            for other in [None, None, *others, None]:
+                if other is not None:
+                    await generate(engine, other, 4)
+                    continue
+                tokens, stats = await generate(engine, history, 8)
+                turns.append((tokens, stats["cached_tokens"]))
+                history += tokens + rng_tail(len(history))
+            return turns
+
+    cached, plain = asyncio.run(run(True)), asyncio.run(run(False))
+    assert [t for t, _ in cached] == [t for t, _ in plain]
+    hits = [h for _, h in cached]
+    assert hits[1] == 90 + 7  # the first turn's end (its eighth token pending)
+    assert hits[2] < 90 + 8 + 5 + 7, hits  # evicted: less than the second turn's end
+
+
+def rng_tail(seed: int) -> list[int]:
+    """A user's next message: 5 tokens that depend only on `seed`."""
+    return random.Random(seed).choices(range(16), k=5)
