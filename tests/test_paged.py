@@ -11,6 +11,7 @@ import torch
 from conftest import pooled
 
 import shardspec
+from shardspec.cli.commands import cache_line
 from shardspec.layers.parallel import TPGroup
 from shardspec.models.checkpoint import Checkpoint
 from shardspec.models.loader import load_model
@@ -63,33 +64,37 @@ def cache_memory_for(model_dir, blocks: int, max_seqs: int, tp: int = 1, pp: int
     return fixed_cache_bytes(slot_bytes, block_bytes, max_seqs, max_blocks) + blocks * block_bytes
 
 
-async def generate_all(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+async def generate_all(engine, prompts: list[list[int]], max_tokens: int, **penalties) -> list[list[int]]:
     async def one(prompt):
-        return [t async for chunk in engine.generate(prompt, max_tokens=max_tokens, temperature=0)
+        return [t async for chunk in engine.generate(prompt, max_tokens=max_tokens, temperature=0, **penalties)
                 for t in chunk.token_ids]
     return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2)])
-def test_a_full_pool_preempts_the_newest_request_which_ends_with_its_tokens_alone(small_vocab_model, tp, pp):
+@pytest.mark.parametrize(("tp", "pp", "penalties"), [(1, 1, {}), (2, 1, {}), (1, 2, {}),
+                                                    (1, 1, {"frequency_penalty": 0.7, "presence_penalty": 0.3})])
+def test_a_full_pool_preempts_the_newest_request_which_ends_with_its_tokens_alone(small_vocab_model, tp, pp,
+                                                                                   penalties):
     """Deterministic mode: four requests whose blocks the pool holds only half of at their full
     length run together; the newest are preempted (their blocks taken back, their prompt and output
-    prefilled again later) and every request ends with the greedy tokens it gets alone."""
+    prefilled again later, the output counted as output by the penalties) and every request ends
+    with the greedy tokens it gets alone."""
     rng = random.Random(tp * 10 + pp)
     prompts = [rng.choices(range(16), k=rng.randint(3, 20)) for _ in range(4)]
     options = dict(model=str(small_vocab_model), workers=pooled(tp * pp), tp=tp, pp=pp, mtp=True,
-                   draft_tokens=DRAFTS, dtype="float32", deterministic=True, max_seq_len=MAX_SEQ_LEN)
+                   draft_tokens=DRAFTS, dtype="float32", deterministic=True, max_seq_len=MAX_SEQ_LEN,
+                   prefix_cache=False)  # (its saved states would take blocks: the pool is sized exactly)
     blocks_each = -(-(20 + 60 + 2 * DRAFTS + 1) // 32)
 
     async def alone():
         async with shardspec.connect(max_seqs=1, **options) as engine:
-            return [(await generate_all(engine, [p], 60))[0] for p in prompts]
+            return [(await generate_all(engine, [p], 60, **penalties))[0] for p in prompts]
 
     async def crowded():
         memory = cache_memory_for(small_vocab_model, 2 * blocks_each, 4, tp, pp)
         async with shardspec.connect(max_seqs=4, cache_memory=memory, **options) as engine:
             assert engine.group.paging.blocks == 2 * blocks_each  # (the fewest of any worker)
-            outputs = await generate_all(engine, prompts, 60)
+            outputs = await generate_all(engine, prompts, 60, **penalties)
             return outputs, engine.scheduler.preemptions, engine.scheduler.pool.usage
 
     expected = asyncio.run(alone())
@@ -133,3 +138,19 @@ def test_a_long_request_runs_beside_many_short_ones_in_a_cache_smaller_than_slot
 
     lengths, budgets = asyncio.run(run())
     assert lengths == budgets
+
+
+def test_the_cache_the_ready_line_reports_is_what_the_worker_holds(small_vocab_model):
+    """One worker loaded with a small cache, then a large one: its resident memory grows by the
+    difference of the cache sizes the ready line reports, within 10 %."""
+    async def load(memory: str) -> tuple[int, int, str]:
+        async with shardspec.connect(model=str(small_vocab_model), workers=pooled(1), dtype="float32",
+                                     max_seqs=64, max_seq_len=4096, cache_memory=memory) as engine:
+            stats = (await engine.stats())[0]
+            return engine.load_info.cache_bytes, stats.rss_bytes, cache_line(engine)
+
+    small, big = asyncio.run(load("16MiB")), asyncio.run(load("256MiB"))
+    assert f"{big[0] / 2**20:,.1f} MiB a worker" in big[2]
+    reported, held = big[0] - small[0], big[1] - small[1]
+    assert reported > 200 * 2**20
+    assert abs(held - reported) <= 0.1 * reported, (held / 2**20, reported / 2**20)

@@ -193,6 +193,24 @@ def test_metrics_parse_with_the_prometheus_parser_and_count_the_work(server):
     assert value[("shardspec_worker_slots_total", "shardspec_worker_slots_total", (("rank", "0"),))] == MAX_SLOTS
 
 
+def test_a_repeated_chat_reports_its_cached_prompt_tokens_in_usage_and_metrics(server):
+    messages = [{"role": "system", "content": "You are a careful Python reviewer. " * 30},
+                {"role": "user", "content": "def f(x): return x"}]
+    client = server.client()
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "and g?"}]
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    second = [chunk for chunk in stream][-1].usage
+    assert second.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 32
+    assert second.prompt_tokens_details.cached_tokens < second.prompt_tokens
+    text = httpx.get(f"{server.root}/metrics").text
+    value = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert value["shardspec_prefix_cache_hits_total"] >= second.prompt_tokens_details.cached_tokens
+    assert value["shardspec_prefix_cache_queries_total"] >= first.usage.prompt_tokens + second.prompt_tokens
+
+
 # --- batching, cancellation ------------------------------------------------------------------------
 
 

@@ -95,42 +95,48 @@ def test_sequences_accepting_different_draft_counts_in_one_step_stay_correct(sma
 # samples from: at n samples their noncentrality (power) equals that of a two-sample test of n x 2
 # MTP-on and n x 2 MTP-off samples, so 1,250 here detect what 2,500 + 2,500 sampled runs did.
 SAMPLES = 1_250  # generations per distribution compared
-PROMPT = [3, 1, 4]
+PROMPT = (3, 1, 4)
+LONG_PROMPT = (3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7, 9, 5, 0, 2, 8)
 POSITIONS = (1, 3)  # the 2nd and 4th generated tokens
 
 
 @functools.cache
 def sample_counts(model, n: int, pp: int = 1, positions: tuple[int, ...] = POSITIONS, at_once: int = 64,
-                  **sampling) -> tuple[list[Counter], int]:
+                  prompt: tuple[int, ...] = PROMPT, **sampling) -> tuple[list[Counter], int, int]:
     """Counts of the tokens at `positions` over n generations with MTP, seeds 0..n-1 (fixed: the
     outcome is reproducible; the same arguments are computed once), `at_once` at a time; and the
-    first stage's lookaheads whose guess held (at pp > 1 the last stage guesses at every lone step)."""
+    first stage's lookaheads whose guess held (at pp > 1 the last stage guesses at every lone step);
+    and the generations whose prompt the prefix cache held in part."""
     async def run():
         async with shardspec.connect(model=str(model), workers=pooled(pp), pp=pp, mtp=True, max_seqs=64,
                                      dtype="float32", lookahead="on") as engine:
-            outs = await generate_all_seeded(engine, n, sampling, max(positions) + 1, at_once)
+            outs = await generate_all_seeded(engine, n, sampling, max(positions) + 1, at_once, prompt)
             held = (await engine.stats())[0].lookaheads_right
-            return [Counter(o[i] for o in outs) for i in positions], held
+            return [Counter(o[i] for o, _ in outs) for i in positions], held, sum(hit > 0 for _, hit in outs)
 
     return asyncio.run(run())
 
 
-async def generate_all_seeded(engine, n, sampling, max_tokens: int, at_once: int) -> list[list[int]]:
+async def generate_all_seeded(engine, n, sampling, max_tokens: int, at_once: int,
+                              prompt: tuple[int, ...] = PROMPT) -> list[tuple[list[int], int]]:
+    """(tokens, prompt tokens cached) of n seeded generations."""
     semaphore = asyncio.Semaphore(at_once)
 
     async def one(seed):
         async with semaphore:
-            tokens = []
-            async for chunk in engine.generate(PROMPT, max_tokens=max_tokens, seed=seed, stop_at_eos=False,
+            tokens, cached = [], 0
+            async for chunk in engine.generate(list(prompt), max_tokens=max_tokens, seed=seed, stop_at_eos=False,
                                                **sampling):
                 tokens += chunk.token_ids
-            return tokens
+                cached = chunk.cached_tokens if chunk.cached_tokens is not None else cached
+            return tokens, cached
 
     return await asyncio.gather(*(one(seed) for seed in range(n)))
 
 
 @functools.cache
-def exact_distributions(model, positions: tuple[int, ...] = POSITIONS, **sampling) -> list[torch.Tensor]:
+def exact_distributions(model, positions: tuple[int, ...] = POSITIONS, prompt: tuple[int, ...] = PROMPT,
+                        **sampling) -> list[torch.Tensor]:
     """The marginal distributions [V] of the tokens at `positions` when sampling without MTP: every
     continuation of PROMPT enumerated (V^3 prefixes at most), each weighted by its probability
     under the same temperature / top-k / top-p filter the workers apply (layers.sampling)."""
@@ -143,7 +149,7 @@ def exact_distributions(model, positions: tuple[int, ...] = POSITIONS, **samplin
     cpu = torch.device("cpu")
     lm = load_model(model, TPGroup(), torch.float32, cpu, with_mtp=False)
     params = SamplingParams(**sampling)
-    prefixes, mass, marginals = torch.tensor([PROMPT]), torch.ones(1, dtype=torch.float64), []
+    prefixes, mass, marginals = torch.tensor([prompt]), torch.ones(1, dtype=torch.float64), []
     with torch.no_grad():
         for _ in range(max(positions) + 1):
             logits = lm.lm_head.logits(lm(prefixes, Batch.uncached(*prefixes.shape, cpu)))[:, -1].float()
@@ -174,13 +180,14 @@ def goodness_of_fit_pvalue(counts: Counter, probs: torch.Tensor) -> float:
 
 
 def assert_mtp_samples_the_exact_distribution(model, pp: int = 1, positions: tuple[int, ...] = POSITIONS,
-                                              at_once: int = 64, samples: int = SAMPLES, **sampling) -> int:
-    """...and the first stage's lookaheads whose guess held."""
-    counts_at, held = sample_counts(model, samples, pp, positions, at_once, **sampling)
-    for counts, probs in zip(counts_at, exact_distributions(model, positions, **sampling)):
+                                              at_once: int = 64, samples: int = SAMPLES,
+                                              prompt: tuple[int, ...] = PROMPT, **sampling) -> tuple[int, int]:
+    """...and the first stage's lookaheads whose guess held, and the generations that hit the prefix cache."""
+    counts_at, held, hits = sample_counts(model, samples, pp, positions, at_once, prompt, **sampling)
+    for counts, probs in zip(counts_at, exact_distributions(model, positions, prompt, **sampling)):
         assert sum(counts.values()) == samples
         assert goodness_of_fit_pvalue(counts, probs) > P_VALUE_FLOOR, (sorted(counts.items()), probs.tolist())
-    return held
+    return held, hits
 
 
 @pytest.mark.timeout(900)  # 1,250 generations: a few seconds on an idle 2-core machine, far more when shared
@@ -189,6 +196,15 @@ def assert_mtp_samples_the_exact_distribution(model, pp: int = 1, positions: tup
 )
 def test_sampled_distribution_with_mtp_matches_without(small_vocab_model, sampling):
     assert_mtp_samples_the_exact_distribution(small_vocab_model, **sampling)
+
+
+@pytest.mark.slow  # 1,250 generations more
+@pytest.mark.timeout(900)
+def test_sampled_distribution_with_mtp_from_prefix_cache_hits_matches_without(small_vocab_model):
+    """A 35-token prompt: all but the first batch of generations start from the prefix cache's state
+    after its first block."""
+    _, hits = assert_mtp_samples_the_exact_distribution(small_vocab_model, prompt=LONG_PROMPT, temperature=1.0)
+    assert hits >= SAMPLES - 64
 
 
 @pytest.mark.timeout(900)
@@ -207,8 +223,8 @@ def test_sampled_distribution_of_a_lone_sequence_at_pp_2_with_lookahead_matches_
     generation takes a quarter of a second through two stages on the CPU."""
     from shardspec.cli import BUNDLED_MODEL
 
-    held = assert_mtp_samples_the_exact_distribution(BUNDLED_MODEL, pp=2, positions=(9, 11), at_once=1,
-                                                     samples=640, temperature=1.0, top_k=2)
+    held, _ = assert_mtp_samples_the_exact_distribution(BUNDLED_MODEL, pp=2, positions=(9, 11), at_once=1,
+                                                        samples=640, temperature=1.0, top_k=2)
     assert held > 0
 
 

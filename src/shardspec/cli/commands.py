@@ -288,10 +288,11 @@ def _serve_options(args: argparse.Namespace) -> Any:
 def cache_line(engine: Any) -> str:
     """What the workers' caches hold, for the ready lines."""
     paging, info = engine.group.paging, engine.load_info
+    prefix = f"{paging.states} saved states" if engine.scheduler.cache.enabled else "off"
     return (f"cache: {paging.positions:,} tokens of K/V in {paging.blocks:,} blocks, up to "
             f"{engine.scheduler.max_seqs} sequence{'s' * (engine.scheduler.max_seqs > 1)} of up to "
             f"{info.max_seq_len:,} tokens, "
-            f"{info.cache_bytes / 2**20:,.1f} MiB a worker")
+            f"{info.cache_bytes / 2**20:,.1f} MiB a worker; prefix cache: {prefix}")
 
 
 def _serving_line(name: str) -> Any:

@@ -75,6 +75,11 @@ class ServingMetrics:
         self.preemptions = Counter("shardspec_preemptions", "Requests preempted (their blocks taken back, "
                                    "their tokens prefilled again later) when the K/V blocks ran out", registry=r)
         self.preemptions_seen = 0
+        self.prefix_queries = Counter("shardspec_prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                      "cache", registry=r)
+        self.prefix_hits = Counter("shardspec_prefix_cache_hits", "Prompt tokens found in the prefix cache (not "
+                                   "prefilled again)", registry=r)
+        self.prefix_seen: tuple[Any, int, int] = (None, 0, 0)  # (the cache, its queries, its hits) last counted
 
     def on_step(self, step_s: float, accepted: list[int]) -> None:
         """The engine's StepObserver hook: one call per step reply."""
@@ -96,6 +101,12 @@ class ServingMetrics:
         self.cache_usage.set(scheduler.pool.usage if scheduler.pool is not None else 0.0)
         self.preemptions.inc(scheduler.preemptions - self.preemptions_seen)
         self.preemptions_seen = scheduler.preemptions
+        cache = scheduler.cache
+        if cache is not None:
+            _, queries, hits = self.prefix_seen if self.prefix_seen[0] is cache else (cache, 0, 0)
+            self.prefix_queries.inc(cache.queries - queries)
+            self.prefix_hits.inc(cache.hits - hits)
+            self.prefix_seen = (cache, cache.queries, cache.hits)
         self.healthy.set(1 if healthy else 0)
         for rank, stats in enumerate(worker_stats):
             self.slots_total.labels(rank=str(rank)).set(stats.slots_total)

@@ -40,6 +40,7 @@ class Chunk:
     stats: dict[str, Any] | None = None
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    cached_tokens: int | None = None  # the first chunk: prompt tokens the prefix cache held
 
 
 class StepObserver(Protocol):
@@ -97,7 +98,7 @@ class Request:
         saves = list(self.cache.saves) if self.cache is not None else []
         return PrefillSpec(self.seq, len(self.prompt) + len(self.output), self.sampling,
                            self.max_tokens - len(self.output), self.stop_ids, self.logprobs, prompt_logprobs,
-                           list(self.blocks), self.cached, self.restore, self.copy_from, saves)
+                           list(self.blocks), self.cached, self.restore, self.copy_from, saves, len(self.output))
 
     def prefill_ids(self) -> list[int]:
         return self.prompt + self.output
@@ -171,8 +172,9 @@ def deliver(reply: StepReply, running: dict[int, Request],
             continue
         prompt_rows, token_rows = request.logprob_rows(len(tokens), prefill=request.generated == 0)
         table.check(index, prompt_rows + token_rows, max(request.logprobs, request.prompt_logprobs))
+        first = request.generated == 0
         request.record(tokens, accepted, drafts, now)
-        chunk = Chunk(tokens)
+        chunk = Chunk(tokens, cached_tokens=request.cached_tokens if first else None)
         if prompt_rows:
             chunk.prompt_logprobs = table.entries(index, 0, request.prompt[1:], request.prompt_logprobs)
         if token_rows:

@@ -260,6 +260,9 @@ class PrefillSpec:
     state: int = bounded(-1, MAX_PREFIX_STATES - 1, -1)
     copy_from: int = bounded(-1, 2**31 - 1, -1)
     saves: list[SaveAt] = field(default_factory=list)  # recurrent states to save on the way, in position order
+    # the last `output` tokens of the prompt are output it streamed before (a preempted request's
+    # prefill again): the penalties count them as output
+    output: int = bounded(0, MAX_PROMPT_TOKENS - 1, 0)
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,7 @@ class Generation:
         self.service = service
         self.job = job
         self.completion_tokens = 0
+        self.cached_tokens = 0  # of its prompt, found in the prefix cache
         self.finish_reason: str | None = None
         self.outcome = "cancelled"
         self.echoed = False  # the prompt's text has been sent (echo)
@@ -98,6 +99,8 @@ class Generation:
                         chunk.token_ids, chunk.text = [], ""
                         chunk.logprobs = None if chunk.logprobs is None else []
                     self._count(chunk.token_ids)
+                    if chunk.cached_tokens is not None:
+                        self.cached_tokens = chunk.cached_tokens
                     text, stopped = stops.feed(chunk.text)
                     finish = "stop" if stopped else chunk.finish_reason
                     self.finish_reason = finish
@@ -152,9 +155,13 @@ class Choices:
         self.streams = [g.events() for g in generations]
 
     def usage(self) -> dict[str, int]:
-        """Each prompt's tokens once (as OpenAI counts them for n > 1), every choice's tokens."""
-        prompts = {g.job.prompt_index: len(g.job.prompt_ids) for g in self.generations}
-        return usage(sum(prompts.values()), sum(g.completion_tokens for g in self.generations))
+        """Each prompt's tokens once (as OpenAI counts them for n > 1; its cached tokens as its first
+        choice found them), every choice's tokens."""
+        prompts: dict[int, tuple[int, int]] = {}
+        for g in self.generations:
+            prompts.setdefault(g.job.prompt_index, (len(g.job.prompt_ids), g.cached_tokens))
+        return usage(sum(n for n, _ in prompts.values()), sum(g.completion_tokens for g in self.generations),
+                     sum(cached for _, cached in prompts.values()))
 
     async def collect(self) -> list[Event]:
         return await _all([g.collect() for g in self.generations])

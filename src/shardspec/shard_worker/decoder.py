@@ -162,7 +162,9 @@ class Decoder(ModelRunner):
         last_logits = self.model.lm_head.logits(hidden[:, -1])
         for b, (seq, spec, logits) in enumerate(zip(seqs, specs, last_logits)):
             if spec.sampling.penalised:
-                seq.counts = TokenCounts(prompts[b], self.model.config.vocab_size)
+                prompt = prompts.shape[1] - spec.output
+                seq.counts = TokenCounts(prompts[b, :prompt], self.model.config.vocab_size)
+                seq.counts.add(prompts[b, prompt:].tolist())
             seq.next_token = sample(seq.penalise(logits[None], [])[0], spec.sampling, seq.generator)
             seq.seen(seq.emit([seq.next_token]))
             if seq.logprobs >= 0:

@@ -257,6 +257,9 @@ class SequenceTable:
         if spec.cached and spec.prompt_logprobs >= 0:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where}: prompt log-probabilities need the whole "
                                 "prompt prefilled (cached = 0)")
+        if spec.output >= spec.length:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where}: {spec.output} output tokens of a {spec.length}-token "
+                                "prefill; its prompt must have one at least")
         positions = [save.position for save in spec.saves]
         if (positions != sorted(set(positions)) or any(not spec.cached < p <= spec.length for p in positions)
                 or any(save.state >= states for save in spec.saves)):
