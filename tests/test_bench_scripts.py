@@ -1,6 +1,7 @@
 """Every bench script runs as written, `python bench/x.py`: with bench/ first on sys.path, it answers
 --help with exit 0 without touching a GPU, and no script's name shadows a module that a library
-imports (transformers probes for a `kernels` package; a bench/kernels.py broke it)."""
+imports (transformers probes for a `kernels` package; a bench/kernels.py broke it). bench/prefix_cache.py
+also runs a tiny trace and a tiny sweep against a real `shardspec serve`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 BENCH = Path(__file__).parents[1] / "bench"
 HELPERS = {"gpu_timing.py"}  # imported by the scripts, no command line of its own
@@ -49,3 +52,47 @@ def test_every_bench_script_answers_help_and_shadows_no_library_module():
     assert {script: results[script] for script in scripts} == dict.fromkeys(scripts, 0)
     assert results["transformers"] == 0
     assert results["cuda initialised"] is False
+
+
+def run_prefix_cache_bench(tmp_path: Path, *args: str) -> dict:
+    """bench/prefix_cache.py's --json figures of a run on one CPU worker; it must exit 0."""
+    out = tmp_path / "figures.json"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    subprocess.run([sys.executable, str(BENCH / "prefix_cache.py"), *args, "--json", str(out), "--", "--local", "1"],
+                   env=env, timeout=300, check=True)
+    return json.loads(out.read_text())
+
+
+TRACE_RUN_KEYS = {"ready_line", "requests", "wall_s", "prompt_tokens", "completion_tokens", "cached_tokens",
+                  "cached_tokens_reported", "reusable_tokens", "reusable_prompts_mismatched", "hit_rate",
+                  "reusable_hit_rate", "completion_tokens_per_s", "per_turn", "prefix_cache_metrics", "turns"}
+
+
+@pytest.mark.slow  # two servers, one after the other: 20 s to a minute on two cores
+def test_prefix_cache_bench_runs_a_tiny_trace_and_writes_every_figure(tmp_path):
+    figures = run_prefix_cache_bench(tmp_path, "--conversations", "2", "--turns", "2", "--system-tokens", "64",
+                                     "--user-tokens", "16", "--max-tokens", "4", "--concurrency", "1")
+    assert set(figures) == {"config", "runs", "second_turn_ttft_ratio"}
+    runs = [figures["runs"]["on"]] + ([] if "error" in figures["runs"]["off"] else [figures["runs"]["off"]])
+    for run in runs:
+        assert set(run) == TRACE_RUN_KEYS
+        assert run["requests"] == 4 and run["completion_tokens"] == 4 * 4  # ignore_eos: every reply is 4 tokens
+        assert set(run["per_turn"]) == {"1", "2"}
+        assert set(run["per_turn"]["1"]) == {"ttft_p50_ms", "ttft_p95_ms", "reusable_share", "cached_of_reusable"}
+        assert len(run["turns"]) == 4
+        assert run["reusable_prompts_mismatched"] == 0  # the client renders and tokenizes as the server does
+        # one conversation at a time: the second's turn 1 can reuse the system prompt, every turn 2 its history
+        assert 0 < run["reusable_tokens"] < run["prompt_tokens"]
+        assert 0.0 <= run["hit_rate"] <= 1.0
+    assert figures["second_turn_ttft_ratio"] > 0
+
+
+@pytest.mark.slow  # a server, then 1 and 2 requests: 15 to 40 s on two cores
+def test_prefix_cache_bench_sweep_reads_the_peak_of_running_sequences(tmp_path):
+    figures = run_prefix_cache_bench(tmp_path, "--sweep", "--sweep-requests", "1", "2", "--sweep-prompt-tokens", "32",
+                                     "--sweep-max-tokens", "16")
+    assert figures["kv_positions"] > 0 and figures["max_seq_len"] > 0
+    assert figures["fixed_reservation_sequences"] == figures["kv_positions"] // figures["max_seq_len"]
+    assert [level["requests"] for level in figures["levels"]] == [1, 2]
+    assert all(1 <= level["peak_running"] <= level["requests"] for level in figures["levels"])
+    assert all(level["completion_tokens"] == 16 * level["requests"] for level in figures["levels"])
