@@ -5,14 +5,11 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepReply
-
-if TYPE_CHECKING:
-    from shardspec.orchestrator.prefix import CacheUse
 
 
 class EngineError(RuntimeError):
@@ -81,7 +78,7 @@ class Request:
     past_output: list[int] | None = None  # drafts its last step committed past a cut (a stop, the budget)
     # the prefix cache (orchestrator.prefix): its part while admitted, where its prefill starts (cached
     # positions, the saved state and the block to copy), the chain keys of its blocks
-    cache: CacheUse | None = None
+    cache: Any = None  # orchestrator.prefix.CacheUse (which knows requests)
     cached: int = 0
     restore: int = -1
     copy_from: int = -1
