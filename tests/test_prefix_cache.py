@@ -7,13 +7,19 @@ import asyncio
 import random
 
 import pytest
+import torch
 from conftest import pooled
 
 import shardspec
+from shardspec.layers.parallel import TPGroup
+from shardspec.models.loader import load_model
 from shardspec.orchestrator.blocks import BlockPool, Paging
 from shardspec.orchestrator.prefix import PrefixCache
 from shardspec.orchestrator.requests import Request
-from shardspec.protocol.messages import SamplingParams
+from shardspec.protocol.errors import ProtocolError
+from shardspec.protocol.messages import PrefillSpec, SamplingParams, SaveAt, SaveFinished, StepRequest
+from shardspec.shard_worker.decoder import Decoder
+from shardspec.testing.grants import Grants
 
 BT = 32
 
@@ -147,6 +153,34 @@ def test_a_request_that_asks_for_prompt_logprobs_prefills_its_whole_prompt():
     assert c.admit(r, 4) and r.cached == 0
 
 
+# --- a worker's checks of what the prefix cache asks of it ----------------------------------------
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"cached": 40}, "at least its last token must prefill"),
+    ({"cached": 8}, "need a saved state"),
+    ({"state": 0}, "need a saved state"),
+    ({"cached": 8, "state": 99}, "need a saved state"),
+    ({"cached": 8, "state": 0, "prompt_logprobs": 0}, "whole prompt"),
+    ({"copy_from": 0}, "copy_from needs cached positions"),
+    ({"saves": [SaveAt(32, 0), SaveAt(16, 1)]}, "increasing positions"),
+    ({"cached": 8, "state": 0, "saves": [SaveAt(8, 1)]}, "increasing positions"),
+    ({"saves": [SaveAt(41, 0)]}, "increasing positions"),
+    ({"output": 40}, "its prompt must have one at least"),
+])
+def test_a_worker_refuses_a_prefill_that_misuses_the_prefix_cache_and_serves_on(small_vocab_model, fields, message):
+    model = load_model(small_vocab_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=True)
+    runner = Decoder(model, torch.device("cpu"), 2, 96, 512, 3, prefix_cache=True)
+    grants, prompt = Grants(runner), torch.arange(40) % 16
+    with pytest.raises(ProtocolError, match=message):
+        grants.step(StepRequest(prefill=[PrefillSpec(seq=1, length=40, **fields)]), prompt)
+    with pytest.raises(ProtocolError, match="must be live and released"):
+        runner.release([], [SaveFinished(1, 0)])
+    result = grants.step(StepRequest(prefill=[PrefillSpec(seq=2, length=40, max_tokens=4)]), prompt)
+    assert result.seqs == [2] and runner.table.live() == 1
+    runner.close()
+
+
 # --- engines: the same greedy tokens with the cache as without -----------------------------------
 
 
@@ -173,8 +207,8 @@ async def generate(engine, prompt, max_tokens):
     return tokens, stats
 
 
-@pytest.mark.parametrize(("tp", "pp", "mtp"), [(1, 1, True), (1, 1, False), (2, 1, True), (1, 2, True),
-                                               (1, 2, False)])
+@pytest.mark.parametrize(("tp", "pp", "mtp"), [(1, 1, True), (1, 1, False), (2, 1, True), (2, 1, False),
+                                               (1, 2, True), (1, 2, False)])
 def test_greedy_tokens_with_the_prefix_cache_equal_those_without(small_vocab_model, tp, pp, mtp):
     """Deterministic mode: a five-turn chat and two more chats that share its system prompt, with the
     cache on and off; the cache hits partway through a block (a turn after the last), on a block
