@@ -207,8 +207,12 @@ async def generate(engine, prompt, max_tokens):
     return tokens, stats
 
 
-@pytest.mark.parametrize(("tp", "pp", "mtp"), [(1, 1, True), (1, 1, False), (2, 1, True), (2, 1, False),
-                                               (1, 2, True), (1, 2, False)])
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(("tp", "pp", "mtp"), [(1, 1, True), pytest.param(1, 1, False, marks=SLOW),
+                                               pytest.param(2, 1, True, marks=SLOW), (2, 1, False), (1, 2, True),
+                                               pytest.param(1, 2, False, marks=SLOW)])
 def test_greedy_tokens_with_the_prefix_cache_equal_those_without(small_vocab_model, tp, pp, mtp):
     """Deterministic mode: a five-turn chat and two more chats that share its system prompt, with the
     cache on and off; the cache hits partway through a block (a turn after the last), on a block
@@ -233,7 +237,7 @@ def test_greedy_tokens_with_the_prefix_cache_equal_those_without(small_vocab_mod
     assert hits[5] == 0 and hits[6] == 64, hits  # the shared system prompt: saved by the second, hit by the third
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (1, 2)])
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), pytest.param(1, 2, marks=SLOW)])
 def test_after_eviction_a_chat_hits_less_and_keeps_its_greedy_tokens(small_vocab_model, tp, pp):
     """Deterministic mode, a cache of fewer blocks than three 200-token prompts take: a chat's second
     turn hits its first; three other prompts then take the blocks and saved states, and its third

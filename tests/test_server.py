@@ -211,6 +211,28 @@ def test_a_repeated_chat_reports_its_cached_prompt_tokens_in_usage_and_metrics(s
     assert value["shardspec_prefix_cache_queries_total"] >= first.usage.prompt_tokens + second.prompt_tokens
 
 
+def test_response_format_json_schema_streamed_and_not_gives_json_of_the_schema_and_a_bad_one_a_400(server):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    client, messages = server.client(), [{"role": "user", "content": "a number?"}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=1.0, seed=3,
+                                           response_format=response_format)
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=1.0, seed=3,
+                                              response_format=response_format, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
+    value = json.loads(whole.choices[0].message.content)
+    assert text == whole.choices[0].message.content and set(value) == {"n", "ok"} and 0 <= value["n"] <= 9
+    choice = client.completions.create(model=MODEL, prompt="x", max_tokens=10, temperature=0,
+                                       extra_body={"structured_outputs": {"choice": ["left", "right"]}})
+    assert choice.choices[0].text in ("left", "right")
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": 5}}})
+    assert "does not compile" in str(bad.value) and bad.value.body["param"] == "response_format"
+
+
 # --- batching, cancellation ------------------------------------------------------------------------
 
 
@@ -514,11 +536,9 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
         ("completions", {"best_of": 2}, "best_of"),
         ("completions", {"suffix": "x"}, "suffix"),
         ("completions", {"logit_bias": {"1": 5}}, "logit_bias"),
-        ("completions", {"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
+        ("completions", {"extra_body": {"response_format": {"type": "xml"}}}, "response_format"),
         ("completions", {"extra_body": {"guided_json": {}}}, "guided_json"),
-        ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
-        ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
-         "response_format"),
+        ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
         ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ("chat", {"tool_choice": "required"}, "tool_choice"),
         ("chat", {"functions": [{"name": "f"}]}, "functions"),

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import json
 import logging
 import numbers
 import random
@@ -29,6 +30,7 @@ from typing import Any
 
 from shardspec.orchestrator.blocks import BlockPool
 from shardspec.orchestrator.config import EngineConfig, message_range
+from shardspec.orchestrator.grammars import GrammarCheck
 from shardspec.orchestrator.group import WorkerGroup
 from shardspec.orchestrator.prefix import PrefixCache
 from shardspec.orchestrator.requests import Chunk, EngineError, Request, StepObserver, deliver
@@ -83,6 +85,14 @@ class Engine:
         """Rank 0's LoadReply: vocabulary, context, dtype, MTP drafts, stop ids."""
         assert self.group.load_info is not None, "the engine has not loaded the model"
         return self.group.load_info
+
+    @functools.cached_property
+    def grammar_check(self) -> GrammarCheck | None:
+        """Structured-output constraints checked against the model's tokenizer; None without tokenizer.json."""
+        tokenizer = Path(self.config.model) / "tokenizer.json"
+        if not tokenizer.is_file():
+            return None
+        return GrammarCheck(tokenizer, self.load_info.vocab_size, list(self.load_info.eos_token_ids))
 
     @property
     def draft_tokens(self) -> int:
@@ -151,14 +161,20 @@ class Engine:
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
+        structured_output: dict[str, Any] | None = None,
     ) -> AsyncIterator[Chunk]:
         """Stream the completion of `prompt` (text, or token ids) as Chunks. `logprobs=N` adds each
         token's log-probability under the target model (raw logits: before temperature, top-k and
         top-p) and the N most likely tokens there (N = 0: none); `prompt_logprobs=N` the same for the
         prompt's tokens after the first, in the first chunk. The penalties are vLLM's (presence and
         frequency in [-2, 2] over the output, repetition > 0 over prompt and output; applied to the
-        target's logits on the workers, so MTP stays exact)."""
+        target's logits on the workers, so MTP stays exact). `structured_output` constrains the output
+        to one of {"json": schema}, {"json_object": True}, {"regex": str}, {"choice": [str, ...]},
+        {"grammar": Lark or GBNF text} (vLLM's structured_outputs): the workers mask the target's and
+        the drafts' logits, so MTP stays exact; a constraint that does not compile raises ValueError."""
         request = self._new_request(prompt, max_tokens, temperature, top_k, top_p, seed, stop_at_eos)
+        if structured_output is not None:
+            request.grammar = await asyncio.to_thread(self._grammar, structured_output)
         request.sampling = _penalties(request.sampling, presence_penalty, frequency_penalty, repetition_penalty)
         request.logprobs = self._logprobs("logprobs", logprobs)
         request.prompt_logprobs = self._logprobs("prompt_logprobs", prompt_logprobs)
@@ -199,6 +215,16 @@ class Engine:
         stop_ids = list(self.load_info.eos_token_ids) if stop_at_eos else []
         return Request(next(self.seq_ids), ids, max_tokens, sampling, stop_ids, self.draft_tokens,
                        self.forced_acceptance)
+
+    def _grammar(self, constraint: dict[str, Any]) -> str:
+        """A structured-output constraint's grammar, checked against the model's tokenizer."""
+        if self.grammar_check is None:
+            raise ValueError("structured output needs the model folder's tokenizer.json")
+        try:
+            key = json.dumps(constraint)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"a structured output constraint must be JSON: {exc}") from None
+        return self.grammar_check.grammar(key)
 
     @staticmethod
     def _logprobs(name: str, top: int | None) -> int:

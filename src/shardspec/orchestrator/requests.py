@@ -84,6 +84,7 @@ class Request:
     copy_from: int = -1
     cached_tokens: int = 0  # prompt tokens its first prefill found cached
     block_hashes: list[bytes] = field(default_factory=list)
+    grammar: str = ""  # structured output: the llguidance grammar its tokens match (orchestrator.grammars)
 
     def __post_init__(self) -> None:
         self.accepted_per_position = [0] * self.draft_tokens
@@ -95,7 +96,8 @@ class Request:
         saves = list(self.cache.saves) if self.cache is not None else []
         return PrefillSpec(self.seq, len(self.prompt) + len(self.output), self.sampling,
                            self.max_tokens - len(self.output), self.stop_ids, self.logprobs, prompt_logprobs,
-                           list(self.blocks), self.cached, self.restore, self.copy_from, saves, len(self.output))
+                           list(self.blocks), self.cached, self.restore, self.copy_from, saves, len(self.output),
+                           self.grammar)
 
     def prefill_ids(self) -> list[int]:
         return self.prompt + self.output

@@ -31,12 +31,13 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.inner.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.inner.decode(ids, skip_special_tokens=False)
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 class Detokenizer:
-    """Incremental decoding: emits text only once it is complete (no half UTF-8 characters)."""
+    """Incremental decoding: emits text only once it is complete (no half UTF-8 characters), without
+    the text of special tokens (an end-of-text token ends the text; it is not part of it)."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
@@ -45,7 +46,7 @@ class Detokenizer:
 
     def add(self, ids: list[int], final: bool = False) -> str:
         self.ids += ids
-        text = self.tokenizer.decode(self.ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd") and not final:
             return ""
         new, self.emitted = text[self.emitted :], len(text)

@@ -25,6 +25,11 @@ def bounded(lo: float, hi: float, default: Any = dataclasses.MISSING) -> Any:
     return field(default=default, metadata={"range": (lo, hi)})
 
 
+def text(max_chars: int, default: str = "") -> Any:
+    """A string field of up to max_chars characters (other strings: MAX_STR)."""
+    return field(default=default, metadata={"max_chars": max_chars})
+
+
 def one_of(choices: tuple[str, ...], default: str, help: str) -> Any:
     """An option whose value must be one of `choices`; `help` says what each does (the CLI flag's)."""
     return field(default=default, metadata={"choices": choices, "help": help})
@@ -52,7 +57,12 @@ def parse(cls: type[T], meta: Any, where: str = "meta") -> T:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 _bad(where, f"missing required field {f.name!r}")
             continue
-        value = _check(hints[f.name], meta[f.name], f"{where}.{f.name}")
+        if "max_chars" in f.metadata:
+            value = meta[f.name]
+            if type(value) is not str or len(value) > f.metadata["max_chars"]:
+                _bad(f"{where}.{f.name}", f"expected a string of at most {f.metadata['max_chars']} chars")
+        else:
+            value = _check(hints[f.name], meta[f.name], f"{where}.{f.name}")
         if "range" in f.metadata:
             lo, hi = f.metadata["range"]
             if not lo <= value <= hi:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from shardspec.protocol.fields import MAX_STR as MAX_STR
-from shardspec.protocol.fields import bounded, one_of, switch
+from shardspec.protocol.fields import bounded, one_of, switch, text
 from shardspec.protocol.fields import parse as parse  # (re-exported: the ops' users parse through here)
 from shardspec.protocol.fields import to_meta as to_meta
 
@@ -20,6 +20,7 @@ MAX_LOGPROBS = 20  # top log-probabilities per token a sequence may ask for (vLL
 MIN_TEMPERATURE = 1e-4  # below it, logits / temperature overflow float32: use 0 (greedy)
 MIN_TOP_P = 1e-6  # below it, top_p rounds to 0 in float32 (denormals flushed) and would keep no token
 MAX_PROMPT_TOKENS = 1 << 22  # one sequence's prompt
+MAX_GRAMMAR_CHARS = 1 << 20  # a structured-output grammar (PrefillSpec.grammar)
 MAX_PREFIX_STATES = 1 << 16  # saved recurrent states of a worker's prefix cache
 MAX_STEP_PROMPT_TOKENS = 2 * MAX_PROMPT_TOKENS  # a step's prompts together, by default (a worker's --max-message-mb)
 
@@ -263,6 +264,9 @@ class PrefillSpec:
     # the last `output` tokens of the prompt are output it streamed before (a preempted request's
     # prefill again): the penalties count them as output
     output: int = bounded(0, MAX_PROMPT_TOKENS - 1, 0)
+    # structured output: an llguidance grammar (JSON or Lark) its tokens must match, the output's
+    # tokens so far included; "": none
+    grammar: str = text(MAX_GRAMMAR_CHARS)
 
 
 @dataclass(frozen=True)

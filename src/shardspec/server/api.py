@@ -61,6 +61,7 @@ class GenerationBody(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)  # not OpenAI's; vLLM's
     logit_bias: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # not OpenAI's; vLLM's: json, json_object, regex, choice, grammar
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, why) for a feature this server does not have, asked for with a non-default value, or
@@ -68,14 +69,33 @@ class GenerationBody(BaseModel):
         checks = [
             ("n", self.n is not None and self.n < 1, "n must be at least 1"),
             ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
-            ("response_format", self.response_format not in (None, {"type": "text"}),
-             'only response_format {"type": "text"} is supported (no JSON mode or JSON schema)'),
+            ("response_format", self.response_format is not None and self.response_format.get("type") not in
+             ("text", "json_object", "json_schema"), 'response_format type is one of "text", "json_object", '
+             '"json_schema"'),
+            ("response_format", bool(self.structured_outputs) and self.response_format not in (None, {"type": "text"}),
+             "give response_format or structured_outputs, not both"),
             ("stop", isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS,
              f"at most {MAX_STOP_STRINGS} stop sequences"),
             ("stop", any(len(stop) > MAX_STOP_CHARS for stop in self.stop_strings()),
              f"a stop sequence has at most {MAX_STOP_CHARS} characters"),
         ]
         return next(((param, why) for param, bad, why in checks if bad), None)
+
+    def structured_output(self) -> dict[str, Any] | None:
+        """The output constraint asked for (Engine.generate's structured_output), or None."""
+        if self.structured_outputs:
+            return self.structured_outputs
+        kind = (self.response_format or {}).get("type")
+        if kind == "json_object":
+            return {"json_object": True}
+        if kind == "json_schema":
+            spec = self.response_format.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if schema is None:
+                raise ApiError(400, 'response_format {"type": "json_schema"} needs json_schema.schema',
+                               "response_format")
+            return {"json": schema}
+        return None
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

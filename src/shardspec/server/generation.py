@@ -218,4 +218,7 @@ def _param_named_in(message: str) -> str | None:
                   "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt"):
         if param in message:
             return param
+    for param in ("structured output", "JSON schema", "grammar", "regex", "choice"):
+        if param in message:
+            return "response_format"
     return None

@@ -71,5 +71,6 @@ def _job(endpoint: str, body: GenerationBody, prompt_ids: list[int], param: str,
                 "seed": body.seed, "stop_at_eos": not body.ignore_eos,
                 "presence_penalty": body.presence_penalty or 0.0,
                 "frequency_penalty": body.frequency_penalty or 0.0,
-                "repetition_penalty": 1.0 if body.repetition_penalty is None else body.repetition_penalty}
+                "repetition_penalty": 1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                "structured_output": body.structured_output()}
     return Job(endpoint, prompt_ids, max_tokens, sampling, body.stop_strings())

@@ -22,13 +22,19 @@ step's pass before this step's record reaches them (stage.ForwardingStage).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
+from llguidance import LLMatcher
 
 from shardspec.layers.batch import Batch
+from shardspec.layers.grammar import advance, llg_tokenizer, masked
 from shardspec.layers.sampling import accept_greedy, accept_sampled, resample, sample, target_probs
+from shardspec.protocol.errors import ErrorCode, ProtocolError
 from shardspec.protocol.messages import PrefillSpec, StepRequest, WorkerOptions
 from shardspec.shard_worker.graphs import HostRows
 from shardspec.shard_worker.logprobs import prompt_rows, token_rows
@@ -102,8 +108,12 @@ class Decoder(ModelRunner):
     """The last stage: samples, accepts and drafts, replies, and sends the earlier stages the step's
     record. `launch_ahead` ("auto": on a GPU; "on"; "off") takes effect on a single stage given `peek`."""
 
-    def __init__(self, *args, launch_ahead: str = WorkerOptions.launch_ahead, peek: Peek | None = None, **kwargs):
+    def __init__(self, *args, launch_ahead: str = WorkerOptions.launch_ahead, peek: Peek | None = None,
+                 tokenizer_file: Path | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.tokenizer_file = tokenizer_file  # structured output's tokens (llguidance's view, built on first use)
+        self.chain_matchers: list[Any] = []  # while drafting: the matcher of each row (None: unconstrained)
+        self.new_matchers: dict[int, Any] = {}  # a step's new sequences' matchers, until they prefill
         whole = self.model.stage.first
         wanted = launch_ahead == "on" or (launch_ahead == "auto" and self.graphed)
         self.ahead = LaunchAhead(peek) if whole and wanted and peek is not None else NoLaunchAhead()
@@ -113,6 +123,27 @@ class Decoder(ModelRunner):
         self.ahead.drop()
         super().close()
 
+    # --- structured output ----------------------------------------------------------------------
+
+    @functools.cached_property
+    def llg_tokenizer(self) -> Any:
+        if self.tokenizer_file is None:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "structured output needs the model folder's tokenizer.json")
+        config = self.model.config
+        return llg_tokenizer(self.tokenizer_file, config.vocab_size, list(config.eos_token_ids))
+
+    def _matchers(self, request: StepRequest) -> dict[int, Any]:
+        """A matcher for each new sequence with a grammar (PrefillSpec.grammar)."""
+        matchers = {}
+        for spec in request.prefill:
+            if spec.grammar:
+                matcher = LLMatcher(self.llg_tokenizer, spec.grammar, log_level=0)
+                if matcher.is_error():
+                    raise ProtocolError(ErrorCode.BAD_REQUEST, f"sequence {spec.seq}: its grammar does not compile: "
+                                        f"{matcher.get_error()}"[:500])
+                matchers[spec.seq] = matcher
+        return matchers
+
     def stats(self) -> RunnerStats:
         stats = super().stats()
         stats.launched_ahead = self.ahead.count
@@ -120,7 +151,9 @@ class Decoder(ModelRunner):
 
     @torch.inference_mode()
     def step(self, request: StepRequest, prompt_ids: torch.Tensor) -> StepResult:
+        matchers = self._matchers(request)  # (a grammar that does not compile refuses the step before it runs)
         prompts = self._begin(request, prompt_ids)
+        self.new_matchers = matchers
         result = StepResult()
         launched = self.ahead.take(request)
         self._prefill_all(request, prompts, result)
@@ -161,11 +194,17 @@ class Decoder(ModelRunner):
                 self._save_states(slots, saves[batch.kv_len])
         last_logits = self.model.lm_head.logits(hidden[:, -1])
         for b, (seq, spec, logits) in enumerate(zip(seqs, specs, last_logits)):
+            output = prompts[b, prompts.shape[1] - spec.output :].tolist()
             if spec.sampling.penalised:
-                prompt = prompts.shape[1] - spec.output
-                seq.counts = TokenCounts(prompts[b, :prompt], self.model.config.vocab_size)
-                seq.counts.add(prompts[b, prompt:].tolist())
-            seq.next_token = sample(seq.penalise(logits[None], [])[0], spec.sampling, seq.generator)
+                seq.counts = TokenCounts(prompts[b, : prompts.shape[1] - spec.output], self.model.config.vocab_size)
+                seq.counts.add(output)
+            seq.matcher = self.new_matchers.pop(spec.seq, None)
+            if seq.matcher is not None:
+                advance(seq.matcher, output)  # (a preempted request's output so far)
+            seq.next_token = sample(seq.constrain(seq.penalise(logits[None], []), [])[0], spec.sampling,
+                                    seq.generator)
+            if seq.matcher is not None:
+                advance(seq.matcher, [seq.next_token])
             seq.seen(seq.emit([seq.next_token]))
             if seq.logprobs >= 0:
                 token = torch.tensor([seq.next_token])
@@ -176,7 +215,9 @@ class Decoder(ModelRunner):
             first = torch.tensor([[s.next_token] for s in seqs], device=self.device)
             heads = self._mtp(first, hidden_before, slots, torch.full_like(first, length - 1), length)[:, 0]
             lengths = torch.full_like(slots, length)
+            self.chain_matchers = [seq.matcher for seq in seqs]
             drafts = self._chain(heads, slots, lengths, min(length + self.draft_len, self.context)).tolist()
+            self.chain_matchers = []
             for seq, d in zip(seqs, drafts):
                 seq.drafts = [] if seq.finished else d
         for seq in seqs:
@@ -231,17 +272,23 @@ class Decoder(ModelRunner):
         x = self._receive(self._next_pass(), (len(seqs), k + 1), guess_held=ahead and seqs[0].guess_held)
         context = self._context(seqs, chain=self.chain if ahead else k)
         wants_logprobs = any(s.logprobs >= 0 for s in seqs)
-        plain = all(s.sampling.greedy and not s.sampling.penalised for s in seqs)
+        plain = all(s.sampling.greedy and not s.sampling.penalised and s.matcher is None for s in seqs)
+        constrained = any(s.matcher is not None for s in seqs)
         if not want_logits and not wants_logprobs and plain:
             # greedy (or forced) acceptance needs no host decision: the whole step is one pass
             out = self._greedy(seqs, context, x, with_guess, launched)
             accepted, tokens, drafts = [r[0] for r in out], [r[1] for r in out], [r[2:] for r in out]
         else:
-            hidden, argmax, draft = self.passes.verify(self._rows(seqs, with_guess), context, x)
+            hidden, argmax, draft = self.passes.verify(self._rows(seqs, with_guess), context, x, eager=constrained)
             accepted, tokens, logits = self._accept(seqs, hidden, argmax, result if want_logits else None,
                                                     wants_logprobs or not plain)
+            for s, n, token in zip(seqs, accepted, tokens):  # (the drafts after them are masked from there)
+                if s.matcher is not None:
+                    advance(s.matcher, [*s.drafts[:n], token])
             if k:
+                self.chain_matchers = [s.matcher for s in seqs] if constrained else []
                 drafts = draft([[n, token] for n, token in zip(accepted, tokens)]).tolist()
+                self.chain_matchers = []
         if k:
             self.counters.count(accepted, k)
         emitted = []
@@ -302,7 +349,7 @@ class Decoder(ModelRunner):
                 logits_out: StepResult | None, wants_logits: bool = False):
         """Per sequence: (drafts accepted, the token after them), and the target's logits [B, k+1, V]
         where they were computed (None where they were not)."""
-        sampled = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
+        sampled = [i for i, s in enumerate(seqs) if not s.sampling.greedy or s.matcher is not None]
         logits = None
         if logits_out is not None or sampled or wants_logits:
             logits = self.model.lm_head.logits(hidden)  # [B, k+1, V]
@@ -311,8 +358,8 @@ class Decoder(ModelRunner):
         argmax = argmax.tolist()
         accepted, tokens = [], []
         for i, s in enumerate(seqs):
-            target = None if logits is None else s.penalise(logits[i], s.drafts)  # None: greedy, no penalties
-            if s.counts is not None and s.sampling.greedy:
+            target = None if logits is None else s.constrain(s.penalise(logits[i], s.drafts), s.drafts)
+            if (s.counts is not None or s.matcher is not None) and s.sampling.greedy:  # (else target: None)
                 argmax[i] = target.argmax(-1).tolist()
             probs = None if s.sampling.greedy else target_probs(target, s.sampling)
             if self.forced is not None:
@@ -377,13 +424,27 @@ class Decoder(ModelRunner):
         """Chain the MTP head `length` (default k) times: draft i is its argmax, or kept[:, i] for the
         drafts `kept` gives; its output and draft i feed draft i+1 ([B, length])."""
         length = length or self.draft_len
-        drafts = []
+        drafts, matchers = [], self.chain_matchers if any(self.chain_matchers) else None
+        consumed = [0] * len(matchers or [])
         for i in range(length):
             if kept is not None and i < kept.shape[1]:
                 token = kept[:, i]
-            else:
+            elif matchers is None:
                 token = self.model.lm_head.draft_argmax(head)  # vocabulary-parallel: (max, index) per rank
+            else:  # structured output: each constrained row drafts what its grammar allows after its drafts so far
+                logits = self.model.lm_head.logits(head).float()
+                for b, matcher in enumerate(matchers):
+                    if matcher is not None:
+                        logits[b] = masked(logits[b : b + 1], matcher, [])[0]
+                token = logits.argmax(-1)
+            if matchers is not None:
+                for b, (matcher, t) in enumerate(zip(matchers, token.tolist())):
+                    if matcher is not None and consumed[b] == i:  # (past a refused token: nothing more)
+                        consumed[b] += advance(matcher, [t])
             drafts.append(token)
             if i + 1 < length:
                 head = self._mtp(token[:, None], head[:, None], slots, (lengths + i)[:, None], context)[:, 0]
+        for matcher, n in zip(matchers or [], consumed):
+            if matcher is not None and n:
+                matcher.rollback(n)
         return torch.stack(drafts, 1)

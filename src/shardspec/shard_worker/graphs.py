@@ -205,11 +205,12 @@ class StepPasses:
         self.last = _Last(packed, out, context, bucket) if x is None else None
         return out
 
-    def verify(self, rows: list[list[int]], context: int,
-               x: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, Follow]:
-        """(hidden, argmax, the follow pass of this verify: draft, or commit before the last stage)."""
+    def verify(self, rows: list[list[int]], context: int, x: torch.Tensor | None = None,
+               eager: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, Follow]:
+        """(hidden, argmax, the follow pass of this verify: draft, or commit before the last stage);
+        `eager`: no graph (a follow pass that drafts under a grammar's masks, on the host)."""
         B = len(rows)
-        bucket = self._upload(rows, context, x)
+        bucket = None if eager else self._upload(rows, context, x)
         if bucket is None:
             packed, context = upload(rows, self.device), min(context, self.max_context)
             hidden, argmax, saved = self.verify_fn(packed, context, self._to_device(x))

@@ -8,6 +8,7 @@ import gc
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -116,8 +117,10 @@ def make_runner(model: CausalLM, device: torch.device, body: LoadRequest, draft_
                   prefix_cache=body.prefix_cache)
     try:
         if model.stage.last:
+            tokenizer = Path(body.model) / "tokenizer.json"
             return Decoder(model, device, body.max_seqs, max_seq_len, body.prefill_chunk, draft_len, peek=peek,
-                           launch_ahead=kernels.settings.launch_ahead, **common)
+                           launch_ahead=kernels.settings.launch_ahead,
+                           tokenizer_file=tokenizer if tokenizer.is_file() else None, **common)
         return ForwardingStage(model, device, body.max_seqs, max_seq_len, body.prefill_chunk, draft_len, **common)
     except ValueError as exc:  # the cache cannot hold one sequence
         raise ProtocolError(ErrorCode.CAPACITY, str(exc)) from None

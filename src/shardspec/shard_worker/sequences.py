@@ -7,9 +7,11 @@ outcome on every rank and the collectives inside the model always line up.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from shardspec.layers.grammar import masked
 from shardspec.layers.sampling import forced_accepts
 from shardspec.protocol.errors import ErrorCode, ProtocolError
 from shardspec.protocol.messages import PrefillSpec, SamplingParams, SaveFinished, StepRequest
@@ -36,10 +38,15 @@ class Sequence:
     guess_held: bool = False  # the last stage: its last step proved the guess the next step's lookahead ran on
     draws: torch.Generator | None = None  # on the host: benchmark-only forced acceptance (drawn with no device sync)
     blocks: int = 0  # K/V blocks in its block table (granted by the orchestrator)
+    matcher: Any = None  # structured output: its llguidance matcher, at its emitted tokens (the last stage)
 
     def penalise(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
         """logits [P, V] as this sequence samples from them (penalised, row j after drafts[:j])."""
         return logits if self.counts is None else self.counts.penalise(logits, drafts, self.sampling)
+
+    def constrain(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
+        """logits [P, V] limited, row j after drafts[:j], to what its grammar allows (structured output)."""
+        return logits if self.matcher is None else masked(logits, self.matcher, drafts)
 
     def seen(self, tokens: list[int]) -> None:
         if self.counts is not None:

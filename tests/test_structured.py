@@ -1,0 +1,116 @@
+"""Structured output: the workers mask the target's and the drafts' logits with an llguidance
+grammar, so every output matches its constraint and MTP stays exact."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from conftest import pooled
+from llguidance import LLMatcher
+
+import shardspec
+from shardspec.cli import BUNDLED_MODEL
+from shardspec.layers.grammar import llg_tokenizer
+from shardspec.orchestrator.grammars import grammar_of
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "kind": {"enum": ["cat", "dog", "owl"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "home": {"type": "object", "properties": {"floor": {"type": "integer", "minimum": -2, "maximum": 9}},
+                 "required": ["floor"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "kind", "tags", "home"],
+    "additionalProperties": False,
+}
+
+
+def conforms(value) -> bool:
+    """SCHEMA, checked by hand."""
+    return (isinstance(value, dict) and set(value) == set(SCHEMA["properties"])
+            and isinstance(value["name"], str) and len(value["name"]) <= 12
+            and type(value["age"]) is int and 0 <= value["age"] <= 120 and value["kind"] in ("cat", "dog", "owl")
+            and isinstance(value["tags"], list) and len(value["tags"]) <= 3 and set(value["tags"]) <= {"a", "b", "c"}
+            and isinstance(value["home"], dict) and set(value["home"]) == {"floor"}
+            and type(value["home"]["floor"]) is int and -2 <= value["home"]["floor"] <= 9)
+
+
+async def generate(engine, prompt, **options) -> tuple[list[int], str, dict]:
+    tokens, text, stats = [], "", None
+    async for chunk in engine.generate(prompt, **options):
+        tokens += chunk.token_ids
+        text += chunk.text
+        stats = chunk.stats or stats
+    return tokens, text, stats
+
+
+@pytest.mark.slow  # 110 generations
+def test_json_schema_outputs_sampled_with_mtp_all_validate_beside_unconstrained_ones():
+    """100 generations at temperature 1 with MTP, in batches with unconstrained ones: every
+    constrained output is JSON that conforms to the schema, token by token what the grammar allows,
+    and MTP still accepts drafts under the grammar."""
+    async def run():
+        async with shardspec.connect(model=str(BUNDLED_MODEL), workers=pooled(1), max_seqs=16) as engine:
+            constrained = [generate(engine, "def f():", max_tokens=160, temperature=1.0, seed=seed,
+                                    structured_output={"json": SCHEMA}) for seed in range(100)]
+            free = [generate(engine, "import os", max_tokens=40, temperature=1.0, seed=seed) for seed in range(10)]
+            return (await asyncio.gather(*constrained, *free))[:100]
+
+    tokenizer = llg_tokenizer(Path(BUNDLED_MODEL) / "tokenizer.json", 4096, [0])
+    outputs = asyncio.run(run())
+    for tokens, text, _ in outputs:
+        matcher = LLMatcher(tokenizer, grammar_of({"json": SCHEMA}))
+        assert matcher.validate_tokens(tokens) == len(tokens), text
+        assert conforms(json.loads(text)), text
+    assert sum(stats["accepted_tokens"] for _, _, stats in outputs) > 0
+
+
+@pytest.mark.parametrize("constraint", [{"json": SCHEMA}, pytest.param({"regex": r"[0-9]{3}-[a-z]{2,4}"},
+                                                                      marks=pytest.mark.slow),
+                                        {"choice": ["yes", "no", "maybe so"]}])
+def test_greedy_output_under_a_grammar_is_the_same_with_mtp_as_without(constraint):
+    async def run(mtp: bool):
+        async with shardspec.connect(model=str(BUNDLED_MODEL), workers=pooled(1), mtp=mtp, deterministic=True,
+                                     max_seqs=2) as engine:
+            return await generate(engine, "def f():", max_tokens=80, temperature=0, structured_output=constraint)
+
+    with_mtp, without = asyncio.run(run(True)), asyncio.run(run(False))
+    assert with_mtp[0] == without[0]
+    if "choice" in constraint:
+        assert with_mtp[1] in constraint["choice"]
+    if "regex" in constraint:
+        assert len(with_mtp[1]) >= 6 and with_mtp[1][3] == "-"
+
+
+@pytest.mark.parametrize(("constraint", "message"), [
+    ({"json": {"type": "object", "properties": 5}}, "does not compile"),
+    ({"json": "{not json"}, "not JSON"),
+    ({"regex": "[a-"}, "does not compile"),
+    ({"choice": []}, "non-empty list"),
+    ({"xml": "<a/>"}, "one of json"),
+    ({"grammar": "start: foo"}, "does not compile"),
+])
+def test_a_constraint_that_does_not_compile_is_a_value_error_naming_it(constraint, message):
+    async def run():
+        async with shardspec.connect(model=str(BUNDLED_MODEL), workers=pooled(1)) as engine:
+            with pytest.raises(ValueError, match=message):
+                await generate(engine, "def f():", max_tokens=4, structured_output=constraint)
+            return await generate(engine, "def f():", max_tokens=4, temperature=0)  # the engine serves on
+
+    assert len(asyncio.run(run())[0]) == 4
+
+
+def test_the_text_of_an_end_of_text_token_is_not_in_the_output():
+    async def run():
+        async with shardspec.connect(model=str(BUNDLED_MODEL), workers=pooled(1)) as engine:
+            return await generate(engine, "def f():", max_tokens=40, temperature=0,
+                                  structured_output={"choice": ["ok"]})
+
+    tokens, text, _ = asyncio.run(run())
+    assert tokens[-1] == 0 and text == "ok"  # the grammar's end, then end of text
