@@ -1,0 +1,125 @@
+"""Structured output's cost: tokens/s and mean acceptance length (MAL) with a JSON schema against
+without, MTP on and off, and the share of tokens the grammar forced (one token allowed).
+
+    python bench/structured.py [--model DIR] [--local 2] [--requests 8] [--max-tokens 128] [--json PATH]
+
+One engine per MTP setting (`--local` workers, the main job's layout by default); each row runs
+--requests greedy generations one after the other (one prompt each) and reports its tokens after
+each request's first ÷ the time after the first token (decode speed: a JSON object ends sooner
+than free text, so whole-request rates would weigh prefill differently), the MAL of its MTP steps,
+and, under the schema, the share of output tokens where the grammar allowed a single token (which
+MTP drafts, and the target accepts, as they are: jump-forward within the k drafts of a step). The
+schema: an object of a string, a bounded integer, an enum and an array of enums.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import torch
+from llguidance import LLMatcher
+from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+import shardspec
+from shardspec.cli import BUNDLED_MODEL
+from shardspec.layers.grammar import llg_tokenizer
+from shardspec.orchestrator.grammars import grammar_of
+
+SCHEMA = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 24}, "count": {"type": "integer", "minimum": 0},
+                         "kind": {"enum": ["function", "class", "module"]},
+                         "tags": {"type": "array", "items": {"enum": ["io", "math", "text", "net"]}, "maxItems": 4}},
+          "required": ["name", "count", "kind", "tags"], "additionalProperties": False}
+PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def", "for i in range(", "def main():\n    ",
+           "x = [", "try:\n    import", "# Copyright"]
+
+
+async def row(engine, args: argparse.Namespace, constrained: bool) -> dict:
+    tokens = steps = accepted = 0
+    decode_tokens, decode_s = 0, 0.0
+    outputs = []
+    for i in range(args.requests):
+        ids, stats = [], None
+        async for chunk in engine.generate(PROMPTS[i % len(PROMPTS)], max_tokens=args.max_tokens, temperature=0,
+                                           structured_output={"json": SCHEMA} if constrained else None):
+            ids += chunk.token_ids
+            stats = chunk.stats or stats
+        outputs.append(ids)
+        tokens += len(ids)
+        steps += stats.get("drafts", 0)
+        accepted += stats.get("accepted_tokens", 0)
+        if len(ids) > 1:
+            decode_tokens += len(ids) - 1
+            decode_s += (len(ids) - 1) / stats["decode_tokens_per_s"]
+    return {"tokens": tokens, "tokens_per_s": decode_tokens / decode_s, "mal": 1 + accepted / steps if steps else 1.0,
+            "outputs": outputs}
+
+
+def forced_share(model: Path, outputs: list[list[int]], vocab: int, eos: list[int]) -> float:
+    """The share of output tokens at which the schema's grammar allowed exactly one token."""
+    tokenizer, grammar = llg_tokenizer(model / "tokenizer.json", vocab, eos), grammar_of({"json": SCHEMA})
+    forced = total = 0
+    mask = allocate_token_bitmask(1, vocab)
+    for ids in outputs:
+        matcher = LLMatcher(tokenizer, grammar)
+        for token in ids:
+            fill_next_token_bitmask(matcher, mask, 0)
+            bits = ((mask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).sum()
+            forced += int(bits) == 1
+            total += 1
+            if matcher.is_stopped() or not matcher.consume_token(token):
+                break
+    return forced / total if total else 0.0
+
+
+async def main(args: argparse.Namespace) -> dict:
+    results = {}
+    for mtp in (True, False):
+        async with shardspec.connect(model=str(args.model), local=args.local, mtp=mtp) as engine:
+            await row(engine, argparse.Namespace(requests=1, max_tokens=8), False)  # warm-up
+            plain, constrained = await row(engine, args, False), await row(engine, args, True)
+            vocab, eos = engine.load_info.vocab_size, list(engine.load_info.eos_token_ids)
+        for output in constrained["outputs"]:
+            json.loads(engine.tokenizer.decode(output, skip_special_tokens=True))  # (each one is the schema's)
+        share = forced_share(Path(args.model), constrained.pop("outputs"), vocab, eos)
+        plain.pop("outputs")
+        results["on" if mtp else "off"] = {"plain": plain, "schema": constrained, "forced_share": share}
+    print(f"{args.requests} greedy requests of up to {args.max_tokens} tokens, {args.local} local worker(s)\n")
+    print("| MTP | tokens/s, no schema | tokens/s, JSON schema | ratio | MAL, no schema | MAL, schema | "
+          "tokens the grammar forced |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        print(f"| {name} | {r['plain']['tokens_per_s']:.1f} | {r['schema']['tokens_per_s']:.1f} | "
+              f"{r['schema']['tokens_per_s'] / r['plain']['tokens_per_s']:.2f}× | {r['plain']['mal']:.2f} | "
+              f"{r['schema']['mal']:.2f} | {100 * r['forced_share']:.0f} % |")
+    return results
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--model", type=Path, default=Path(BUNDLED_MODEL), help="model folder (default: the bundled "
+                        "model)")
+    parser.add_argument("--local", type=int, default=2, help="local workers, TP (default 2: the main job's layout)")
+    parser.add_argument("--requests", type=int, default=8, help="generations per row (default 8)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens per generation at most (default 128)")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures to this file")
+    args = parser.parse_args(argv)
+    for name in ("local", "requests", "max_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    try:
+        figures = asyncio.run(main(arguments))
+    except KeyboardInterrupt:
+        sys.exit("interrupted")
+    if arguments.json is not None:
+        arguments.json.write_text(json.dumps(figures, indent=1))
