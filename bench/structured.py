@@ -20,9 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 from llguidance import LLMatcher
-from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
 import shardspec
 from shardspec.cli import BUNDLED_MODEL
@@ -63,13 +61,10 @@ def forced_share(model: Path, outputs: list[list[int]], vocab: int, eos: list[in
     """The share of output tokens at which the schema's grammar allowed exactly one token."""
     tokenizer, grammar = llg_tokenizer(model / "tokenizer.json", vocab, eos), grammar_of({"json": SCHEMA})
     forced = total = 0
-    mask = allocate_token_bitmask(1, vocab)
     for ids in outputs:
         matcher = LLMatcher(tokenizer, grammar)
         for token in ids:
-            fill_next_token_bitmask(matcher, mask, 0)
-            bits = ((mask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).sum()
-            forced += int(bits) == 1
+            forced += sum(bin(byte).count("1") for byte in matcher.compute_bitmask()) == 1
             total += 1
             if matcher.is_stopped() or not matcher.consume_token(token):
                 break

@@ -63,6 +63,17 @@ def overrides(model: str) -> dict[tuple[str, str], st.SearchStrategy]:
         ("PrefillSpec", "stop_ids"): st.lists(st.integers(0, VOCAB + 5), max_size=3),
         # ids of the pool a load of ensure_loaded's has (4 sequences of 128 positions: 20 blocks); one covers a prompt
         ("PrefillSpec", "blocks"): st.lists(st.integers(0, 19), min_size=1, max_size=2),
+        # the prefix cache's fields, within a load's saved states and blocks (restoring a state never saved is
+        # harmless: only the numbers are wrong); a grammar a worker without tokenizer.json refuses
+        ("PrefillSpec", "cached"): st.integers(0, 8),
+        ("PrefillSpec", "state"): st.integers(-1, 8),
+        ("PrefillSpec", "copy_from"): st.integers(-1, 19),
+        ("PrefillSpec", "saves"): st.lists(st.fixed_dictionaries({"position": st.integers(1, 8),
+                                                                  "state": st.integers(0, 8)}), max_size=2),
+        ("PrefillSpec", "output"): st.integers(0, 8),
+        ("PrefillSpec", "grammar"): st.sampled_from(["", "", "", 'start: "a"', "{not a grammar"]),
+        ("ReleaseRequest", "saves"): st.lists(st.fixed_dictionaries({"seq": SEQS, "state": st.integers(0, 8)}),
+                                              max_size=2),
         ("StepRequest", "prefill"): None,  # built by _prefills, with a matching prompt tensor
         ("StepRequest", "grow"): st.lists(st.fixed_dictionaries({"seq": SEQS, "blocks": st.lists(st.integers(0, 19),
                                                                                                 max_size=2)}),

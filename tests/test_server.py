@@ -233,6 +233,30 @@ def test_response_format_json_schema_streamed_and_not_gives_json_of_the_schema_a
     assert "does not compile" in str(bad.value) and bad.value.body["param"] == "response_format"
 
 
+def test_vllm_s_stop_token_ids_special_tokens_and_stop_string_options_are_followed(server):
+    client = server.client()
+    free = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=12, temperature=0)
+    ids = Tokenizer.from_folder(Path(BUNDLED_MODEL)).encode(free.choices[0].text)
+    stopped = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=12, temperature=0,
+                                        extra_body={"stop_token_ids": [ids[2]]})
+    assert stopped.choices[0].finish_reason == "stop" and len(stopped.choices[0].text) < len(free.choices[0].text)
+    choice = {"structured_outputs": {"choice": ["ok"]}}
+    plain = client.completions.create(model=MODEL, prompt="x", max_tokens=8, temperature=0, extra_body=choice)
+    special = client.completions.create(model=MODEL, prompt="x", max_tokens=8, temperature=0,
+                                        extra_body={**choice, "skip_special_tokens": False})
+    assert plain.choices[0].text == "ok" and special.choices[0].text == "ok<|endoftext|>"
+    stop = free.choices[0].text[4:7]
+    kept = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=12, temperature=0, stop=[stop],
+                                     extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text.endswith(stop) and kept.choices[0].text in free.choices[0].text
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4, stream_options={"include_usage": True})
+    assert bad.value.body["param"] == "stream_options"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"stop_token_ids": [10**6]})
+    assert bad.value.body["param"] == "stop_token_ids"
+
+
 # --- batching, cancellation ------------------------------------------------------------------------
 
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from llguidance import LLMatcher, LLTokenizer
-from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+from llguidance import LLMatcher, LLTokenizer  # (not llguidance.torch: it imports torch._dynamo, seconds)
 
 
 def llg_tokenizer(tokenizer_file: Path, vocab_size: int, eos_ids: list[int]) -> LLTokenizer:
@@ -20,18 +19,17 @@ def masked(logits: torch.Tensor, matcher: LLMatcher, tokens: list[int]) -> torch
     (drafts: the rows after a token the grammar refuses, or after its end, are limited as that
     token's row, where the draft is refused anyway). The matcher is left as it was."""
     rows, vocab = logits.shape
-    bitmask = allocate_token_bitmask(rows, vocab)
-    consumed = 0
+    masks, consumed = [], 0
     for j in range(rows):
-        fill_next_token_bitmask(matcher, bitmask, j)
+        masks.append(matcher.compute_bitmask())  # bit t of 32-bit word t // 32: token t is allowed
         if j == rows - 1 or j >= len(tokens) or not advance(matcher, tokens[j : j + 1]):
-            bitmask[j + 1 :] = bitmask[j]
+            masks += masks[-1:] * (rows - j - 1)
             break
         consumed += 1
     if consumed:
         matcher.rollback(consumed)
-    bits = torch.arange(32, dtype=torch.int32)
-    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab]
+    words = torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.int32).view(rows, -1)
+    allowed = ((words[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten(1)[:, :vocab]
     return logits.float().masked_fill(~allowed.to(logits.device), float("-inf"))
 
 

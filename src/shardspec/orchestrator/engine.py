@@ -51,6 +51,9 @@ REQUEST_ERRORS = frozenset({ErrorCode.BAD_REQUEST, ErrorCode.NOT_FOUND, ErrorCod
 ENGINE_ERRORS = (EngineError, WorkerLost, RemoteError)
 
 
+MAX_STOP_TOKEN_IDS = 256  # a request's stop_token_ids
+
+
 @dataclass
 class _Step:
     """A step on the wire: its batch, and one future per rank."""
@@ -162,6 +165,8 @@ class Engine:
         frequency_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
         structured_output: dict[str, Any] | None = None,
+        stop_token_ids: list[int] | None = None,
+        skip_special_tokens: bool = True,
     ) -> AsyncIterator[Chunk]:
         """Stream the completion of `prompt` (text, or token ids) as Chunks. `logprobs=N` adds each
         token's log-probability under the target model (raw logits: before temperature, top-k and
@@ -171,14 +176,17 @@ class Engine:
         target's logits on the workers, so MTP stays exact). `structured_output` constrains the output
         to one of {"json": schema}, {"json_object": True}, {"regex": str}, {"choice": [str, ...]},
         {"grammar": Lark or GBNF text} (vLLM's structured_outputs): the workers mask the target's and
-        the drafts' logits, so MTP stays exact; a constraint that does not compile raises ValueError."""
+        the drafts' logits, so MTP stays exact; a constraint that does not compile raises ValueError.
+        `stop_token_ids` end the output as the end-of-text ids do; `skip_special_tokens` (default)
+        leaves special tokens' text out of the chunks' text."""
         request = self._new_request(prompt, max_tokens, temperature, top_k, top_p, seed, stop_at_eos)
+        request.stop_ids += self._stop_token_ids(stop_token_ids or [])
         if structured_output is not None:
             request.grammar = await asyncio.to_thread(self._grammar, structured_output)
         request.sampling = _penalties(request.sampling, presence_penalty, frequency_penalty, repetition_penalty)
         request.logprobs = self._logprobs("logprobs", logprobs)
         request.prompt_logprobs = self._logprobs("prompt_logprobs", prompt_logprobs)
-        detok = Detokenizer(self.tokenizer) if self.tokenizer else None
+        detok = Detokenizer(self.tokenizer, skip_special_tokens) if self.tokenizer else None
         self.scheduler.add(request)
         self.wakeup.set()
         try:
@@ -215,6 +223,12 @@ class Engine:
         stop_ids = list(self.load_info.eos_token_ids) if stop_at_eos else []
         return Request(next(self.seq_ids), ids, max_tokens, sampling, stop_ids, self.draft_tokens,
                        self.forced_acceptance)
+
+    def _stop_token_ids(self, ids: list[int]) -> list[int]:
+        vocab = self.load_info.vocab_size
+        if len(ids) > MAX_STOP_TOKEN_IDS or not all(type(t) is int and 0 <= t < vocab for t in ids):
+            raise ValueError(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids in [0, {vocab})")
+        return list(ids)
 
     def _grammar(self, constraint: dict[str, Any]) -> str:
         """A structured-output constraint's grammar, checked against the model's tokenizer."""

@@ -36,17 +36,19 @@ class Tokenizer:
 
 
 class Detokenizer:
-    """Incremental decoding: emits text only once it is complete (no half UTF-8 characters), without
-    the text of special tokens (an end-of-text token ends the text; it is not part of it)."""
+    """Incremental decoding: emits text only once it is complete (no half UTF-8 characters), by
+    default without the text of special tokens (an end-of-text token ends the text; it is not part
+    of it)."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.emitted = 0
 
     def add(self, ids: list[int], final: bool = False) -> str:
         self.ids += ids
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(self.ids, self.skip_special_tokens)
         if text.endswith("\ufffd") and not final:
             return ""
         new, self.emitted = text[self.emitted :], len(text)

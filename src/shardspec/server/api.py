@@ -62,12 +62,18 @@ class GenerationBody(BaseModel):
     logit_bias: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # not OpenAI's; vLLM's: json, json_object, regex, choice, grammar
+    # not OpenAI's; vLLM's: more token ids that end the output, the text of special tokens, the stop string
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, why) for a feature this server does not have, asked for with a non-default value, or
         a value beyond its limits."""
         checks = [
             ("n", self.n is not None and self.n < 1, "n must be at least 1"),
+            ("stream_options", self.stream_options is not None and not self.stream,
+             "stream_options is only allowed with stream: true"),
             ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
             ("response_format", self.response_format is not None and self.response_format.get("type") not in
              ("text", "json_object", "json_schema"), 'response_format type is one of "text", "json_object", '

@@ -44,16 +44,18 @@ class StopText:
     Only that tail (shorter than the longest stop) is kept and searched again, so the work per
     piece of text is bounded by the stops' lengths, not by the text generated so far."""
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], include: bool = False):
         self.stops = stops
+        self.include = include  # the matched stop string ends the text
         self.pending = ""
 
     def feed(self, text: str) -> tuple[str, bool]:
         """(text safe to emit, whether a stop string matched)."""
         self.pending += text
-        hits = [i for stop in self.stops if (i := self.pending.find(stop)) >= 0]
+        hits = [(i, len(stop)) for stop in self.stops if (i := self.pending.find(stop)) >= 0]
         if hits:
-            out, self.pending = self.pending[: min(hits)], ""
+            at, length = min(hits)
+            out, self.pending = self.pending[: at + length * self.include], ""
             return out, True
         cut = len(self.pending) - max((_partial_match(self.pending, stop) for stop in self.stops), default=0)
         out, self.pending = self.pending[:cut], self.pending[cut:]
@@ -88,7 +90,7 @@ class Generation:
 
     async def events(self) -> AsyncIterator[Event]:
         job, metrics = self.job, self.service.metrics
-        stops = StopText(job.stops)
+        stops = StopText(job.stops, job.include_stop)
         prompt_logprobs = job.logprobs if job.echo is not None else None
         stream = self.service.engine.generate(job.prompt_ids, max_tokens=max(job.max_tokens, 1), logprobs=job.logprobs,
                                               prompt_logprobs=prompt_logprobs, **job.sampling)
@@ -215,6 +217,7 @@ async def _cancel(tasks: list[asyncio.Future]) -> None:
 
 def _param_named_in(message: str) -> str | None:
     for param in ("max_tokens", "temperature", "top_p", "top_k", "seed", "prompt_logprobs", "logprobs",
+                  "stop_token_ids",
                   "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt"):
         if param in message:
             return param

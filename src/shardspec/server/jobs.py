@@ -26,6 +26,7 @@ class Job:
     prompt_index: int = 0  # which of the request's prompts it continues
     logprobs: int | None = None  # top log-probabilities per token; None: none
     echo: str | None = None  # the prompt's text, to start the choice with (completions' echo)
+    include_stop: bool = False  # a matched stop string ends the text (vLLM's include_stop_str_in_output)
     arrived: float = field(default_factory=time.perf_counter)
 
     @property
@@ -72,5 +73,7 @@ def _job(endpoint: str, body: GenerationBody, prompt_ids: list[int], param: str,
                 "presence_penalty": body.presence_penalty or 0.0,
                 "frequency_penalty": body.frequency_penalty or 0.0,
                 "repetition_penalty": 1.0 if body.repetition_penalty is None else body.repetition_penalty,
-                "structured_output": body.structured_output()}
-    return Job(endpoint, prompt_ids, max_tokens, sampling, body.stop_strings())
+                "structured_output": body.structured_output(), "stop_token_ids": body.stop_token_ids,
+                "skip_special_tokens": body.skip_special_tokens is not False}
+    return Job(endpoint, prompt_ids, max_tokens, sampling, body.stop_strings(),
+               include_stop=bool(body.include_stop_str_in_output))
