@@ -67,6 +67,7 @@ from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+from serve import stop_server  # (bench/serve.py: this script's folder is on the path)
 
 from shardspec.orchestrator.config import BUNDLED_MODEL
 from shardspec.orchestrator.tokenizer import Tokenizer
@@ -289,16 +290,6 @@ def wait_ready(proc: subprocess.Popen, log: Path) -> str:
             raise BenchError(f"the server did not start:\n{output}")
         time.sleep(0.2)
     return found.group(0).strip()
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def served_model(url: str) -> tuple[str, int]:
