@@ -40,7 +40,7 @@ def run(c: PrefixCache, r: Request, output: list[int], blocks: int) -> None:
     c.prefilled(r)
     for token in output[1:]:
         r.record([token], 0, [], 0.0)
-        c.advance(r, r.prompt + r.output, r.known_length())
+        c.advance(r)
     r.finished = True
     c.finish(r)
     c.release(r)

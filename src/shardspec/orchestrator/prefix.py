@@ -199,7 +199,7 @@ class PrefixCache:
         use = request.cache
         if use is None:
             return
-        self.advance(request, request.prompt + request.output, request.known_length())
+        self.advance(request)
         for save in use.saves:
             depth = save.position // self.block_tokens
             node = use.chain[depth - 1]
@@ -212,11 +212,15 @@ class PrefixCache:
             self._release_item(use.point)
             use.point = None
 
-    def advance(self, request: Request, tokens: list[int], length: int) -> None:
-        """Cache the blocks a request has filled with committed tokens (`length` of `tokens`)."""
+    def advance(self, request: Request, length: int | None = None, tokens: list[int] | None = None) -> None:
+        """Cache the blocks a request has filled with committed tokens: the first `length` of `tokens`
+        (by default its known length of its prompt and output; the list is built only when a block
+        is full, not at every step)."""
         use, bt = request.cache, self.block_tokens
-        if use is None or not self.enabled:
+        length = request.known_length() if length is None else length
+        if use is None or not self.enabled or (len(use.chain) + 1) * bt > length:
             return
+        tokens = request.prompt + request.output if tokens is None else tokens
         while (len(use.chain) + 1) * bt <= length:  # (its chain is held: never evicted)
             depth = len(use.chain)
             parent = use.chain[-1] if use.chain else self.root
@@ -238,7 +242,7 @@ class PrefixCache:
         if use is None or not self.enabled:
             return None
         tokens = request.committed_tokens()
-        self.advance(request, tokens, len(tokens))
+        self.advance(request, len(tokens), tokens)
         depth = len(tokens) // bt
         if not self.finish_states:
             return None

@@ -154,7 +154,7 @@ class Scheduler:
             if accepted < 0:
                 self.cache.prefilled(request)
             else:
-                self.cache.advance(request, request.prompt + request.output, request.known_length())
+                self.cache.advance(request)
 
     def release(self, requests: list[Request]) -> ReleaseRequest | None:
         """Take finished, cancelled or refused requests out of the running table; the release for the
