@@ -22,6 +22,7 @@ step's pass before this step's record reaches them (stage.ForwardingStage).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -132,6 +133,15 @@ class Decoder(ModelRunner):
         config = self.model.config
         return llg_tokenizer(self.tokenizer_file, config.vocab_size, list(config.eos_token_ids))
 
+    @contextlib.contextmanager
+    def _drafting_under(self, matchers: list[Any]):
+        """The MTP chain (_chain) masks each row with its matcher while this lasts (an error included)."""
+        self.chain_matchers = matchers
+        try:
+            yield
+        finally:
+            self.chain_matchers = []
+
     def _matchers(self, request: StepRequest) -> dict[int, Any]:
         """A matcher for each new sequence with a grammar (PrefillSpec.grammar)."""
         matchers = {}
@@ -215,9 +225,8 @@ class Decoder(ModelRunner):
             first = torch.tensor([[s.next_token] for s in seqs], device=self.device)
             heads = self._mtp(first, hidden_before, slots, torch.full_like(first, length - 1), length)[:, 0]
             lengths = torch.full_like(slots, length)
-            self.chain_matchers = [seq.matcher for seq in seqs]
-            drafts = self._chain(heads, slots, lengths, min(length + self.draft_len, self.context)).tolist()
-            self.chain_matchers = []
+            with self._drafting_under([seq.matcher for seq in seqs]):
+                drafts = self._chain(heads, slots, lengths, min(length + self.draft_len, self.context)).tolist()
             for seq, d in zip(seqs, drafts):
                 seq.drafts = [] if seq.finished else d
         for seq in seqs:
@@ -286,9 +295,8 @@ class Decoder(ModelRunner):
                 if s.matcher is not None:
                     advance(s.matcher, [*s.drafts[:n], token])
             if k:
-                self.chain_matchers = [s.matcher for s in seqs] if constrained else []
-                drafts = draft([[n, token] for n, token in zip(accepted, tokens)]).tolist()
-                self.chain_matchers = []
+                with self._drafting_under([s.matcher for s in seqs] if constrained else []):
+                    drafts = draft([[n, token] for n, token in zip(accepted, tokens)]).tolist()
         if k:
             self.counters.count(accepted, k)
         emitted = []
