@@ -221,6 +221,7 @@ async def run_checkpoint(args: argparse.Namespace, ckpt: Path, weights: str, out
     async with shardspec.connect(model=str(ckpt), local=args.tp * args.pp, pp=args.pp, tp=args.tp, ep=args.ep,
                                  **stages, worker_options=options,
                                  device=args.device, mtp=None, max_seqs=max(args.batch), max_seq_len=max_seq_len,
+                                 cache_memory=args.cache_memory,
                                  connect_timeout=600) as engine:  # a fresh VM loads a large checkpoint slowly
         bench = Bench(engine, config, out["bandwidth_GBps"] * 1e9, last_rank=(args.pp - 1) * args.tp,
                       fp8=weights == "fp8")
@@ -296,6 +297,10 @@ def main() -> None:
     parser.add_argument("--forced", type=float, nargs="*", default=[0.6, 0.8])
     parser.add_argument("--prefill", type=int, nargs="*", default=[2048, 8192])
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--cache-memory", default=None,
+                        help="each worker's cache (K/V blocks and states), e.g. 8GiB; default: the worker's own (90 %% "
+                             "of a GPU less its weights; with --pp on one GPU the first stage to size its cache "
+                             "takes that)")
     parser.add_argument("--hf", action="store_true", help="also time transformers' generate (batch sizes ≤ 8)")
     parser.add_argument("--fp8", action="store_true",
                         help="then every row again on the block-wise FP8 twin of the checkpoint (same seed)")

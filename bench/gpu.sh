@@ -46,6 +46,17 @@
 #           the 9B-class checkpoint written meanwhile) and the norm kernel's warps (bench/norm.py), then 9B-class batch 1/8, MTP off and k = 3 at 0.8 with it and
 #           with cuBLAS (--no-bf16-gemv, the peer), then the parts of the batch-1 and batch-8 steps with it
 #           (bench/profile_step.py); each part runs even if one before failed
+#   paged   one H200 or H100, ~9 minutes: tests/test_cuda.py + tests/test_kernels.py on 4 xdist workers (the 9B-class
+#           checkpoint written meanwhile), then 9B-class batch 1/8/32, MTP off and k = 3 at 0.8, with the paged cache,
+#           then the same with the contiguous slots from before paging (the peer, same machine): PEER (default .peer)
+#           holds `git archive 4b36bee src bench`, whose bench/decode.py runs on its own src; each part runs even if
+#           one before failed
+#   serving one H200 or H100, ~9 minutes: on the 9B-class weights with the bundled model's tokenizer and chat template
+#           (.bench/9b-chat, eos its <|endoftext|>): bench/prefix_cache.py, a turn whose ~8,000-token conversation is
+#           cached against cold (cache on and off), and its sweep at serve's default --cache-memory; then
+#           bench/structured.py, MTP on and off; each part runs even if one before failed
+#   pp-b1   one H200 or H100, ~5 minutes: 9B-class batch 1, MTP off and k = 3 at 0.8, PP = 1 and PP = 2 with both
+#           stages on cuda:0 (8 GiB of cache a stage: the default takes 90 % of the GPU), then PP = 2's link cost
 # Then, where matplotlib is: python bench/plot_decode.py OUT/decode-9b-tp1.json ... --out docs/decode.png
 set -euo pipefail
 if [ $# -lt 3 ]; then
@@ -56,16 +67,33 @@ wheels=$1 out=$2
 shift 2
 for stage in "$@"; do
     case $stage in
-    tests | 9b | 9b-tp2 | tp2-profile | 27b | floor | deterministic | pp | moe | moe-wide | fp8 | parts | gemv) ;;
-    *) echo "gpu.sh: unknown stage '$stage' (tests, 9b, 9b-tp2, tp2-profile, 27b, floor, deterministic, pp, moe, moe-wide, fp8, parts, gemv)" >&2
+    tests | 9b | 9b-tp2 | tp2-profile | 27b | floor | deterministic | pp | moe | moe-wide | fp8 | parts | gemv | paged \
+        | serving | pp-b1) ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, 9b, 9b-tp2, tp2-profile, 27b, floor, deterministic, pp, moe, moe-wide, fp8, parts, gemv, paged, serving, pp-b1)" >&2
        exit 2 ;;
     esac
 done
 mkdir -p "$out" .bench
+out=$(cd "$out" && pwd)   # absolute: the peer's run writes it from another folder
 failed=0
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/shardspec-site \
     "$wheels"/*.whl
 export PYTHONPATH=/tmp/shardspec-site:$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+
+gpu_idle() {  # end what a run cut short left on the GPU (its workers), so that no timing after it shares the GPU
+    local pids
+    pids=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ') || true
+    [ -z "$pids" ] || { echo "gpu.sh: ending leftover GPU processes $pids" >&2; kill $pids 2>/dev/null || true; sleep 3; }
+}
+
+write_9b() {  # the 9B-class checkpoint; .bench/9b-chat: its weights with the bundled tokenizer, chat template and eos
+    [ -f .bench/9b/config.json ] || python3 -m shardspec.testing.random_checkpoint .bench/9b --size 9b || return 1
+    mkdir -p .bench/9b-chat
+    for f in .bench/9b/*; do [ "${f##*/}" = config.json ] || ln -sf "$PWD/$f" .bench/9b-chat/; done
+    cp src/shardspec/bundled/tokenizer.json src/shardspec/bundled/tokenizer_config.json .bench/9b-chat/
+    python3 -c 'import json; c = json.load(open(".bench/9b/config.json")); t = c.get("text_config", c)
+t["eos_token_id"] = c["eos_token_id"] = 0; json.dump(c, open(".bench/9b-chat/config.json", "w"))'
+}
 
 for stage in "$@"; do
     case $stage in
@@ -213,6 +241,41 @@ for stage in "$@"; do
         for batch in 1 8; do
             timeout 100 python3 bench/profile_step.py --size 9b --batch $batch --k 0 3 2>&1 \
                 | tee "$out/profile-9b-parts-b$batch-gemv.log" || failed=1
+        done
+        ;;
+    paged)
+        write_9b &
+        writer=$!   # on the CPUs, while the tests take the GPU
+        timeout 230 python3 -m pytest -q -n 4 tests/test_cuda.py tests/test_kernels.py --durations=15 --timeout 200 2>&1 \
+            | tee "$out/tests-paged.log" || failed=1
+        gpu_idle
+        wait $writer || failed=1
+        timeout 165 python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 1 --batch 1 8 32 --k 3 --forced 0.8 --prefill \
+            --out "$out/decode-9b-paged.json" 2>&1 | tee "$out/decode-9b-paged.log" || failed=1
+        peer=${PEER:-.peer}   # the contiguous slots: its own bench/decode.py on its own src, the same checkpoint
+        (cd "$peer" && PYTHONPATH=/tmp/shardspec-site:$PWD/src timeout 165 python3 bench/decode.py --size 9b \
+            --ckpt "$OLDPWD/.bench/9b" --tp 1 --batch 1 8 32 --k 3 --forced 0.8 --prefill \
+            --out "$out/decode-9b-contiguous.json") 2>&1 | tee "$out/decode-9b-contiguous.log" || failed=1
+        ;;
+    serving)
+        [ -f .bench/9b-chat/config.json ] || write_9b || failed=1
+        timeout 230 python3 bench/prefix_cache.py --system-tokens 8000 --conversations 2 --turns 2 --concurrency 1 \
+            --max-tokens 16 --json "$out/prefix-cache-9b-8000.json" -- --model .bench/9b-chat --local 1 2>&1 \
+            | tee "$out/prefix-cache-9b-8000.log" || failed=1
+        timeout 130 python3 bench/prefix_cache.py --sweep --cache-memory default --sweep-requests 1 16 64 \
+            --sweep-max-tokens 64 --json "$out/prefix-cache-9b-sweep.json" -- --model .bench/9b-chat --local 1 2>&1 \
+            | tee "$out/prefix-cache-9b-sweep.log" || failed=1
+        for mtp in on off; do   # the target (MTP on) first
+            timeout 100 python3 bench/structured.py --model .bench/9b-chat --local 1 --mtp $mtp \
+                --json "$out/structured-9b-mtp-$mtp.json" 2>&1 | tee "$out/structured-9b-mtp-$mtp.log" || failed=1
+        done
+        ;;
+    pp-b1)
+        [ -f .bench/9b/config.json ] || write_9b || failed=1
+        for pp in 1 2; do
+            timeout 150 python3 bench/decode.py --size 9b --ckpt .bench/9b --pp $pp --device cuda:0 --cache-memory 8GiB \
+                --batch 1 --k 3 --forced 0.8 --prefill $([ $pp = 2 ] && echo --link-cost) \
+                --out "$out/decode-9b-pp$pp-paged.json" 2>&1 | tee "$out/decode-9b-pp$pp-paged.log" || failed=1
         done
         ;;
     esac

@@ -3,7 +3,7 @@
 
     python bench/prefix_cache.py [--conversations 16] [--turns 5] [--system-tokens 1500] [--user-tokens 40]
                                  [--max-tokens 48] [--concurrency 4] [--seed 0] [--json PATH] [-- SERVE-ARGS...]
-    python bench/prefix_cache.py --sweep [--sweep-requests 1 2 4 8 16 32] [--cache-memory 16MiB]
+    python bench/prefix_cache.py --sweep [--sweep-requests 1 2 4 8 16 32] [--cache-memory 16MiB|default]
                                  [--sweep-prompt-tokens 1024] [--sweep-max-tokens 128] [-- SERVE-ARGS...]
 
 Each run starts `shardspec serve --port 0` (plus SERVE-ARGS) on 127.0.0.1 as a subprocess and stops it
@@ -448,7 +448,7 @@ async def sweep_level(url: str, model: str, prompts: list[str], args: argparse.N
 def sweep_main(args: argparse.Namespace) -> dict[str, Any]:
     text = Text(model_folder(args.serve_args))
     rng = random.Random(args.seed)
-    serve_args = ["--cache-memory", args.cache_memory, *args.serve_args]
+    serve_args = ([] if args.cache_memory == "default" else ["--cache-memory", args.cache_memory]) + args.serve_args
     if not any(a == "--max-seqs" or a.startswith("--max-seqs=") for a in args.serve_args):
         serve_args += ["--max-seqs", str(max(args.sweep_requests))]
     with serving(serve_args) as (url, ready):
@@ -512,6 +512,8 @@ def positive(text: str) -> int:
 
 
 def memory_size(text: str) -> str:
+    if text == "default":
+        return text
     try:
         parse_size(text)
     except ValueError as exc:
@@ -537,7 +539,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sweep.add_argument("--sweep-requests", type=positive, nargs="+", default=[1, 2, 4, 8, 16, 32], metavar="N",
                        help="concurrent requests of each level (default 1 2 4 8 16 32)")
     sweep.add_argument("--cache-memory", type=memory_size, default="16MiB", metavar="SIZE",
-                       help="each worker's cache, passed to serve (default 16MiB)")
+                       help="each worker's cache, passed to serve, or 'default': serve's own (90 %% of a GPU "
+                            "less its weights) (default 16MiB)")
     sweep.add_argument("--sweep-prompt-tokens", type=positive, default=1024, metavar="N",
                        help="each request's prompt length in tokens, about (default 1024)")
     sweep.add_argument("--sweep-max-tokens", type=positive, default=128, metavar="N",

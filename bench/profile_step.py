@@ -62,7 +62,7 @@ def part_floors(moved: StepBytes) -> dict[str, int]:
     """The bytes each part must move in the step (the matmuls: every projection, the routed experts the
     tokens hit, the target's LM head and the MTP module)."""
     return {"matmuls (GEMV/GEMM, experts)": moved.weights + moved.mtp, "drafts' LM head": moved.draft_head,
-            "Gated DeltaNet": moved.recurrent_state, "attention": moved.kv_cache}
+            "Gated DeltaNet": moved.recurrent_state, "attention": moved.kv_cache + moved.block_tables}
 
 
 def parts_table(prof, steps: int, wall_ms: float, moved: StepBytes, bandwidth: float, say) -> None:

@@ -1,7 +1,7 @@
 """Structured output's cost: tokens/s and mean acceptance length (MAL) with a JSON schema against
 without, MTP on and off, and the share of tokens the grammar forced (one token allowed).
 
-    python bench/structured.py [--model DIR] [--local 2] [--requests 8] [--max-tokens 128] [--json PATH]
+    python bench/structured.py [--model DIR] [--local 2] [--mtp both] [--requests 8] [--max-tokens 128] [--json PATH]
 
 One engine per MTP setting (`--local` workers, the main job's layout by default); each row runs
 --requests greedy generations one after the other (one prompt each) and reports its tokens after
@@ -9,7 +9,9 @@ each request's first ÷ the time after the first token (decode speed: a JSON obj
 than free text, so whole-request rates would weigh prefill differently), the MAL of its MTP steps,
 and, under the schema, the share of output tokens where the grammar allowed a single token (which
 MTP drafts, and the target accepts, as they are: jump-forward within the k drafts of a step). The
-schema: an object of a string, a bounded integer, an enum and an array of enums.
+schema: an object of a string, a bounded integer, an enum and an array of enums. Every output under
+the schema must parse as its JSON, but for one that --max-tokens cut short (random weights can write
+digits for ever): those are counted ("complete" says how many parsed).
 """
 
 from __future__ import annotations
@@ -73,13 +75,13 @@ def forced_share(model: Path, outputs: list[list[int]], vocab: int, eos: list[in
 
 async def main(args: argparse.Namespace) -> dict:
     results = {}
-    for mtp in (True, False):
+    for mtp in {"both": (True, False), "on": (True,), "off": (False,)}[args.mtp]:
         async with shardspec.connect(model=str(args.model), local=args.local, mtp=mtp) as engine:
             await row(engine, argparse.Namespace(requests=1, max_tokens=8), False)  # warm-up
             plain, constrained = await row(engine, args, False), await row(engine, args, True)
             vocab, eos = engine.load_info.vocab_size, list(engine.load_info.eos_token_ids)
-        for output in constrained["outputs"]:
-            json.loads(engine.tokenizer.decode(output, skip_special_tokens=True))  # (each one is the schema's)
+        constrained["complete"] = sum(complete(engine.tokenizer.decode(output, skip_special_tokens=True),
+                                               len(output), args.max_tokens) for output in constrained["outputs"])
         share = forced_share(Path(args.model), constrained.pop("outputs"), vocab, eos)
         plain.pop("outputs")
         results["on" if mtp else "off"] = {"plain": plain, "schema": constrained, "forced_share": share}
@@ -91,7 +93,21 @@ async def main(args: argparse.Namespace) -> dict:
         print(f"| {name} | {r['plain']['tokens_per_s']:.1f} | {r['schema']['tokens_per_s']:.1f} | "
               f"{r['schema']['tokens_per_s'] / r['plain']['tokens_per_s']:.2f}× | {r['plain']['mal']:.2f} | "
               f"{r['schema']['mal']:.2f} | {100 * r['forced_share']:.0f} % |")
+    for name, r in results.items():
+        print(f"MTP {name}: {r['schema']['complete']} of {args.requests} outputs under the schema complete, the others "
+              f"cut at {args.max_tokens} tokens")
     return results
+
+
+def complete(text: str, tokens: int, max_tokens: int) -> bool:
+    """Whether an output under the schema is a whole JSON value; one that ended before --max-tokens must be."""
+    try:
+        json.loads(text)
+    except ValueError:
+        if tokens < max_tokens:
+            raise
+        return False
+    return True
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -100,6 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", type=Path, default=Path(BUNDLED_MODEL), help="model folder (default: the bundled "
                         "model)")
     parser.add_argument("--local", type=int, default=2, help="local workers, TP (default 2: the main job's layout)")
+    parser.add_argument("--mtp", choices=["both", "on", "off"], default="both",
+                        help="the engines to run: MTP on, off or both (default both)")
     parser.add_argument("--requests", type=int, default=8, help="generations per row (default 8)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per generation at most (default 128)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures to this file")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import queue
+import random
 import sys
 import time
 import traceback
@@ -17,16 +18,18 @@ import torch.distributed as dist
 import shardspec
 from shardspec import kernels
 from shardspec.cli import BUNDLED_MODEL
-from shardspec.layers.batch import Batch
+from shardspec.layers.batch import BLOCK_TOKENS, Batch, CacheShape
 from shardspec.layers.parallel import SymmetricReducer, TPGroup, use_symmetric_memory
 from shardspec.models.loader import load_model
 from shardspec.orchestrator.tokenizer import Tokenizer
 from shardspec.orchestrator.workers import free_port
 from shardspec.testing.agreement import top1_agreement
 from shardspec.testing.random_checkpoint import tiny_config, write_random_checkpoint
+from shardspec.testing.sizes import nine_b_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef main():\n"]
+CACHE = "1GiB"  # each worker's cache, as on a CPU: tests share the GPU (xdist, two stages), whose default is 90 % of it
 
 
 def held_out_ids(count: int) -> list[int]:
@@ -43,7 +46,8 @@ def greedy(device: str, dtype: str, tp: int, mtp: bool, prompts: list[str] | lis
     The workers run with this test run's options (--worker-flags) and `options` on top."""
     async def run():
         async with shardspec.connect(model=str(model), local=tp * pp, pp=pp, tp=tp, device=device, dtype=dtype,
-                                     mtp=mtp, worker_options=dataclasses.replace(kernels.settings, **options)) as e:
+                                     mtp=mtp, cache_memory=CACHE,
+                                     worker_options=dataclasses.replace(kernels.settings, **options)) as e:
             async def one(prompt):
                 out = []
                 async for chunk in e.generate(prompt, max_tokens=64, stop_at_eos=False):
@@ -137,6 +141,88 @@ def test_head_dims_that_are_not_powers_of_two_give_the_same_greedy_tokens_with_a
                                                   model=odd_heads_model)
 
 
+@pytest.fixture(scope="module")
+def nine_b_heads_model(tmp_path_factory) -> Path:
+    """The 9B's heads (attention 16 × 256 over 4 KV heads, Gated DeltaNet 16 key and 32 value heads
+    of 128) in 4 layers with a narrow MLP and vocabulary: the kernels at the 9B's shapes, in 0.8 GB."""
+    path = tmp_path_factory.mktemp("9b-heads")
+    config = nine_b_config() | {"num_hidden_layers": 4, "layer_types": tiny_config()["layer_types"],
+                                "intermediate_size": 2048, "vocab_size": 4096, "eos_token_id": None}
+    write_random_checkpoint(path, config, seed=9, dtype=torch.bfloat16, mtp=False)
+    return path
+
+
+def paged_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """Logits over ids [B, T] on the model's device: a prefill of the first half, one-token decode
+    passes, then verify-sized passes of four; each row's K/V in blocks scattered over the pool."""
+    device = next(model.parameters()).device
+    (B, T), prefill = ids.shape, ids.shape[1] // 2
+    per = -(-T // BLOCK_TOKENS)
+    order = torch.randperm(B * per, generator=torch.Generator().manual_seed(2))
+    tables = order.view(B, per).int().to(device)
+    model.allocate_paged(CacheShape(B, B * per, tables), next(model.parameters()).dtype, device)
+    x, slots = ids.to(device), torch.arange(B, device=device)
+    positions = torch.arange(T, device=device).expand(B, -1)
+    spans = [(0, prefill), *((t, t + 1) for t in range(prefill, prefill + 6)),
+             *((t, min(t + 4, T)) for t in range(prefill + 6, T, 4))]
+    hidden = torch.cat([model(x[:, a:b], Batch(slots, positions[:, a:b], b)) for a, b in spans], 1)
+    return model.lm_head.logits(hidden).float().cpu()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_the_paged_attention_kernels_at_the_9b_heads_agree_with_the_pytorch_path(nine_b_heads_model, dtype,
+                                                                                   monkeypatch):
+    """Teacher-forced over 160 positions (5 blocks a row, the tables shuffled): decode and verify passes
+    through the Triton kernels against the PyTorch path (the option kernels off) on the same weights.
+    fp32: the same logits; bf16: top-1 agreement ≥ 99 % where the margin is past the noise
+    (testing.agreement: random weights give flat logits)."""
+    ids = torch.randint(0, 4096, (3, 160), generator=torch.Generator().manual_seed(4))
+    model = load_model(nine_b_heads_model, TPGroup(), dtype, torch.device("cuda"), with_mtp=False)
+    through_kernels = paged_logits(model, ids)
+    monkeypatch.setattr(kernels, "settings", dataclasses.replace(kernels.settings, kernels=False))
+    pytorch = paged_logits(model, ids)
+    if dtype == torch.float32:
+        torch.testing.assert_close(through_kernels, pytorch, rtol=1e-4, atol=1e-4)
+    else:
+        agreement = top1_agreement(through_kernels, pytorch)
+        assert agreement["confident_top1_agreement"] >= 0.99 and agreement["confident_share"] > 0.5, agreement
+
+
+@pytest.mark.parametrize("launch_ahead", ["off", "auto"])
+def test_prefix_cache_hits_with_mtp_under_cuda_graphs_give_the_greedy_tokens_of_the_cache_off(small_vocab_model,
+                                                                                               launch_ahead):
+    """fp32 on the GPU, CUDA graphs, MTP on: a five-turn chat and two chats that share its system prompt,
+    with the prefix cache on and off (test_prefix_cache's trace). A hit restores saved recurrent states
+    and the target's hidden state for MTP and copies its boundary block; verify passes cap the drafts
+    and write the last hidden state inside the graphs. Launch ahead off: the ends of finished
+    sequences are saved, so each later turn hits partway through a block; auto: the workers keep no
+    finished state and the turns hit the blocks of their prompts. fla off: prefills of both runs
+    take shardspec's kernels, whose fp32 is full fp32."""
+    from test_prefix_cache import BT, conversation
+
+    seed, logs = 11, []
+    system = random.Random(seed).choices(range(16), k=75)
+    options = dataclasses.replace(kernels.settings, launch_ahead=launch_ahead, fla=False)
+
+    async def run(prefix_cache: bool):
+        async with shardspec.connect(model=str(small_vocab_model), local=1, device="cuda", dtype="float32", mtp=True,
+                                     max_seq_len=512, max_seqs=2, prefix_cache=prefix_cache, cache_memory=CACHE,
+                                     worker_options=options) as engine:
+            turns = await conversation(engine, random.Random(seed), system, 5, 12)
+            logs.extend(path.read_text(errors="replace") for path in engine.group.local.logs)
+            return turns
+
+    cached, plain = asyncio.run(run(True)), asyncio.run(run(False))
+    assert all("captured" in log for log in logs), "a worker ran without CUDA graphs"
+    assert [tokens for tokens, _ in cached] == [tokens for tokens, _ in plain]
+    hits = [hit for _, hit in cached]
+    assert hits[0] == 0 and all(h > 0 for h in hits[1:5]), hits
+    if launch_ahead == "off":
+        assert all(h % BT for h in hits[1:5]), hits  # each turn after the first: mid-block, the last turn's end
+    assert hits[5] == 0 and hits[6] == 64, hits  # the shared system prompt: saved by the second, hit by the third
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_bf16_greedy_with_mtp_equals_without_on_the_gpu(tp):
     if torch.cuda.device_count() < tp:
@@ -152,7 +238,7 @@ def test_greedy_with_passes_launched_ahead_equals_greedy_without_on_the_gpu(mtp)
     async def run(launch_ahead: str):
         options = dataclasses.replace(kernels.settings, launch_ahead=launch_ahead)
         async with shardspec.connect(model=str(BUNDLED_MODEL), local=1, device="cuda", dtype="float32", mtp=mtp,
-                                     deterministic=True, worker_options=options) as e:
+                                     deterministic=True, cache_memory=CACHE, worker_options=options) as e:
             async def one(prompt, max_tokens):
                 return [t async for chunk in e.generate(prompt, max_tokens=max_tokens, stop_at_eos=False)
                         for t in chunk.token_ids]
@@ -330,7 +416,7 @@ def test_deterministic_greedy_output_on_the_gpu_is_the_same_alone_and_among_othe
 
     async def run(mtp: bool, together: bool) -> list[list[int]]:
         async with shardspec.connect(model=str(BUNDLED_MODEL), local=1, device="cuda", dtype="bfloat16", mtp=mtp,
-                                     max_seqs=32, deterministic=True) as engine:
+                                     max_seqs=32, deterministic=True, cache_memory=CACHE) as engine:
             async def one(prompt):
                 tokens = []
                 async for chunk in engine.generate(prompt, max_tokens=24, stop_at_eos=False):

@@ -31,7 +31,8 @@ def test_a_step_without_drafts_reads_the_weights_once_and_only_the_embedding_row
     assert got.mtp == got.draft_head == 0
     assert got.kv_cache == 1 * 2 * (10 + 1) * KV_POSITION  # one attention layer: 10 read, 1 written per row
     assert got.recurrent_state == 2 * STATE
-    assert got.total == WEIGHTS + 256 + 2 * 11 * KV_POSITION + 2 * STATE
+    assert got.block_tables == 2 * 1 * 4  # one attention layer: each row's one int32 entry (11 positions)
+    assert got.total == WEIGHTS + 256 + 2 * 11 * KV_POSITION + 2 * STATE + 8
 
 
 def test_a_step_with_k_drafts_reads_the_mtp_module_and_the_draft_head_k_times():
@@ -45,6 +46,9 @@ def test_a_step_with_k_drafts_reads_the_mtp_module_and_the_draft_head_k_times():
     # the target's layer: 10 read + 3 written; the MTP layer: 13 for the prefix pass, 14 for the chained one
     assert got.kv_cache == 2 * (13 + 13 + 14) * KV_POSITION
     assert got.recurrent_state == 2 * STATE
+    # each row's entries over those positions, blocks of 32: one each; two at 40 (33 + 7 = 40 positions)
+    assert got.block_tables == 2 * (1 + 1 + 1) * 4
+    assert step_bytes(CONFIG, tp=1, batch=2, context=30, k=2).block_tables == 2 * (2 + 2 + 2) * 4
     assert step_bytes(CONFIG, tp=1, batch=2, context=10, k=2, draft_head="bf16").draft_head == 2 * 2 * 512 * 64
 
 

@@ -7,8 +7,9 @@ k drafts runs the target's verify pass over B·(k+1) tokens, then k MTP passes (
 accepted prefix, k − 1 chaining the drafts), each followed by a draft LM-head pass: the MTP module
 and the drafts' head are read k times each, and the embedding table gives B·(3k + 1) rows.
 The caches: each attention layer reads the K and V of the positions attended and writes those of
-the new tokens; each Gated DeltaNet layer reads and writes its fp32 recurrent state and its
-convolution state once. Activations (a few hidden vectors per token) are left out.
+the new tokens, finding them through the block table (an int32 entry a block of BLOCK_TOKENS
+positions, each row's entries read once a layer); each Gated DeltaNet layer reads and writes its fp32
+recurrent state and its convolution state once. Activations (a few hidden vectors per token) are left out.
 
 Per rank under tensor parallelism: projections split by heads or the vocabulary, so their bytes
 divide by tp; a rank holds max(1, kv_heads // tp) KV heads; norms and the MTP module's input
@@ -25,11 +26,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardspec.layers.batch import BLOCK_TOKENS
 from shardspec.models.qwen3_5 import HybridConfig, Qwen3_5MoeConfig
 from shardspec.testing.fp8 import FP8_BLOCK
 
 STATE_BYTES = 4  # the recurrent state is fp32 whatever the weights' dtype
 FP8_SCALE_BYTES = 4  # an fp32 scale: per row of the fp8 draft head (kernels.head), per block of FP8 weights
+TABLE_ENTRY_BYTES = 4  # an int32 block number of a block table
 
 
 @dataclass(frozen=True)
@@ -42,10 +45,17 @@ class StepBytes:
     draft_head: int  # the drafts' LM-head passes
     kv_cache: int  # K and V read (positions attended) and written (new tokens), every attention layer
     recurrent_state: int  # Gated DeltaNet's recurrent and convolution states, read and written
+    block_tables: int = 0  # the block-table entries of the positions attended, every attention layer's pass
 
     @property
     def total(self) -> int:
-        return self.weights + self.embedding_rows + self.mtp + self.draft_head + self.kv_cache + self.recurrent_state
+        return (self.weights + self.embedding_rows + self.mtp + self.draft_head + self.kv_cache + self.recurrent_state
+                + self.block_tables)
+
+
+def _table_bytes(batch: int, positions: int) -> int:
+    """One attention layer's pass: each row's block-table entries over `positions` positions."""
+    return batch * -(-positions // BLOCK_TOKENS) * TABLE_ENTRY_BYTES
 
 
 def _kv_heads(config: HybridConfig, tp: int) -> int:
@@ -131,13 +141,14 @@ def step_bytes(config: HybridConfig, tp: int, batch: int, context: int, k: int =
 
     kv_position = 2 * _kv_heads(config, tp) * config.head_dim * dtype_bytes  # K and V of one position, one layer
     kv = layers.count("full_attention") * batch * (context + k + 1) * kv_position
+    tables = layers.count("full_attention") * _table_bytes(batch, context + k + 1)
     nv = config.linear_num_value_heads // tp
     state = nv * config.linear_key_head_dim * config.linear_value_head_dim * STATE_BYTES
     conv_dim = 2 * (config.linear_num_key_heads // tp) * config.linear_key_head_dim + nv * config.linear_value_head_dim
     state += conv_dim * (config.linear_conv_kernel_dim - 1) * dtype_bytes
     recurrent = 2 * layers.count("linear_attention") * batch * state
     if not k:
-        return StepBytes(weights, batch * h * dtype_bytes, 0, 0, kv, recurrent)
+        return StepBytes(weights, batch * h * dtype_bytes, 0, 0, kv, recurrent, tables)
 
     passes = [batch * (k + 1)] + [batch] * (k - 1)  # the tokens of the MTP passes: the accepted prefix, the chain
     # fc, 3 norms and one layer, in each pass
@@ -145,6 +156,7 @@ def step_bytes(config: HybridConfig, tp: int, batch: int, context: int, k: int =
                     for n in passes))
     # the MTP layer's own cache: the prefix pass attends over context + k + 1, each chained pass one further
     mtp_kv = sum(batch * (context + k + 1 + i) * kv_position for i in range(k))
+    tables += sum(_table_bytes(batch, context + k + 1 + i) for i in range(k))
     draft = head + vocab * FP8_SCALE_BYTES if draft_head == "fp8" else head * dtype_bytes
     return StepBytes(weights, batch * (3 * k + 1) * h * dtype_bytes, mtp, k * draft, kv + mtp_kv,
-                     recurrent)
+                     recurrent, tables)
