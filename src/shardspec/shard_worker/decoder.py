@@ -111,10 +111,13 @@ class Decoder(ModelRunner):
 
     def __init__(self, *args, launch_ahead: str = WorkerOptions.launch_ahead, peek: Peek | None = None,
                  tokenizer_file: Path | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
+        # before the runner's set-up: it captures the passes (which draft through _chain) on a GPU,
+        # and close() drops `ahead` if that fails
         self.tokenizer_file = tokenizer_file  # structured output's tokens (llguidance's view, built on first use)
         self.chain_matchers: list[Any] = []  # while drafting: the matcher of each row (None: unconstrained)
         self.new_matchers: dict[int, Any] = {}  # a step's new sequences' matchers, until they prefill
+        self.ahead: LaunchAhead | NoLaunchAhead = NoLaunchAhead()
+        super().__init__(*args, **kwargs)
         whole = self.model.stage.first
         wanted = launch_ahead == "on" or (launch_ahead == "auto" and self.graphed)
         self.ahead = LaunchAhead(peek) if whole and wanted and peek is not None else NoLaunchAhead()
