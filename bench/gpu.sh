@@ -46,7 +46,8 @@
 #           the 9B-class checkpoint written meanwhile) and the norm kernel's warps (bench/norm.py), then 9B-class batch 1/8, MTP off and k = 3 at 0.8 with it and
 #           with cuBLAS (--no-bf16-gemv, the peer), then the parts of the batch-1 and batch-8 steps with it
 #           (bench/profile_step.py); each part runs even if one before failed
-#   paged   one H200 or H100, ~9 minutes: tests/test_cuda.py + tests/test_kernels.py on 4 xdist workers (the 9B-class
+#   paged   one H200 or H100, ~9 minutes: the GPU tests of attention, block tables, the prefix cache, MTP and graphs
+#           (tests/test_cuda.py + tests/test_kernels.py -k ..., 6 xdist workers; all of them took over 230 s at 4; the 9B-class
 #           checkpoint written meanwhile), then 9B-class batch 1/8/32, MTP off and k = 3 at 0.8, with the paged cache,
 #           then the same with the contiguous slots from before paging (the peer, same machine): PEER (default .peer)
 #           holds `git archive 4b36bee src bench`, whose bench/decode.py runs on its own src; each part runs even if
@@ -246,8 +247,8 @@ for stage in "$@"; do
     paged)
         write_9b &
         writer=$!   # on the CPUs, while the tests take the GPU
-        timeout 230 python3 -m pytest -q -n 4 tests/test_cuda.py tests/test_kernels.py --durations=15 --timeout 200 2>&1 \
-            | tee "$out/tests-paged.log" || failed=1
+        timeout 230 python3 -m pytest -q -n 6 -rf tests/test_cuda.py tests/test_kernels.py --durations=15 --timeout 200 \
+            -k "paged or table or prefix or mtp or graph or attention or powers" 2>&1 | tee "$out/tests-paged.log" || failed=1
         gpu_idle
         wait $writer || failed=1
         timeout 165 python3 bench/decode.py --size 9b --ckpt .bench/9b --tp 1 --batch 1 8 32 --k 3 --forced 0.8 --prefill \
