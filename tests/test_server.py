@@ -541,7 +541,7 @@ def test_serve_refuses_a_limit_below_one_naming_the_option(option, capsys):
 def test_a_503_body_has_the_failure_s_first_line_and_the_log_has_the_worker_s_log_tail(caplog):
     failure = ("local worker 0 exited with code 1 after 3 restarts:\nTraceback (most recent call last):\n"
                '  File "daemon.py", line 9, in load\nOSError: /secret/model/config.json')
-    service = Service(SimpleNamespace(draft_tokens=0, observer=None), MODEL, None)
+    service = Service(SimpleNamespace(draft_tokens=0, observer=None, tokenizer=None), MODEL, None)
     with caplog.at_level(logging.ERROR, logger="shardspec.server"):
         error = service.unavailable(failure)
     assert error.status == 503 and error.body()["error"]["code"] == "workers_unavailable"
@@ -559,7 +559,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
     [
         ("completions", {"best_of": 2}, "best_of"),
         ("completions", {"suffix": "x"}, "suffix"),
-        ("completions", {"logit_bias": {"1": 5}}, "logit_bias"),
+        ("completions", {"logit_bias": {"1": "high"}}, "logit_bias"),
         ("completions", {"extra_body": {"response_format": {"type": "xml"}}}, "response_format"),
         ("completions", {"extra_body": {"guided_json": {}}}, "guided_json"),
         ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
@@ -567,7 +567,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
         ("chat", {"tool_choice": "required"}, "tool_choice"),
         ("chat", {"functions": [{"name": "f"}]}, "functions"),
         ("chat", {"function_call": {"name": "f"}}, "function_call"),
-        ("chat", {"logit_bias": {"1": 5}}, "logit_bias"),
+        ("chat", {"logit_bias": {"99999": 5}}, "logit_bias"),
         ("chat", {"modalities": ["text", "audio"]}, "modalities"),
         ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
         ("chat", {"prediction": {"type": "content", "content": "x"}}, "prediction"),

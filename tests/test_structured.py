@@ -114,3 +114,38 @@ def test_the_text_of_an_end_of_text_token_is_not_in_the_output():
 
     tokens, text, _ = asyncio.run(run())
     assert tokens[-1] == 0 and text == "ok"  # the grammar's end, then end of text
+
+
+def test_logit_bias_changes_greedy_tokens_exactly_as_on_the_logits_and_keeps_mtp_exact():
+    """A bias of -100 on the tokens of the unbiased greedy output removes them; +100 on one token
+    makes it every token; with MTP the biased greedy output equals the one without (--deterministic)."""
+    async def run(mtp: bool, bias: dict[int, float] | None):
+        async with shardspec.connect(model=str(BUNDLED_MODEL), workers=pooled(1), mtp=mtp, deterministic=True,
+                                     max_seqs=2) as engine:
+            return await generate(engine, "def f():", max_tokens=24, temperature=0, logit_bias=bias,
+                                  stop_token_ids=None)
+
+    free = asyncio.run(run(True, None))[0]
+    banned = {token: -100.0 for token in set(free)}
+    with_mtp, without = asyncio.run(run(True, banned)), asyncio.run(run(False, banned))
+    assert with_mtp[0] == without[0]
+    assert not set(with_mtp[0]) & set(banned)
+    forced = asyncio.run(run(True, {1234: 100.0}))[0]
+    assert forced == [1234] * 24
+
+
+def test_min_tokens_keeps_the_end_of_text_away_until_then_and_bad_biases_are_value_errors():
+    async def run():
+        async with shardspec.connect(model=str(BUNDLED_MODEL), workers=pooled(1), max_seqs=4) as engine:
+            held = await generate(engine, "def f():", max_tokens=40, temperature=0, min_tokens=12,
+                                  logit_bias={0: 60.0})
+            for bias, message in [({4096: 1.0}, r"\[0, 4096\)"), ({5: 101.0}, r"\[-100, 100\]"),
+                                  ({5: float("nan")}, r"\[-100, 100\]")]:
+                with pytest.raises(ValueError, match=message):
+                    await generate(engine, "def f():", max_tokens=4, logit_bias=bias)
+            with pytest.raises(ValueError, match="min_tokens"):
+                await generate(engine, "def f():", max_tokens=4, min_tokens=5)
+            return held
+
+    held = asyncio.run(run())
+    assert 0 not in held[0][:12] and held[0][12:] == [0]  # end of text (biased up) as soon as it may come

@@ -38,7 +38,15 @@ from shardspec.orchestrator.scheduler import ScheduledStep, Scheduler
 from shardspec.orchestrator.tokenizer import Detokenizer, Tokenizer
 from shardspec.orchestrator.workers import WorkerLost
 from shardspec.protocol.errors import ErrorCode, RemoteError
-from shardspec.protocol.messages import LoadReply, PrefillSpec, ReleaseRequest, SamplingParams, StatsRequest, StepReply
+from shardspec.protocol.messages import (
+    LoadReply,
+    PrefillSpec,
+    ReleaseRequest,
+    SamplingParams,
+    StatsRequest,
+    StepReply,
+    TokenBias,
+)
 
 __all__ = ["Chunk", "Engine", "EngineConfig", "EngineError", "connect"]
 
@@ -52,6 +60,7 @@ ENGINE_ERRORS = (EngineError, WorkerLost, RemoteError)
 
 
 MAX_STOP_TOKEN_IDS = 256  # a request's stop_token_ids
+MAX_LOGIT_BIAS = 1024  # a request's logit_bias entries
 
 
 @dataclass
@@ -167,6 +176,8 @@ class Engine:
         structured_output: dict[str, Any] | None = None,
         stop_token_ids: list[int] | None = None,
         skip_special_tokens: bool = True,
+        logit_bias: dict[int, float] | None = None,
+        min_tokens: int = 0,
     ) -> AsyncIterator[Chunk]:
         """Stream the completion of `prompt` (text, or token ids) as Chunks. `logprobs=N` adds each
         token's log-probability under the target model (raw logits: before temperature, top-k and
@@ -178,9 +189,15 @@ class Engine:
         {"grammar": Lark or GBNF text} (vLLM's structured_outputs): the workers mask the target's and
         the drafts' logits, so MTP stays exact; a constraint that does not compile raises ValueError.
         `stop_token_ids` end the output as the end-of-text ids do; `skip_special_tokens` (default)
-        leaves special tokens' text out of the chunks' text."""
+        leaves special tokens' text out of the chunks' text. `logit_bias` {token id: bias in [-100, 100]}
+        is added to the target's (and the drafts') logits before sampling; `min_tokens` keeps the stop
+        ids from ending the output before it has that many tokens."""
         request = self._new_request(prompt, max_tokens, temperature, top_k, top_p, seed, stop_at_eos)
         request.stop_ids += self._stop_token_ids(stop_token_ids or [])
+        request.logit_bias = self._logit_bias(logit_bias or {})
+        request.min_tokens = _in_wire_range("min_tokens", min_tokens, int, PrefillSpec, "min_tokens")
+        if min_tokens > max_tokens:
+            raise ValueError(f"min_tokens ({min_tokens}) cannot exceed max_tokens ({max_tokens})")
         if structured_output is not None:
             request.grammar = await asyncio.to_thread(self._grammar, structured_output)
         request.sampling = _penalties(request.sampling, presence_penalty, frequency_penalty, repetition_penalty)
@@ -229,6 +246,18 @@ class Engine:
         if len(ids) > MAX_STOP_TOKEN_IDS or not all(type(t) is int and 0 <= t < vocab for t in ids):
             raise ValueError(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids in [0, {vocab})")
         return list(ids)
+
+    def _logit_bias(self, biases: dict[int, float]) -> list[TokenBias]:
+        vocab = self.load_info.vocab_size
+        if len(biases) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(biases)} entries; at most {MAX_LOGIT_BIAS}")
+        bad = [t for t in biases if type(t) is not int or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids must lie in [0, {vocab}): {bad[:8]}")
+        for token, bias in biases.items():
+            if type(bias) not in (int, float) or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values lie in [-100, 100]; token {token} has {bias!r:.40}")
+        return [TokenBias(token, float(bias)) for token, bias in biases.items()]
 
     def _grammar(self, constraint: dict[str, Any]) -> str:
         """A structured-output constraint's grammar, checked against the model's tokenizer."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import json
+import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +21,18 @@ from shardspec.protocol.messages import MAX_GRAMMAR_CHARS
 
 # the constraints a request may give (vLLM's structured_outputs names), one at a time
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_MARKER_CHARS = 64
 
 
-def grammar_of(constraint: dict[str, Any]) -> str:
-    """The llguidance grammar of a constraint {kind: value}; ValueError naming what is wrong."""
+def grammar_of(constraint: dict[str, Any], tokens: Collection[str] = ()) -> str:
+    """The llguidance grammar of a constraint {kind: value}, optionally with "after": a marker text
+    (such as "</think>") before which the output is free and after which the constraint holds;
+    ValueError naming what is wrong. `tokens`: the texts of the tokenizer's added tokens, which
+    llguidance sees as tokens, not text (a grammar names them as <text>)."""
+    if isinstance(constraint, dict) and "after" in constraint:
+        constraint = dict(constraint)
+        marker = constraint.pop("after")
+        return _after(marker, grammar_of(constraint), marker in tokens)
     if not isinstance(constraint, dict) or len(constraint) != 1 or next(iter(constraint)) not in KINDS:
         raise ValueError(f"a structured output constraint is one of {', '.join(KINDS)}, got {constraint!r:.200}")
     ((kind, value),) = constraint.items()
@@ -48,11 +58,26 @@ def grammar_of(constraint: dict[str, Any]) -> str:
     else:
         if not isinstance(value, str) or not value.strip():
             raise ValueError("a grammar constraint is a non-empty Lark or GBNF text")
-        grammar = gbnf_to_lark(value) if "::=" in value else value
+        grammar = gbnf_to_lark(value) if "::=" in value and not value.startswith("%llguidance") else value
     if len(grammar) > MAX_GRAMMAR_CHARS:
         raise ValueError(f"the constraint makes a grammar of {len(grammar):,} characters; at most "
                          f"{MAX_GRAMMAR_CHARS:,}")
     return grammar
+
+
+def _after(marker: Any, grammar: str, is_token: bool) -> str:
+    """`grammar` after the first `marker` (and up to two newlines), any text before it; a marker
+    that is a token of its own ends the free text only as that token."""
+    if not isinstance(marker, str) or not 0 < len(marker) <= MAX_MARKER_CHARS or "\n" in marker:
+        raise ValueError(f"a constraint's \"after\" is a line of 1 to {MAX_MARKER_CHARS} characters")
+    body = json.loads(grammar)["grammars"][0] if grammar.lstrip().startswith("{") else {"lark_grammar": grammar}
+    pattern = re.escape(marker).replace("/", "\\/")
+    if is_token:  # the free text cannot spell the marker out either: it would not end there
+        free = f"start: FREE {marker} SEP @body\nFREE: /(?s:.*)/ & ~/(?s:.*){pattern}(?s:.*)/\n"
+    else:
+        free = f"start: free SEP @body\nfree[lazy]: /(?s:.*){pattern}/\n"
+    free += "SEP: /\\n{0,2}/\n"
+    return json.dumps({"grammars": [{"lark_grammar": free}, {**body, "name": "body"}]})
 
 
 class GrammarCheck:
@@ -65,10 +90,16 @@ class GrammarCheck:
     def tokenizer(self) -> LLTokenizer:
         return llg_tokenizer(self.tokenizer_file, self.vocab_size, self.eos_ids)
 
+    @functools.cached_property
+    def added_tokens(self) -> frozenset[str]:
+        """The texts of the tokenizer's added tokens (llguidance makes them all special)."""
+        added = json.loads(self.tokenizer_file.read_text()).get("added_tokens") or []
+        return frozenset(t["content"] for t in added if isinstance(t, dict) and isinstance(t.get("content"), str))
+
     @functools.lru_cache(maxsize=64)  # noqa: B019 (one per engine, as long-lived as it)
     def grammar(self, constraint_json: str) -> str:
         """The checked grammar of a constraint given as canonical JSON; ValueError naming the problem."""
-        grammar = grammar_of(json.loads(constraint_json))
+        grammar = grammar_of(json.loads(constraint_json), self.added_tokens)
         matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"the structured output constraint does not compile: {matcher.get_error()}")

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import torch
 
-from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepReply
+from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepReply, TokenBias
 
 
 class EngineError(RuntimeError):
@@ -85,6 +85,8 @@ class Request:
     cached_tokens: int = 0  # prompt tokens its first prefill found cached
     block_hashes: list[bytes] = field(default_factory=list)
     grammar: str = ""  # structured output: the llguidance grammar its tokens match (orchestrator.grammars)
+    logit_bias: list[TokenBias] = field(default_factory=list)
+    min_tokens: int = 0  # its stop ids cannot end it before it has this many tokens
 
     def __post_init__(self) -> None:
         self.accepted_per_position = [0] * self.draft_tokens
@@ -97,7 +99,7 @@ class Request:
         return PrefillSpec(self.seq, len(self.prompt) + len(self.output), self.sampling,
                            self.max_tokens - len(self.output), self.stop_ids, self.logprobs, prompt_logprobs,
                            list(self.blocks), self.cached, self.restore, self.copy_from, saves, len(self.output),
-                           self.grammar)
+                           self.grammar, self.logit_bias, max(0, self.min_tokens - len(self.output)))
 
     def prefill_ids(self) -> list[int]:
         return self.prompt + self.output

@@ -267,6 +267,16 @@ class PrefillSpec:
     # structured output: an llguidance grammar (JSON or Lark) its tokens must match, the output's
     # tokens so far included; "": none
     grammar: str = text(MAX_GRAMMAR_CHARS)
+    logit_bias: list[TokenBias] = field(default_factory=list)  # added to the target's and the drafts' logits
+    min_tokens: int = bounded(0, 1 << 22, 0)  # its stop ids cannot end it before it has emitted this many
+
+
+@dataclass(frozen=True)
+class TokenBias:
+    """`bias` added to the logit of `token` before sampling (OpenAI's logit_bias)."""
+
+    token: int = bounded(0, 2**31 - 1)
+    bias: float = bounded(-100.0, 100.0)
 
 
 @dataclass(frozen=True)

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shardspec.orchestrator.requests import TokenLogprob
 from shardspec.protocol.messages import MAX_LOGPROBS
+from shardspec.server.chat import RESERVED
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_STOP_CHARS = 1024  # each; the text held back while a stop may still be matching is shorter
 MAX_CHAT_MESSAGES = 2048
 Body = TypeVar("Body", bound=BaseModel)
+
+if TYPE_CHECKING:
+    from shardspec.server.chat_output import ChatOutput
 
 
 class ApiError(Exception):
@@ -59,7 +65,8 @@ class GenerationBody(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)  # not OpenAI's; vLLM's
-    logit_bias: dict[str, Any] | None = None
+    logit_bias: dict[str, Any] | None = None  # token id (as a string) -> bias in [-100, 100]
+    min_tokens: int | None = Field(None, ge=0)  # not OpenAI's; vLLM's: no stop before this many tokens
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # not OpenAI's; vLLM's: json, json_object, regex, choice, grammar
     # not OpenAI's; vLLM's: more token ids that end the output, the text of special tokens, the stop string
@@ -74,7 +81,6 @@ class GenerationBody(BaseModel):
             ("n", self.n is not None and self.n < 1, "n must be at least 1"),
             ("stream_options", self.stream_options is not None and not self.stream,
              "stream_options is only allowed with stream: true"),
-            ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
             ("response_format", self.response_format is not None and self.response_format.get("type") not in
              ("text", "json_object", "json_schema"), 'response_format type is one of "text", "json_object", '
              '"json_schema"'),
@@ -102,6 +108,16 @@ class GenerationBody(BaseModel):
                                "response_format")
             return {"json": schema}
         return None
+
+    def token_biases(self) -> dict[int, float]:
+        """logit_bias with integer token ids; 400 naming an entry that is not {"id": number}."""
+        biases = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().isdigit() or isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ApiError(400, f"logit_bias maps token ids to numbers in [-100, 100]; got {key!r:.40}: "
+                               f"{value!r:.40}", "logit_bias")
+            biases[int(key)] = float(value)
+        return biases
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -133,14 +149,37 @@ class CompletionBody(GenerationBody):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")  # e.g. `name`: passed on to the template
+    model_config = ConfigDict(strict=True, extra="allow")  # e.g. `name`, `tool_call_id`: passed on to the template
     role: str
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, as the API returned them
+    reasoning_content: str | None = None
 
     def for_template(self, index: int) -> dict[str, Any]:
         message = self.model_dump(exclude_none=True)
         message["content"] = _text_content(self.content, index)
+        if self.tool_calls:
+            message["tool_calls"] = [_call_for_template(call, f"messages[{index}].tool_calls[{j}]")
+                                     for j, call in enumerate(self.tool_calls)]
         return message
+
+
+def _call_for_template(call: dict[str, Any], param: str) -> dict[str, Any]:
+    """An assistant's tool call with its arguments as an object, which templates iterate (the API
+    carries them as a JSON string)."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ApiError(400, 'a tool call is {"id": ..., "type": "function", "function": {"name": ..., "arguments": '
+                       '"{...}"}}', param)
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except json.JSONDecodeError as exc:
+            raise ApiError(400, f"a tool call's arguments are not JSON: {exc}", f"{param}.function.arguments") from None
+    if not isinstance(arguments, dict):
+        raise ApiError(400, "a tool call's arguments are a JSON object", f"{param}.function.arguments")
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class ChatBody(GenerationBody):
@@ -150,7 +189,8 @@ class ChatBody(GenerationBody):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # only means something with tools
+    parallel_tool_calls: bool | None = None  # only means something with tools; default true
+    chat_template_kwargs: dict[str, Any] | None = None  # not OpenAI's; vLLM's: e.g. {"enable_thinking": false}
     functions: list[Any] | None = None  # the deprecated form of tools
     function_call: str | dict[str, Any] | None = None
     modalities: list[str] | None = None
@@ -166,8 +206,8 @@ class ChatBody(GenerationBody):
         checks = [
             ("top_logprobs", self.top_logprobs is not None and not self.logprobs,
              "top_logprobs needs logprobs: true"),
-            ("tools", bool(self.tools), "tool calls are not supported"),
-            ("tool_choice", self.tool_choice not in (None, "none", "auto"), "tool calls are not supported"),
+            ("chat_template_kwargs", bool(RESERVED & set(self.chat_template_kwargs or ())),
+             f"chat_template_kwargs cannot set {sorted(RESERVED & set(self.chat_template_kwargs or ()))}"),
             ("functions", bool(self.functions), "function calls are not supported"),
             ("function_call", self.function_call not in (None, "none", "auto"), "function calls are not supported"),
             ("modalities", self.modalities not in (None, ["text"]), 'only modalities ["text"] is supported'),
@@ -293,19 +333,43 @@ class Shape:
 
 
 class ChatShape(Shape):
+    """Chat responses: each choice's text split into reasoning, content and tool calls by an
+    `output()` (server.chat_output), as a whole or as it streams."""
+
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
+    def __init__(self, model: str, output: Callable[[], ChatOutput], token_text: Any = None, reasons: bool = False):
+        super().__init__(model, token_text)
+        self.output = output
+        self.reasons = reasons  # the model may reason: messages carry reasoning_content
+        self.streams: dict[int, ChatOutput] = {}
+
     def choice(self, index: int, text: str, finish_reason: str | None, logprobs: Any = None) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish_reason}
+        output = self.output()
+        split = output.whole(text)
+        message: dict[str, Any] = {"role": "assistant", "content": split.content or (None if output.calls else "")}
+        if self.reasons:
+            message["reasoning_content"] = split.reasoning or None
+        if output.calls:
+            message["tool_calls"] = [call.openai() for call in output.calls]
+        return {"index": index, "message": message, "logprobs": logprobs,
+                "finish_reason": _finish(finish_reason, output)}
 
     def delta(self, index: int, text: str, finish_reason: str | None, first: bool, logprobs: Any = None) -> dict:
+        output = self.streams.setdefault(index, self.output())
+        split = output.feed(text)
+        if finish_reason is not None:
+            split += output.finish()
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
-        if text or first:
-            delta["content"] = text
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if split.reasoning:
+            delta["reasoning_content"] = split.reasoning
+        if split.content or first:
+            delta["content"] = split.content
+        if split.tool_calls:
+            delta["tool_calls"] = split.tool_calls
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": _finish(finish_reason, output)}
 
     def logprobs(self, index: int, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
         """{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
@@ -317,3 +381,8 @@ class ChatShape(Shape):
     def _scored(self, token: int, logprob: float) -> dict[str, Any]:
         text = self.token_text(token)
         return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode())}
+
+
+def _finish(reason: str | None, output: ChatOutput) -> str | None:
+    """A choice that ends where the model stopped after calling tools finishes with "tool_calls"."""
+    return "tool_calls" if reason == "stop" and output.calls else reason

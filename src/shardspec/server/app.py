@@ -24,9 +24,11 @@ from shardspec.orchestrator.metrics import CONTENT_TYPE, ServingMetrics
 from shardspec.orchestrator.tokenizer import Tokenizer
 from shardspec.server.api import ApiError, ChatBody, ChatShape, CompletionBody, GenerationBody, Shape, parse_body
 from shardspec.server.chat import ChatTemplate, ChatTemplateError
+from shardspec.server.chat_output import THINK_CLOSE, THINK_OPEN, ChatOutput
 from shardspec.server.generation import Choices, Event, Generation
 from shardspec.server.jobs import Job, request_jobs
 from shardspec.server.streaming import ClientGone, EventStream, sse, until_disconnected
+from shardspec.server.tools import Tool, calls_grammar, chosen_tools, parse_tools
 
 log = logging.getLogger("shardspec.server")
 
@@ -57,6 +59,11 @@ class Service:
         self.metrics = ServingMetrics(engine.draft_tokens)
         self.logged_failure: str | None = None
         engine.observer = self.metrics
+        tokenizer = engine.tokenizer
+        # the model reasons between <think> and </think> (tokens of its own, as in Qwen's tokenizers)
+        self.added_tokens = frozenset() if tokenizer is None else frozenset(
+            token.content for token in tokenizer.inner.get_added_tokens_decoder().values())
+        self.thinks = {THINK_OPEN, THINK_CLOSE} <= self.added_tokens
 
     @property
     def context(self) -> int:
@@ -129,16 +136,40 @@ class Service:
         if self.chat is None:
             raise ApiError(400, "this model has no chat template (tokenizer_config.json): use /v1/completions",
                            "messages")
+        tools = parse_tools(body.tools) if body.tools else []
+        mode, callable_tools = chosen_tools(body.tool_choice, tools)
+        if tools and not self.chat.writes_tool_calls:
+            raise ApiError(400, "this model's chat template does not write tool calls in the format this server "
+                           "parses (Qwen3.5's <tool_call><function=...> blocks)", "tools")
         messages = [m.for_template(i) for i, m in enumerate(body.messages)]
         try:  # in a thread, like tokenizing: a template may take long over many messages
-            prompt = await asyncio.to_thread(self.chat.render, messages, add_generation_prompt=True)
+            prompt = await asyncio.to_thread(self.chat.render, messages, True, body.tools, body.chat_template_kwargs)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), "messages") from None
+        reasoning = self.thinks and prompt.rfind(THINK_OPEN) > prompt.rfind(THINK_CLOSE)
+        constraint = self._chat_constraint(body, mode, callable_tools, reasoning)
         jobs = request_jobs(request.url.path, body, [await self.encode(prompt, "messages")], "messages",
                             body.max_completion_tokens or body.max_tokens, self.context)
         for job in jobs:
             job.logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return await self.respond(request, jobs, ChatShape(self.name, self.token_text_or_none()), body)
+            job.sampling["structured_output"] = constraint
+        parsed = tools if mode != "none" else None
+        shape = ChatShape(self.name, lambda: ChatOutput(reasoning, self.thinks, parsed), self.token_text_or_none(),
+                          reasons=self.thinks)
+        return await self.respond(request, jobs, shape, body)
+
+    def _chat_constraint(self, body: ChatBody, mode: str, tools: list[Tool], reasoning: bool) -> dict[str, Any] | None:
+        """The request's grammar: its response format, or a call of its tools when one is required;
+        after the reasoning when the output starts inside it."""
+        constraint = body.structured_output()
+        if mode == "required":
+            if constraint is not None:
+                raise ApiError(400, "a required tool call and a response format cannot both constrain the output",
+                               "tool_choice")
+            constraint = {"grammar": calls_grammar(tools, body.parallel_tool_calls is not False, self.added_tokens)}
+        if constraint is not None and reasoning:
+            constraint = {**constraint, "after": THINK_CLOSE}
+        return constraint
 
     async def respond(self, request: Request, jobs: list[Job], shape: Shape, body: GenerationBody) -> Response:
         choices = Choices([Generation(self, job) for job in jobs])

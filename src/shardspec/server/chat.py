@@ -7,6 +7,7 @@ tokenizer's special tokens (`bos_token`, `eos_token`, ...) as variables.
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -19,6 +20,14 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from shardspec.orchestrator.tokenizer import tokenizer_config
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# variables the server sets, which chat_template_kwargs cannot
+RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt", *SPECIAL_TOKENS})
+# a conversation with one tool call, rendered to learn the template's format for calls
+PROBE_TOOLS = [{"type": "function", "function": {"name": "probe_function", "parameters": {
+    "type": "object", "properties": {"probe_key": {"type": "string"}}}}}]
+PROBE_MESSAGES = [{"role": "user", "content": "probe"}, {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "call_probe", "type": "function", "function": {"name": "probe_function",
+                                                          "arguments": {"probe_key": "probe_value"}}}]}]
 
 
 class ChatTemplateError(ValueError):
@@ -66,9 +75,25 @@ class ChatTemplate:
         tokens = {name: text for name in SPECIAL_TOKENS if (text := _token_text(config.get(name))) is not None}
         return cls(source, tokens)
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None, kwargs: dict[str, Any] | None = None) -> str:
+        """The prompt of a conversation; `kwargs` are the template's own variables (such as
+        enable_thinking)."""
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        tools=None, documents=None, **self.special_tokens)
+            return self.template.render(**(kwargs or {}), messages=messages, tools=tools or None, documents=None,
+                                        add_generation_prompt=add_generation_prompt, **self.special_tokens)
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"the model's chat template rejected the messages: {exc}") from None
+        except (TypeError, AttributeError, ValueError) as exc:  # a message shape the template cannot take
+            raise ChatTemplateError(f"the model's chat template could not render the messages: {exc}") from None
+
+    @functools.cached_property
+    def writes_tool_calls(self) -> bool:
+        """Whether the template renders tools and calls in Qwen3.5's format (server.tools), the one
+        whose calls the server parses."""
+        try:
+            text = self.render(PROBE_MESSAGES, add_generation_prompt=False, tools=PROBE_TOOLS)
+        except ChatTemplateError:
+            return False
+        return "probe_function" in text.split("<tool_call>")[0] and \
+            "<function=probe_function>\n<parameter=probe_key>\nprobe_value\n</parameter>" in text

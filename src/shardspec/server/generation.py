@@ -14,6 +14,7 @@ from shardspec.orchestrator.engine import ENGINE_ERRORS, Engine
 from shardspec.orchestrator.metrics import ServingMetrics
 from shardspec.orchestrator.requests import Chunk, TokenLogprob
 from shardspec.server.api import ApiError, usage
+from shardspec.server.chat_output import partial_match
 from shardspec.server.jobs import Job
 
 
@@ -57,23 +58,13 @@ class StopText:
             at, length = min(hits)
             out, self.pending = self.pending[: at + length * self.include], ""
             return out, True
-        cut = len(self.pending) - max((_partial_match(self.pending, stop) for stop in self.stops), default=0)
+        cut = len(self.pending) - max((partial_match(self.pending, stop) for stop in self.stops), default=0)
         out, self.pending = self.pending[:cut], self.pending[cut:]
         return out, False
 
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
-
-
-def _partial_match(text: str, stop: str) -> int:
-    """The length of the longest end of `text` that is a proper start of `stop` (0 if none)."""
-    i = text.find(stop[0], max(0, len(text) - len(stop) + 1))
-    while i >= 0:
-        if stop.startswith(text[i:]):
-            return len(text) - i
-        i = text.find(stop[0], i + 1)
-    return 0
 
 
 class Generation:
@@ -216,8 +207,8 @@ async def _cancel(tasks: list[asyncio.Future]) -> None:
 
 
 def _param_named_in(message: str) -> str | None:
-    for param in ("max_tokens", "temperature", "top_p", "top_k", "seed", "prompt_logprobs", "logprobs",
-                  "stop_token_ids",
+    for param in ("min_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "prompt_logprobs", "logprobs",
+                  "stop_token_ids", "logit_bias",
                   "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt"):
         if param in message:
             return param

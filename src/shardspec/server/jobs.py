@@ -74,6 +74,7 @@ def _job(endpoint: str, body: GenerationBody, prompt_ids: list[int], param: str,
                 "frequency_penalty": body.frequency_penalty or 0.0,
                 "repetition_penalty": 1.0 if body.repetition_penalty is None else body.repetition_penalty,
                 "structured_output": body.structured_output(), "stop_token_ids": body.stop_token_ids,
-                "skip_special_tokens": body.skip_special_tokens is not False}
+                "skip_special_tokens": body.skip_special_tokens is not False, "logit_bias": body.token_biases(),
+                "min_tokens": body.min_tokens or 0}
     return Job(endpoint, prompt_ids, max_tokens, sampling, body.stop_strings(),
                include_stop=bool(body.include_stop_str_in_output))

@@ -114,7 +114,7 @@ class Decoder(ModelRunner):
         # before the runner's set-up: it captures the passes (which draft through _chain) on a GPU,
         # and close() drops `ahead` if that fails
         self.tokenizer_file = tokenizer_file  # structured output's tokens (llguidance's view, built on first use)
-        self.chain_matchers: list[Any] = []  # while drafting: the matcher of each row (None: unconstrained)
+        self.chain_rows: list[Sequence] = []  # while drafting with some rows shaped: the sequence of each row
         self.new_matchers: dict[int, Any] = {}  # a step's new sequences' matchers, until they prefill
         self.ahead: LaunchAhead | NoLaunchAhead = NoLaunchAhead()
         super().__init__(*args, **kwargs)
@@ -137,13 +137,14 @@ class Decoder(ModelRunner):
         return llg_tokenizer(self.tokenizer_file, config.vocab_size, list(config.eos_token_ids))
 
     @contextlib.contextmanager
-    def _drafting_under(self, matchers: list[Any]):
-        """The MTP chain (_chain) masks each row with its matcher while this lasts (an error included)."""
-        self.chain_matchers = matchers
+    def _drafting_under(self, seqs: list[Sequence]):
+        """The MTP chain (_chain) drafts each row from its sequence's biased and masked logits while this
+        lasts (an error included)."""
+        self.chain_rows = seqs if any(s.matcher is not None or s.bias is not None for s in seqs) else []
         try:
             yield
         finally:
-            self.chain_matchers = []
+            self.chain_rows = []
 
     def _matchers(self, request: StepRequest) -> dict[int, Any]:
         """A matcher for each new sequence with a grammar (PrefillSpec.grammar)."""
@@ -228,7 +229,7 @@ class Decoder(ModelRunner):
             first = torch.tensor([[s.next_token] for s in seqs], device=self.device)
             heads = self._mtp(first, hidden_before, slots, torch.full_like(first, length - 1), length)[:, 0]
             lengths = torch.full_like(slots, length)
-            with self._drafting_under([seq.matcher for seq in seqs]):
+            with self._drafting_under(seqs):
                 drafts = self._chain(heads, slots, lengths, min(length + self.draft_len, self.context)).tolist()
             for seq, d in zip(seqs, drafts):
                 seq.drafts = [] if seq.finished else d
@@ -284,8 +285,8 @@ class Decoder(ModelRunner):
         x = self._receive(self._next_pass(), (len(seqs), k + 1), guess_held=ahead and seqs[0].guess_held)
         context = self._context(seqs, chain=self.chain if ahead else k)
         wants_logprobs = any(s.logprobs >= 0 for s in seqs)
-        plain = all(s.sampling.greedy and not s.sampling.penalised and s.matcher is None for s in seqs)
-        constrained = any(s.matcher is not None for s in seqs)
+        plain = all(s.sampling.greedy and not s.sampling.penalised and not s.shaped for s in seqs)
+        constrained = any(s.matcher is not None or s.bias is not None for s in seqs)  # (its drafts: on the host)
         if not want_logits and not wants_logprobs and plain:
             # greedy (or forced) acceptance needs no host decision: the whole step is one pass
             out = self._greedy(seqs, context, x, with_guess, launched)
@@ -298,7 +299,7 @@ class Decoder(ModelRunner):
                 if s.matcher is not None:
                     advance(s.matcher, [*s.drafts[:n], token])
             if k:
-                with self._drafting_under([s.matcher for s in seqs] if constrained else []):
+                with self._drafting_under(seqs if constrained else []):
                     drafts = draft([[n, token] for n, token in zip(accepted, tokens)]).tolist()
         if k:
             self.counters.count(accepted, k)
@@ -360,7 +361,7 @@ class Decoder(ModelRunner):
                 logits_out: StepResult | None, wants_logits: bool = False):
         """Per sequence: (drafts accepted, the token after them), and the target's logits [B, k+1, V]
         where they were computed (None where they were not)."""
-        sampled = [i for i, s in enumerate(seqs) if not s.sampling.greedy or s.matcher is not None]
+        sampled = [i for i, s in enumerate(seqs) if not s.sampling.greedy or s.shaped]
         logits = None
         if logits_out is not None or sampled or wants_logits:
             logits = self.model.lm_head.logits(hidden)  # [B, k+1, V]
@@ -370,7 +371,7 @@ class Decoder(ModelRunner):
         accepted, tokens = [], []
         for i, s in enumerate(seqs):
             target = None if logits is None else s.constrain(s.penalise(logits[i], s.drafts), s.drafts)
-            if (s.counts is not None or s.matcher is not None) and s.sampling.greedy:  # (else target: None)
+            if (s.counts is not None or s.shaped) and s.sampling.greedy:  # (else target: None)
                 argmax[i] = target.argmax(-1).tolist()
             probs = None if s.sampling.greedy else target_probs(target, s.sampling)
             if self.forced is not None:
@@ -435,18 +436,21 @@ class Decoder(ModelRunner):
         """Chain the MTP head `length` (default k) times: draft i is its argmax, or kept[:, i] for the
         drafts `kept` gives; its output and draft i feed draft i+1 ([B, length])."""
         length = length or self.draft_len
-        drafts, matchers = [], self.chain_matchers if any(self.chain_matchers) else None
-        consumed = [0] * len(matchers or [])
+        rows = self.chain_rows or None
+        matchers = [s.matcher for s in rows] if rows else None
+        drafts, consumed = [], [0] * len(rows or [])
         for i in range(length):
             if kept is not None and i < kept.shape[1]:
                 token = kept[:, i]
-            elif matchers is None:
+            elif rows is None:
                 token = self.model.lm_head.draft_argmax(head)  # vocabulary-parallel: (max, index) per rank
-            else:  # structured output: each constrained row drafts what its grammar allows after its drafts so far
+            else:  # logit_bias, structured output: each row drafts from its biased logits what its grammar allows
                 logits = self.model.lm_head.logits(head).float()
-                for b, matcher in enumerate(matchers):
-                    if matcher is not None:
-                        logits[b] = masked(logits[b : b + 1], matcher, [])[0]
+                for b, s in enumerate(rows):
+                    if s.bias is not None:
+                        logits[b] += s.bias
+                    if s.matcher is not None:
+                        logits[b] = masked(logits[b : b + 1], s.matcher, [])[0]
                 token = logits.argmax(-1)
             if matchers is not None:
                 for b, (matcher, t) in enumerate(zip(matchers, token.tolist())):

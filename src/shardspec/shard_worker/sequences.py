@@ -39,13 +39,27 @@ class Sequence:
     draws: torch.Generator | None = None  # on the host: benchmark-only forced acceptance (drawn with no device sync)
     blocks: int = 0  # K/V blocks in its block table (granted by the orchestrator)
     matcher: Any = None  # structured output: its llguidance matcher, at its emitted tokens (the last stage)
+    bias: torch.Tensor | None = None  # logit_bias: [V], added to the target's and the drafts' logits
+    early: int = 0  # tokens it must still emit before a stop id may end it (min_tokens)
 
     def penalise(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
         """logits [P, V] as this sequence samples from them (penalised, row j after drafts[:j])."""
         return logits if self.counts is None else self.counts.penalise(logits, drafts, self.sampling)
 
+    @property
+    def shaped(self) -> bool:
+        """Its request shapes the logits it samples from (constrain), so its steps decide on the host."""
+        return self.matcher is not None or self.bias is not None or self.early > 0
+
     def constrain(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
-        """logits [P, V] limited, row j after drafts[:j], to what its grammar allows (structured output)."""
+        """logits [P, V] as its request shapes them, row j after drafts[:j]: its logit_bias added, its
+        stop ids barred while it is short of min_tokens, limited to what its grammar allows."""
+        if self.bias is not None:
+            logits = logits.float() + self.bias
+        if self.early > 0 and self.stop_ids:
+            barred = torch.zeros_like(logits, dtype=torch.bool)
+            barred[: self.early, list(self.stop_ids)] = True
+            logits = logits.float().masked_fill(barred, float("-inf"))
         return logits if self.matcher is None else masked(logits, self.matcher, drafts)
 
     def seen(self, tokens: list[int]) -> None:
@@ -60,6 +74,7 @@ class Sequence:
                 break
         tokens = tokens[: self.remaining]
         self.remaining -= len(tokens)
+        self.early = max(0, self.early - len(tokens))
         if not self.finished and self.remaining == 0:
             self.finished = "length"
         return tokens
@@ -218,6 +233,8 @@ class SequenceTable:
         vocab = self.vocab_size
         if prompt_ids.numel() and (int(prompt_ids.min()) < 0 or int(prompt_ids.max()) >= vocab):
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"prompt token ids must lie in [0, {vocab})")
+        if any(b.token >= vocab for spec in request.prefill for b in spec.logit_bias):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"logit_bias token ids must lie in [0, {vocab})")
         too_long = [s.seq for s in request.prefill if s.length >= self.max_seq_len]
         if too_long:
             raise ProtocolError(ErrorCode.CAPACITY, f"prompts of {too_long} do not fit max_seq_len {self.max_seq_len}")
@@ -295,8 +312,13 @@ class SequenceTable:
         if self.forced is not None:
             draws = torch.Generator().manual_seed(spec.sampling.seed)
         budget = min(spec.max_tokens, self.max_seq_len - length)
+        bias = None
+        if spec.logit_bias:
+            bias = torch.zeros(self.vocab_size, dtype=torch.float32, device=self.device)
+            bias[torch.tensor([b.token for b in spec.logit_bias], device=self.device)] = torch.tensor(
+                [b.bias for b in spec.logit_bias], device=self.device)
         return Sequence(spec.seq, slot, length, -1, spec.sampling, generator, budget, frozenset(spec.stop_ids),
-                        logprobs=spec.logprobs, draws=draws)
+                        logprobs=spec.logprobs, draws=draws, bias=bias, early=spec.min_tokens)
 
     def add(self, seqs: list[Sequence]) -> None:
         for s in seqs:

@@ -1,0 +1,185 @@
+"""A chat completion's text split into what OpenAI's API returns apart: the reasoning (between
+`<think>` and `</think>`), the content, and the tool calls (`<tool_call>` blocks, server.tools).
+
+The split runs on the text as it streams, holding back only what may still be the start of a
+marker, so that the streamed deltas concatenate to the fields of the whole response, for every way
+the text is cut into pieces (an MTP step's tokens straddling `</think>` included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardspec.server.tools import CALL_CLOSE, CALL_OPEN, CallParser, Tool, ToolCall
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+@dataclass
+class Delta:
+    """What a piece of text added: reasoning, content, and OpenAI tool-call delta entries."""
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def __iadd__(self, other: Delta) -> Delta:
+        self.reasoning += other.reasoning
+        self.content += other.content
+        for entry in other.tool_calls:
+            self._add_call(entry)
+        return self
+
+    def _add_call(self, entry: dict[str, Any]) -> None:
+        last = self.tool_calls[-1] if self.tool_calls else None
+        if last is not None and last["index"] == entry["index"] and set(entry) == {"index", "function"}:
+            last["function"]["arguments"] += entry["function"]["arguments"]  # one entry per call and delta
+        else:
+            self.tool_calls.append(entry)
+
+
+class Trimmed:
+    """Streamed text less its leading and trailing whitespace: trailing whitespace is held back
+    until text follows it."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.held = ""
+
+    def feed(self, text: str) -> str:
+        if not self.started:
+            text = text.lstrip()
+            if not text:
+                return ""
+            self.started = True
+        text = self.held + text
+        body = text.rstrip()
+        self.held = text[len(body) :]
+        return body
+
+
+class ChatOutput:
+    """The split of one choice's text. `reasoning`: the prompt leaves the model inside `<think>`;
+    `thinks`: the model may open one itself at the start; `tools`: parse `<tool_call>` blocks
+    (None: they are content)."""
+
+    def __init__(self, reasoning: bool = False, thinks: bool = False, tools: list[Tool] | None = None):
+        self.mode = "reasoning" if reasoning else "content"
+        self.thinks = thinks and not reasoning
+        self.tools = tools
+        self.pending = ""
+        self.reasoning, self.content = Trimmed(), Trimmed()
+        self.calls: list[ToolCall] = []
+        self.parser: CallParser | None = None
+
+    def feed(self, text: str) -> Delta:
+        self.pending += text
+        out = Delta()
+        while self.pending and self._step(out):
+            pass
+        return out
+
+    def whole(self, text: str) -> Delta:
+        """The split of a whole text at once."""
+        delta = self.feed(text)
+        delta += self.finish()
+        return delta
+
+    def finish(self) -> Delta:
+        """The rest, at the end of the text: a marker's start held back is text after all, and an
+        unfinished call is closed with what it had."""
+        out = Delta()
+        rest, self.pending = self.pending, ""
+        if self.mode == "reasoning":
+            out.reasoning += self.reasoning.feed(rest)
+        elif self.mode == "call":
+            self._call_text(rest, out)
+            self._end_call(out)
+        else:
+            out.content += self.content.feed(rest)
+        return out
+
+    # --- one marker at a time -----------------------------------------------------------------
+
+    def _step(self, out: Delta) -> bool:
+        """Consume pending text up to and through the next marker (True), or all that cannot be the
+        start of one (False)."""
+        if self.mode == "reasoning":
+            return self._until(THINK_CLOSE, out, "reasoning", "content")
+        if self.mode == "call":
+            return self._until(CALL_CLOSE, out, "call", "content")
+        markers = ([CALL_OPEN] if self.tools is not None else []) + ([THINK_OPEN] if self._may_think() else [])
+        found = [(i, m) for m in markers if (i := self.pending.find(m)) >= 0]
+        if found:
+            at, marker = min(found)
+            self._emit("content", self.pending[:at], out)
+            self.pending = self.pending[at + len(marker) :]
+            self.mode = "call" if marker == CALL_OPEN else "reasoning"
+            self.thinks = False
+            if marker == CALL_OPEN:
+                self.parser = CallParser(self.tools or [])
+            return True
+        keep = max((partial_match(self.pending, m) for m in markers), default=0)
+        self._emit("content", self.pending[: len(self.pending) - keep], out)
+        self.pending = self.pending[len(self.pending) - keep :]
+        return False
+
+    def _may_think(self) -> bool:
+        """A `<think>` opens reasoning only before any content."""
+        if self.thinks and (self.content.started or self.pending.lstrip()[:1] not in ("", "<")):
+            self.thinks = False
+        return self.thinks
+
+    def _until(self, marker: str, out: Delta, mode: str, then: str) -> bool:
+        at = self.pending.find(marker)
+        if at < 0:
+            keep = partial_match(self.pending, marker)
+            self._emit(mode, self.pending[: len(self.pending) - keep], out)
+            self.pending = self.pending[len(self.pending) - keep :]
+            return False
+        self._emit(mode, self.pending[:at], out)
+        self.pending = self.pending[at + len(marker) :]
+        if mode == "call":
+            self._end_call(out)
+        self.mode = then
+        return True
+
+    def _emit(self, mode: str, text: str, out: Delta) -> None:
+        if mode == "reasoning":
+            out.reasoning += self.reasoning.feed(text)
+        elif mode == "content":
+            out.content += self.content.feed(text)
+        else:
+            self._call_text(text, out)
+
+    def _call_text(self, text: str, out: Delta) -> None:
+        parser = self.parser
+        assert parser is not None
+        named = parser.call is not None
+        pieces = list(parser.feed(text))
+        if parser.call is not None and not named:
+            self.calls.append(parser.call)
+            out.tool_calls.append({"index": len(self.calls) - 1, "id": parser.call.id, "type": "function",
+                                   "function": {"name": parser.call.name, "arguments": ""}})
+        for piece in pieces:
+            out._add_call({"index": len(self.calls) - 1, "function": {"arguments": piece}})
+
+    def _end_call(self, out: Delta) -> None:
+        parser, self.parser = self.parser, None
+        assert parser is not None
+        if parser.call is None:  # no function named: the block's text is content, nothing lost
+            out.content += self.content.feed(CALL_OPEN + parser.text)
+            return
+        if closing := parser.close():
+            out._add_call({"index": len(self.calls) - 1, "function": {"arguments": closing}})
+
+
+def partial_match(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that is a proper start of `marker` (0 if none)."""
+    i = text.find(marker[0], max(0, len(text) - len(marker) + 1))
+    while i >= 0:
+        if marker.startswith(text[i:]):
+            return len(text) - i
+        i = text.find(marker[0], i + 1)
+    return 0

@@ -1,0 +1,254 @@
+"""Tool calls in Qwen3.5's format: the request's tools checked, the grammar that forces a call
+(`tool_choice` "required" or a named function), and the calls parsed back out of the text.
+
+The format is the one Qwen3.5's chat template renders for an assistant's calls (and asks the model
+to write), one block per call:
+
+    <tool_call>
+    <function=NAME>
+    <parameter=KEY>
+    VALUE
+    </parameter>
+    </function>
+    </tool_call>
+
+A string VALUE is the text itself; any other type is its JSON. The parser turns VALUE into the type
+the tool's schema declares, so a call's `arguments` are the JSON object the tool expects.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardspec.server.api import ApiError
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+MAX_TOOLS = 128
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # OpenAI's names (letters, digits, _ and -), with . and :
+SCHEMA_NOTES = ("description", "title", "examples")  # what a value's grammar leaves out of its schema
+_FUNCTION = re.compile(r"<function=([^>\n]*)>")
+_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.S)
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One function the model may call: its name and its arguments' JSON schema (an object)."""
+
+    name: str
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def properties(self) -> dict[str, Any]:
+        props = self.parameters.get("properties")
+        return props if isinstance(props, dict) else {}
+
+    def schema_of(self, key: str) -> dict[str, Any] | None:
+        schema = self.properties.get(key)
+        return schema if isinstance(schema, dict) else None
+
+
+def parse_tools(raw: list[Any]) -> list[Tool]:
+    """The request's `tools` ([{"type": "function", "function": {name, description, parameters}}]);
+    ApiError 400 naming the first bad one."""
+    if len(raw) > MAX_TOOLS:
+        raise ApiError(400, f"at most {MAX_TOOLS} tools", "tools")
+    tools = [_tool(entry, f"tools[{i}]") for i, entry in enumerate(raw)]
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise ApiError(400, f"tool names must differ; {sorted(n for n in set(names) if names.count(n) > 1)} repeat",
+                       "tools")
+    return tools
+
+
+def _tool(entry: Any, param: str) -> Tool:
+    if not isinstance(entry, dict) or entry.get("type") != "function" or not isinstance(entry.get("function"), dict):
+        raise ApiError(400, 'a tool is {"type": "function", "function": {"name": ..., "parameters": ...}}', param)
+    function = entry["function"]
+    name = function.get("name")
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+        raise ApiError(400, f"a function name is 1 to 64 letters, digits, _, -, . or :, got {name!r:.80}",
+                       f"{param}.function.name")
+    parameters = function.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+        raise ApiError(400, "a function's parameters are a JSON schema of an object", f"{param}.function.parameters")
+    for key in Tool(name, parameters).properties:
+        if not key or any(c in key for c in "<>\n"):
+            raise ApiError(400, f"parameter names cannot be empty or hold <, > or a newline (the tool-call format "
+                           f"writes them inside <parameter=...>), got {key!r:.80}", f"{param}.function.parameters")
+    return Tool(name, parameters)
+
+
+def chosen_tools(choice: str | dict[str, Any] | None, tools: list[Tool]) -> tuple[str, list[Tool]]:
+    """(mode, the tools a forced call may use) for `tool_choice`: "none" (no call parsed), "auto" (the
+    model decides; the default with tools), "required" (a call of any tool), or a named function
+    ("required" of that one alone)."""
+    if choice is None:
+        return ("auto" if tools else "none"), tools
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise ApiError(400, 'tool_choice is "none", "auto", "required" or {"type": "function", "function": '
+                           '{"name": ...}}', "tool_choice")
+        if choice == "required" and not tools:
+            raise ApiError(400, 'tool_choice "required" needs tools', "tool_choice")
+        return choice, tools
+    function = choice.get("function") if choice.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise ApiError(400, 'a named tool_choice is {"type": "function", "function": {"name": ...}}', "tool_choice")
+    named = [t for t in tools if t.name == name]
+    if not named:
+        raise ApiError(400, f"tool_choice names the function {name!r:.80}, which is not among the request's tools",
+                       "tool_choice")
+    return "required", named
+
+
+# --- the grammar of a forced call ------------------------------------------------------------------
+
+
+def calls_grammar(tools: list[Tool], parallel: bool, tokens: Collection[str] = ()) -> str:
+    """An llguidance Lark grammar of one call (or, `parallel`, one or more) of `tools`, each with its
+    required parameters in declared order, then any of the optional ones, every value valid against
+    its schema (a string's text up to its maxLength; other types through the schema's JSON).
+    `tokens`: the tokenizer's added tokens, which the grammar names as tokens (<tool_call>)."""
+    opening, closing = (m if m in tokens else _lit(m) for m in (CALL_OPEN, CALL_CLOSE))
+    end = _lit("</function>\n")
+    lines = ["%llguidance {}", "start: call" + (' ("\\n" call)*' if parallel else ""),
+             "call: " + " | ".join(f"call_{i}" for i in range(len(tools)))]
+    for i, tool in enumerate(tools):
+        keys = _ordered_keys(tool)
+        required = set(tool.parameters.get("required") or [])
+        parts = " ".join(f"p_{i}_{j}" + ("" if key in required else "?") for j, key in enumerate(keys))
+        function = _lit(f"\n<function={tool.name}>\n")
+        lines.append(f"call_{i}: {opening} {function} {parts} {end} {closing}")
+        for j, key in enumerate(keys):
+            lines += _parameter_rules(f"p_{i}_{j}", key, tool.schema_of(key) or {}, tool.parameters)
+    return "\n".join(lines) + "\n"
+
+
+def _ordered_keys(tool: Tool) -> list[str]:
+    required = [k for k in tool.parameters.get("required") or [] if isinstance(k, str)]
+    return required + [k for k in tool.properties if k not in required]
+
+
+def _parameter_rules(rule: str, key: str, schema: dict[str, Any], root: dict[str, Any]) -> list[str]:
+    opening, closing = _lit(f"<parameter={key}>\n"), _lit("\n</parameter>\n")
+    if _is_plain_string(schema):
+        if isinstance(schema.get("enum"), list) and all(isinstance(v, str) for v in schema["enum"]):
+            values = " | ".join(_lit(v) for v in schema["enum"])
+            return [f"{rule}: {opening} ({values}) {closing}"]
+        if isinstance(schema.get("const"), str):
+            return [f"{rule}: {opening} {_lit(schema['const'])} {closing}"]
+        low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
+        count = f"{{{low},{'' if high is None else int(high)}}}"
+        # the text cannot hold </parameter> (the parser ends the value at the first one)
+        text = f"/(?s:.){count}/ & ~/(?s:.*)<\\/parameter>(?s:.*)/"
+        return [f"{rule}: {opening} {rule.upper()}", f"{rule.upper()}: ({text}) {closing}"]
+    sub = {k: v for k, v in schema.items() if k not in SCHEMA_NOTES}
+    for defs in ("$defs", "definitions"):  # $refs resolve against the value's own schema
+        if isinstance(root.get(defs), dict):
+            sub.setdefault(defs, root[defs])
+    return [f"{rule}: {opening} %json {json.dumps(sub)} {closing}"]
+
+
+def _is_plain_string(schema: dict[str, Any]) -> bool:
+    """A value the format writes as bare text (the template writes any string so): a schema of type
+    "string" (or of types that include it), or an enum or const of strings alone."""
+    kind = schema.get("type")
+    if kind == "string" or (isinstance(kind, list) and "string" in kind):
+        return True
+    values = schema["enum"] if isinstance(schema.get("enum"), list) else [schema.get("const", 0)]
+    return kind is None and bool(values) and all(isinstance(v, str) for v in values)
+
+
+def _lit(text: str) -> str:
+    return json.dumps(text)
+
+
+# --- parsing ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class ToolCall:
+    """One call as it is parsed: the name and each parameter's value once its block closes."""
+
+    name: str
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    arguments: dict[str, Any] = field(default_factory=dict)
+
+    def openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)}}
+
+
+class CallParser:
+    """One `<tool_call>` block's text as it grows: `feed` returns the pieces of the call's OpenAI
+    arguments string that became known (whole parameters, then the closing brace), after the call's
+    name; the pieces concatenate to `json.dumps(arguments)`."""
+
+    def __init__(self, tools: list[Tool]):
+        self.tools = {t.name: t for t in tools}
+        self.text = ""
+        self.call: ToolCall | None = None
+        self.done = 0  # parameters emitted
+        self.closed = False
+
+    def feed(self, text: str) -> Iterator[str]:
+        self.text += text
+        if self.call is None:
+            if (match := _FUNCTION.search(self.text)) is None:
+                return
+            self.call = ToolCall(match.group(1).strip())
+        params = list(_PARAMETER.finditer(self.text))
+        for match in params[self.done :]:
+            yield self._piece(match.group(1).strip(), match.group(2))
+        self.done = len(params)
+        if not self.closed and "</function>" in self.text[params[-1].end() if params else 0 :]:
+            yield self.close()
+
+    def close(self) -> str:
+        """The arguments' closing brace (`{}` without any); what finishes an unterminated call too."""
+        if self.closed or self.call is None:
+            return ""
+        self.closed = True
+        return "}" if self.done else "{}"
+
+    def _piece(self, key: str, raw: str) -> str:
+        assert self.call is not None
+        tool = self.tools.get(self.call.name)
+        value = typed_value(raw, tool.schema_of(key) if tool else None)
+        self.call.arguments[key] = value
+        lead = "{" if len(self.call.arguments) == 1 else ", "
+        return f"{lead}{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
+
+
+def typed_value(raw: str, schema: dict[str, Any] | None) -> Any:
+    """A parameter's text as the type its schema declares: a string as it is (less the newline the
+    format puts on each side), anything else as JSON, or the text when it is not JSON."""
+    text = raw.removeprefix("\n").removesuffix("\n")
+    if schema is not None and _is_plain_string(schema):
+        nullable = isinstance(schema.get("type"), list) and "null" in schema["type"]
+        return None if nullable and text == "null" else text  # (the template writes null as null)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return _loose(text, schema)
+
+
+def _loose(text: str, schema: dict[str, Any] | None) -> Any:
+    """What a model writes for a non-string value without valid JSON (True, 3.0 for an integer)."""
+    kind = (schema or {}).get("type")
+    stripped = text.strip()
+    if kind == "boolean" and stripped.lower() in ("true", "false"):
+        return stripped.lower() == "true"
+    if kind in ("integer", "number"):
+        try:
+            number = float(stripped)
+        except ValueError:
+            return text
+        return int(number) if kind == "integer" and number.is_integer() else number
+    return text
