@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -125,6 +126,15 @@ def test_an_unfinished_call_is_closed_with_what_it_had_and_a_block_without_a_fun
     assert nameless.content == "Hi <tool_call>\nnothing here bye" and not nameless.tool_calls
     untouched = ChatOutput(tools=None).whole("<tool_call>\n<function=f>\n</function>\n</tool_call>")
     assert untouched.content.startswith("<tool_call>") and not untouched.tool_calls
+
+
+def test_a_call_made_inside_the_reasoning_is_a_call_not_reasoning():
+    text = ("I will call.\n<tool_call>\n<function=take_note>\n<parameter=text>\nhi\n</parameter>\n</function>\n"
+            "</tool_call>\nstill thinking")
+    for cuts in ([], [15], [30, 31], list(range(1, len(text)))):
+        split = split_streamed(text, cuts)
+        assert (split.reasoning, split.content) == ("I will call.\n\nstill thinking", "")
+        assert calls_of(split) == [("take_note", '{"text": "hi"}')]
 
 
 def test_a_think_the_model_opens_itself_is_reasoning_only_at_the_start():
@@ -322,3 +332,19 @@ def test_a_conversation_with_a_tool_result_goes_on_and_tool_choice_none_leaves_c
                                            extra_body=NO_THINKING, tool_choice="none")
     assert after.usage.prompt_tokens > call(client, max_tokens=1).usage.prompt_tokens
     assert after.choices[0].message.tool_calls is None
+
+
+def test_metrics_count_the_tokens_a_grammar_left_no_choice_for(chat_server):
+    """A named call's opening (<tool_call>, the function's name, its first parameter's name) has one
+    continuation only: those tokens count as forced (jump-forward), among the grammar's tokens."""
+    def counts() -> tuple[float, float]:
+        text = httpx.get(chat_server.root + "/metrics").text
+        values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("shardspec_grammar"))
+        return float(values["shardspec_grammar_tokens_total"]), float(values["shardspec_grammar_forced_tokens_total"])
+
+    before = counts()
+    reply = call(chat_server.client(), tool_choice={"type": "function", "function": {"name": "take_note"}}, seed=2,
+                 parallel_tool_calls=False)
+    grammar, forced = (a - b for a, b in zip(counts(), before))
+    assert reply.usage.completion_tokens == grammar
+    assert 8 <= forced < grammar

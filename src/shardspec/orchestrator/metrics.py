@@ -77,6 +77,12 @@ class ServingMetrics:
         self.preemptions_seen = 0
         self.prefix_queries = Counter("shardspec_prefix_cache_queries", "Prompt tokens looked up in the prefix "
                                       "cache", registry=r)
+        self.grammar_tokens = Counter("shardspec_grammar_tokens", "Tokens generated under a grammar (structured "
+                                      "output, forced tool calls)", registry=r)
+        self.forced_tokens = Counter("shardspec_grammar_forced_tokens", "Tokens generated under a grammar that "
+                                     "allowed no other (jump-forward: with MTP, drafted and accepted without a "
+                                     "choice)", registry=r)
+        self.grammar_seen = (0, 0)  # the workers' totals at the last refresh
         self.prefix_hits = Counter("shardspec_prefix_cache_hits", "Prompt tokens found in the prefix cache (not "
                                    "prefilled again)", registry=r)
         self.prefix_seen: tuple[Any, int, int] = (None, 0, 0)  # (the cache, its queries, its hits) last counted
@@ -108,10 +114,21 @@ class ServingMetrics:
             self.prefix_hits.inc(cache.hits - hits)
             self.prefix_seen = (cache, cache.queries, cache.hits)
         self.healthy.set(1 if healthy else 0)
+        self._grammar_counts(worker_stats)
         for rank, stats in enumerate(worker_stats):
             self.slots_total.labels(rank=str(rank)).set(stats.slots_total)
             self.slots_free.labels(rank=str(rank)).set(stats.slots_free)
             self.live_sequences.labels(rank=str(rank)).set(len(stats.live_sequences))
+
+    def _grammar_counts(self, worker_stats: list[Any]) -> None:
+        """The last stage's grammar counts (each of its ranks has them; the others count none), as
+        increments of the counters; workers that started again count from 0."""
+        if not worker_stats:
+            return
+        totals = (max(s.grammar_tokens for s in worker_stats), max(s.forced_tokens for s in worker_stats))
+        for counter, total, seen in zip((self.grammar_tokens, self.forced_tokens), totals, self.grammar_seen):
+            counter.inc(total - seen if total >= seen else total)
+        self.grammar_seen = totals
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -389,6 +389,8 @@ class StatsReply:
     lookaheads: int = 0  # an earlier stage: verify passes run on the last stage's guess (stage.ForwardingStage)
     lookaheads_right: int = 0  # of them, those whose guess held (the others ran again)
     launched_ahead: int = 0  # passes queued before their step came, behind the step before (runner.py: launch ahead)
+    grammar_tokens: int = 0  # the last stage: tokens sampled under a grammar (structured output)
+    forced_tokens: int = 0  # of them, those the grammar allowed alone (jump-forward: no choice to sample)
     options: WorkerOptions = field(default_factory=WorkerOptions)  # in effect: the last init's
 
 

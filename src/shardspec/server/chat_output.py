@@ -72,6 +72,7 @@ class ChatOutput:
         self.reasoning, self.content = Trimmed(), Trimmed()
         self.calls: list[ToolCall] = []
         self.parser: CallParser | None = None
+        self.after_call = "content"  # the mode a call's end returns to
 
     def feed(self, text: str) -> Delta:
         self.pending += text
@@ -102,48 +103,43 @@ class ChatOutput:
 
     # --- one marker at a time -----------------------------------------------------------------
 
+    def _markers(self) -> dict[str, str]:
+        """The markers that end the current mode, each with the mode it starts. A call may come in
+        the reasoning too (a model may call before it closes its think): it is a call all the same."""
+        if self.mode == "call":
+            return {CALL_CLOSE: self.after_call}
+        markers = {CALL_OPEN: "call"} if self.tools is not None else {}
+        if self.mode == "reasoning":
+            markers[THINK_CLOSE] = "content"
+        elif self._may_think():
+            markers[THINK_OPEN] = "reasoning"
+        return markers
+
     def _step(self, out: Delta) -> bool:
         """Consume pending text up to and through the next marker (True), or all that cannot be the
         start of one (False)."""
-        if self.mode == "reasoning":
-            return self._until(THINK_CLOSE, out, "reasoning", "content")
-        if self.mode == "call":
-            return self._until(CALL_CLOSE, out, "call", "content")
-        markers = ([CALL_OPEN] if self.tools is not None else []) + ([THINK_OPEN] if self._may_think() else [])
+        markers = self._markers()
         found = [(i, m) for m in markers if (i := self.pending.find(m)) >= 0]
-        if found:
-            at, marker = min(found)
-            self._emit("content", self.pending[:at], out)
-            self.pending = self.pending[at + len(marker) :]
-            self.mode = "call" if marker == CALL_OPEN else "reasoning"
-            self.thinks = False
-            if marker == CALL_OPEN:
-                self.parser = CallParser(self.tools or [])
-            return True
-        keep = max((partial_match(self.pending, m) for m in markers), default=0)
-        self._emit("content", self.pending[: len(self.pending) - keep], out)
-        self.pending = self.pending[len(self.pending) - keep :]
-        return False
+        if not found:
+            keep = max((partial_match(self.pending, m) for m in markers), default=0)
+            self._emit(self.mode, self.pending[: len(self.pending) - keep], out)
+            self.pending = self.pending[len(self.pending) - keep :]
+            return False
+        at, marker = min(found)
+        self._emit(self.mode, self.pending[:at], out)
+        self.pending = self.pending[at + len(marker) :]
+        if self.mode == "call":
+            self._end_call(out)
+        elif markers[marker] == "call":
+            self.after_call, self.parser = self.mode, CallParser(self.tools or [])
+        self.mode, self.thinks = markers[marker], False
+        return True
 
     def _may_think(self) -> bool:
         """A `<think>` opens reasoning only before any content."""
         if self.thinks and (self.content.started or self.pending.lstrip()[:1] not in ("", "<")):
             self.thinks = False
         return self.thinks
-
-    def _until(self, marker: str, out: Delta, mode: str, then: str) -> bool:
-        at = self.pending.find(marker)
-        if at < 0:
-            keep = partial_match(self.pending, marker)
-            self._emit(mode, self.pending[: len(self.pending) - keep], out)
-            self.pending = self.pending[len(self.pending) - keep :]
-            return False
-        self._emit(mode, self.pending[:at], out)
-        self.pending = self.pending[at + len(marker) :]
-        if mode == "call":
-            self._end_call(out)
-        self.mode = then
-        return True
 
     def _emit(self, mode: str, text: str, out: Delta) -> None:
         if mode == "reasoning":
@@ -168,8 +164,8 @@ class ChatOutput:
     def _end_call(self, out: Delta) -> None:
         parser, self.parser = self.parser, None
         assert parser is not None
-        if parser.call is None:  # no function named: the block's text is content, nothing lost
-            out.content += self.content.feed(CALL_OPEN + parser.text)
+        if parser.call is None:  # no function named: the block's text stays where it was, nothing lost
+            self._emit(self.after_call, CALL_OPEN + parser.text, out)
             return
         if closing := parser.close():
             out._add_call({"index": len(self.calls) - 1, "function": {"arguments": closing}})

@@ -215,8 +215,10 @@ class Decoder(ModelRunner):
             seq.matcher = self.new_matchers.pop(spec.seq, None)
             if seq.matcher is not None:
                 advance(seq.matcher, output)  # (a preempted request's output so far)
-            seq.next_token = sample(seq.constrain(seq.penalise(logits[None], []), [])[0], spec.sampling,
-                                    seq.generator)
+            shaped = seq.constrain(seq.penalise(logits[None], []), [])
+            if seq.matcher is not None:
+                self.counters.constrained(shaped)
+            seq.next_token = sample(shaped[0], spec.sampling, seq.generator)
             if seq.matcher is not None:
                 advance(seq.matcher, [seq.next_token])
             seq.seen(seq.emit([seq.next_token]))
@@ -386,6 +388,8 @@ class Decoder(ModelRunner):
                 token = argmax[i][n]
             else:
                 token = resample(probs, s.drafts, n, s.generator)
+            if s.matcher is not None:
+                self.counters.constrained(target[: n + 1])
             accepted.append(n)
             tokens.append(token)
         return accepted, tokens, logits

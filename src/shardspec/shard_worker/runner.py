@@ -128,6 +128,14 @@ class SpecCounters:
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
 
+    grammar_tokens: int = 0  # tokens sampled under a grammar (structured output)
+    forced_tokens: int = 0  # of them, those the grammar allowed alone (no choice: jump-forward)
+
+    def constrained(self, logits: torch.Tensor) -> None:
+        """Count the masked rows [P, V] of P tokens sampled under a grammar."""
+        self.grammar_tokens += logits.shape[0]
+        self.forced_tokens += int((torch.isfinite(logits).sum(-1) == 1).sum())
+
     def count(self, accepted: list[int], draft_len: int) -> None:
         self.drafts += len(accepted)
         self.draft_tokens += len(accepted) * draft_len
@@ -154,6 +162,8 @@ class RunnerStats:
     lookaheads: int = 0  # verify passes run on a guess
     lookaheads_right: int = 0  # those whose guess held
     launched_ahead: int = 0  # passes queued behind the step before (decoder.LaunchAhead)
+    grammar_tokens: int = 0
+    forced_tokens: int = 0
 
 
 class ModelRunner:
@@ -264,7 +274,8 @@ class ModelRunner:
         return RunnerStats(cache_bytes=self.cache_bytes, slots_total=self.table.slots.total,
                            slots_free=len(self.table.slots.free), live_sequences=sorted(self.sequences),
                            draft_len=self.draft_len, drafts=c.drafts, draft_tokens=c.draft_tokens,
-                           accepted_tokens=c.accepted_tokens, accepted_per_position=list(c.accepted_per_position))
+                           accepted_tokens=c.accepted_tokens, accepted_per_position=list(c.accepted_per_position),
+                           grammar_tokens=c.grammar_tokens, forced_tokens=c.forced_tokens)
 
     # --- the step (the role's) ------------------------------------------------------------------
 
