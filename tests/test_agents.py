@@ -261,7 +261,8 @@ def streamed(client: openai.OpenAI, **kwargs) -> tuple[list[tuple[str, str]], st
     return [(n, a) for n, a in calls.values()], content, finish
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "take_note"}}])
+@pytest.mark.parametrize("choice", [pytest.param("required", marks=pytest.mark.slow),
+                                    {"type": "function", "function": {"name": "take_note"}}])
 def test_forced_calls_sampled_at_temperature_1_parse_validate_and_stream_as_they_return(chat_server, choice):
     client = chat_server.client()
     for seed in range(6):
@@ -274,6 +275,7 @@ def test_forced_calls_sampled_at_temperature_1_parse_validate_and_stream_as_they
             [(function.name, function.arguments)], "", "tool_calls")
 
 
+@pytest.mark.slow
 def test_parallel_required_calls_all_validate(chat_server):
     reply = call(chat_server.client(), tool_choice="required", seed=3, max_tokens=400).choices[0]
     assert reply.message.tool_calls
@@ -321,6 +323,7 @@ def test_bad_tool_requests_get_a_400_naming_the_problem(chat_server, kwargs, par
     assert caught.value.body["param"] == param and words in caught.value.body["message"], caught.value.body
 
 
+@pytest.mark.slow
 def test_a_conversation_with_a_tool_result_goes_on_and_tool_choice_none_leaves_calls_as_text(chat_server):
     client = chat_server.client()
     first = call(client, tool_choice={"type": "function", "function": {"name": "get_weather"}}, seed=1,
