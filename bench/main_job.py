@@ -6,8 +6,10 @@ Hugging Face transformers' `generate` on the same checkpoint, in one run on this
 
 Greedy decoding of the same prompt everywhere (so every row produces the same tokens); tokens/s
 is generated tokens ÷ the time from request to last token, median of --repeats runs after a
-warm-up. transformers runs in this process with all cores; shardspec runs its workers as the main
-job does (2 local CPU workers, TP = 2) and also with one worker (TP = 1).
+warm-up, every row loaded at once and the rows taking turns in each repeat (a change in the
+machine's speed falls on all of them). transformers runs in this process with all cores;
+shardspec runs its workers as the main job does (2 local CPU workers, TP = 2) and also with one
+worker (TP = 1).
 
 --sampled measures the main job itself, for one or more model folders (an A/B of two bundled
 models) and sets of generate options (--generate): `shardspec generate`'s defaults otherwise (2
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import shlex
 import statistics
 import time
@@ -31,23 +34,36 @@ from shardspec.cli import BUNDLED_MODEL, build_parser, sampling_penalties
 PROMPT = "def fibonacci(n):"
 
 
-async def shardspec_rate(tp: int, mtp: bool, dtype: str, tokens: int, repeats: int) -> tuple[float, list[int], float]:
-    async with shardspec.connect(model=str(BUNDLED_MODEL), local=tp, mtp=mtp, dtype=dtype, max_seqs=1) as engine:
-        async def once():
+ROWS = ((2, False), (2, True), (1, False), (1, True))  # (TP, MTP) of the shardspec rows
+
+
+async def greedy_rows(dtype: str, tokens: int, repeats: int) -> dict:
+    """Every row's tokens/s (median), tokens and mean acceptance length: transformers and the
+    shardspec engines, all loaded at once and taking turns in each repeat, so that a change in the
+    machine's speed falls on every row alike."""
+    hf_once = transformers_once(dtype, tokens)
+    async with contextlib.AsyncExitStack() as stack:
+        engines = {row: await stack.enter_async_context(shardspec.connect(
+            model=str(BUNDLED_MODEL), local=row[0], mtp=row[1], dtype=dtype, max_seqs=1)) for row in ROWS}
+
+        async def once(engine) -> tuple[float, list[int], float]:
             out, final = [], None
             async for chunk in engine.generate(PROMPT, max_tokens=tokens, stop_at_eos=False):
                 out += chunk.token_ids
                 final = chunk
-            return final.stats, out
+            return final.stats["tokens_per_s"], out, final.stats.get("mean_acceptance_length", 1.0)
 
-        await once()
-        runs = [await once() for _ in range(repeats)]
-    rate = statistics.median(s["tokens_per_s"] for s, _ in runs)
-    mal = runs[0][0].get("mean_acceptance_length", 1.0)
-    return rate, runs[0][1], mal
+        runs: dict = {"transformers": [], **{row: [] for row in ROWS}}
+        for repeat in range(repeats + 1):  # the first: a warm-up
+            results = {"transformers": hf_once(), **{row: await once(engine) for row, engine in engines.items()}}
+            for row, result in results.items():
+                if repeat:
+                    runs[row].append(result)
+    return {row: (statistics.median(r[0] for r in rs), rs[0][1], rs[0][2]) for row, rs in runs.items()}
 
 
-def transformers_rate(dtype: str, tokens: int, repeats: int) -> tuple[float, list[int]]:
+def transformers_once(dtype: str, tokens: int):
+    """A function that runs transformers' generate once: (tokens/s, tokens, 1.0)."""
     from transformers import AutoTokenizer, GenerationConfig, Qwen3_5ForCausalLM
 
     model = Qwen3_5ForCausalLM.from_pretrained(BUNDLED_MODEL, dtype=getattr(torch, dtype)).eval()
@@ -60,11 +76,9 @@ def transformers_rate(dtype: str, tokens: int, repeats: int) -> tuple[float, lis
         started = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-        return tokens / (time.perf_counter() - started), out[0, ids.shape[1]:].tolist()
+        return tokens / (time.perf_counter() - started), out[0, ids.shape[1]:].tolist(), 1.0
 
-    once()
-    runs = [once() for _ in range(repeats)]
-    return statistics.median(r for r, _ in runs), runs[0][1]
+    return once
 
 
 async def main_job_once(model: str, generate_args: str, tokens: int, seed: int) -> dict:
@@ -118,14 +132,14 @@ def main() -> None:
     print("| dtype | engine | tokens/s | vs transformers | mean acceptance length | same tokens as transformers |")
     print("|---|---|---|---|---|---|")
     for dtype in args.dtype:
-        hf, hf_tokens = transformers_rate(dtype, args.tokens, args.repeats)
+        rows = asyncio.run(greedy_rows(dtype, args.tokens, args.repeats))
+        hf, hf_tokens, _ = rows["transformers"]
         print(f"| {dtype} | transformers generate (1 process) | {hf:.1f} | 1.00× | – | – |", flush=True)
-        for tp, mtp in ((2, False), (2, True), (1, False), (1, True)):
-            rate, out, mal = asyncio.run(shardspec_rate(tp, mtp, dtype, args.tokens, args.repeats))
+        for tp, mtp in ROWS:
+            rate, out, mal = rows[tp, mtp]
             name = f"shardspec TP={tp}, MTP {'on (k=3)' if mtp else 'off'}"
             name += " — the main job" if tp == 2 and mtp else ""
             print(f"| {dtype} | {name} | {rate:.1f} | {rate / hf:.2f}× | {mal:.2f} | {out == hf_tokens} |", flush=True)
-
 
 if __name__ == "__main__":
     main()

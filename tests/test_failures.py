@@ -158,6 +158,30 @@ def test_a_killed_worker_fails_the_request_within_the_bound_and_serves_again_onc
     assert [s.slots_free for s in stats] == [s.slots_total for s in stats]
 
 
+@pytest.mark.parametrize("killed", [0, 1])
+def test_killing_either_rank_of_a_shared_memory_group_is_named_in_time_and_leaves_nothing_in_dev_shm(
+        tiny_model, workers, killed):
+    """The ranks' collectives go through shared memory (they share this host); the survivor sees its
+    peer's process gone instead of waiting in a collective, and the segment, never named in
+    /dev/shm, goes with the processes."""
+    ws = workers(2)
+    shm_before = set(os.listdir("/dev/shm"))
+
+    async def run():
+        async with shardspec.connect(model=str(tiny_model), workers=[w.address for w in ws]) as engine:
+            assert engine.group.collectives == "shm"
+            elapsed, error = await fail_mid_generation(engine, ws[killed].kill)
+            assert ws[killed].address in str(error)
+            ws[killed].start()
+            await until_healthy(engine)
+            return elapsed, await collect(engine, max_tokens=8)
+
+    elapsed, after = asyncio.run(run())
+    assert elapsed < HEARTBEAT_S + SLACK_S
+    assert len(after) == 8
+    assert set(os.listdir("/dev/shm")) <= shm_before
+
+
 def test_a_worker_that_stops_answering_is_detected_within_the_bound_and_rejoins(tiny_model, workers):
     w0, w1 = workers(2)
 

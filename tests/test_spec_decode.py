@@ -14,8 +14,9 @@ from scipy.stats import chisquare
 
 import shardspec
 from shardspec.orchestrator.config import FORCED_ACCEPTANCE_ENV
-from shardspec.protocol.messages import PrefillSpec, ReleaseRequest, StepRequest
+from shardspec.protocol.messages import PrefillSpec, ReleaseRequest, StepRequest, WorkerOptions
 
+PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9]]
 P_VALUE_FLOOR = 1e-3  # a correct sampler fails a comparison for one seed set in a thousand (6 comparisons: < 0.6%)
 
 
@@ -329,3 +330,18 @@ def test_a_sequence_that_fills_its_context_accepting_every_draft_finishes_cleanl
     while not runner.sequences[0].finished:
         tokens += runner.step(StepRequest(decode=[0]), torch.empty(0, dtype=torch.long)).tokens[0]
     assert runner.sequences[0].finished == "length" and len(tokens) == 16 - 2
+
+
+@pytest.mark.parametrize(("allreduce", "path"), [("auto", "shm"), ("gloo", "gloo")])
+def test_tp_2_on_one_host_gives_one_worker_s_greedy_tokens_through_shared_memory_and_through_gloo(
+        small_vocab_model, allreduce, path):
+    """fp32 greedy, MTP on and off: the collectives' path changes no token (both sum in rank order)."""
+    async def run(tp: int, mtp: bool) -> tuple[str, list[list[int]]]:
+        async with shardspec.connect(model=str(small_vocab_model), workers=pooled(tp), mtp=mtp, max_seqs=4,
+                                     dtype="float32", worker_options=WorkerOptions(allreduce=allreduce)) as engine:
+            return engine.group.collectives, await generate_all(engine, PROMPTS, max_tokens=32)
+
+    for mtp in (True, False):
+        taken, split = asyncio.run(run(2, mtp))
+        assert taken == path
+        assert split == asyncio.run(run(1, mtp))[1]

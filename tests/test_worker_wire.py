@@ -208,7 +208,7 @@ def test_unhashable_header_fields_are_bad_messages_not_internal_errors(spawn_wor
 
 
 BAD_OPTIONS = [
-    ({"allreduce": "symmetric"}, "meta.options.allreduce: 'symmetric' is not one of auto, symm, nccl"),
+    ({"allreduce": "symmetric"}, "meta.options.allreduce: 'symmetric' is not one of auto, shm, symm, gloo, nccl"),
     ({"moe_backend": "loop"}, "meta.options.moe_backend: 'loop' is not one of auto, reference, grouped, gathered"),
     ({"launch_ahead": "1"}, "meta.options.launch_ahead: '1' is not one of auto, on, off"),
     ({"kernels": 0}, "meta.options.kernels: expected a bool"),

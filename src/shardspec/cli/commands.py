@@ -201,7 +201,8 @@ async def run_generate(args: argparse.Namespace) -> int:
         progress(f"starting {'workers' if config.spawns_workers else 'connection'} and loading {args.model}")
         async with connect(config=config) as engine:
             info, world_size = engine.load_info, config.world_size
-            progress(f"ready: {world_size} workers, {info.weight_bytes * world_size / 1e6:.0f} MB of {info.dtype} "
+            weights = info.weight_bytes * world_size / 1e6
+            progress(f"ready: {world_size} workers{collectives_note(engine)}, {weights:.0f} MB of {info.dtype} "
                      f"weights, MTP drafts per step: {info.draft_tokens or 'off'}; {cache_line(engine)}")
             async for chunk in engine.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                                                top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -285,6 +286,12 @@ def _serve_options(args: argparse.Namespace) -> Any:
     )
 
 
+def collectives_note(engine: Any) -> str:
+    """How the TP groups' collectives go, for the ready lines ("" without tensor parallelism)."""
+    path = engine.group.collectives
+    return f" (TP collectives: {path})" if path else ""
+
+
 def cache_line(engine: Any) -> str:
     """What the workers' caches hold, for the ready lines."""
     paging, info = engine.group.paging, engine.load_info
@@ -298,7 +305,7 @@ def cache_line(engine: Any) -> str:
 def _serving_line(name: str) -> Any:
     def ready(url: str, engine: Any) -> None:
         info = engine.load_info
-        progress(f"serving {name} at {url} ({engine.config.world_size} workers, {info.dtype}, MTP drafts per step: "
-                 f"{info.draft_tokens or 'off'}; {cache_line(engine)})")
+        progress(f"serving {name} at {url} ({engine.config.world_size} workers{collectives_note(engine)}, "
+                 f"{info.dtype}, MTP drafts per step: {info.draft_tokens or 'off'}; {cache_line(engine)})")
 
     return ready

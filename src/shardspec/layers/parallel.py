@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 from shardspec import kernels
+from shardspec.layers import shm
+from shardspec.layers.shm import ShmCollectives
 
 Ranges = list[tuple[int, int]]
 
@@ -28,11 +31,23 @@ class TPGroup:
     group: Any = None
     symmetric: bool = False
     ordered: bool = False  # batch-invariant mode: sums in rank order (see all_reduce)
+    shm: ShmCollectives | None = None  # CPU ranks on one host: collectives through shared memory
     _reducer: SymmetricReducer | None = field(default=None, init=False, repr=False)
+
+    @property
+    def path(self) -> str:
+        """How its collectives go: shm, gloo, symm, nccl; "" for a group of one."""
+        if self.size == 1:
+            return ""
+        if self.shm is not None:
+            return "shm"
+        return "symm" if self.symmetric else dist.get_backend(self.group)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
+        if self.shm is not None and self.shm.fits(x):  # (in rank order: deterministic too)
+            return self.shm.all_reduce(x)
         if self.ordered and self.size > 2:
             # a ring all-reduce adds an element's parts in an order that depends on where the element
             # falls in the tensor's chunks, so on the batch; two parts add the same either way
@@ -63,6 +78,8 @@ class TPGroup:
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         if self.size == 1:
             return x
+        if self.shm is not None and self.shm.fits(x):
+            return self.shm.all_gather(x, dim)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
@@ -73,30 +90,57 @@ class TPGroup:
         return self.rank * per, (self.rank + 1) * per
 
 
-def use_symmetric_memory(device: torch.device, size: int, group: Any = None) -> bool:
-    """Whether a CUDA group takes the symmetric-memory all-reduce. The option allreduce symm says
-    yes and nccl no; by default (auto) yes where every rank is on this host and its GPU can reach
-    every other rank's GPU directly (NVLink or PCIe peer access), which symmetric memory needs; a
-    group that spans hosts keeps NCCL. A collective: every rank of the group calls it."""
-    choice = kernels.settings.allreduce
-    if device.type != "cuda" or size == 1 or choice == "nccl":
-        return False
-    if choice == "symm":
-        return True
+def host_key() -> int:
+    """What ranks on one host share and ranks on others do not, as an int64: the host's name and
+    boot, and the network namespace (emulated hosts on one machine are other hosts to the group)."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()  # two hosts can share a name
+        net = os.readlink("/proc/self/ns/net")
     except OSError:
-        boot = ""
-    host = int.from_bytes(hashlib.blake2b(f"{socket.gethostname()}/{boot}".encode(), digest_size=7).digest(), "little")
+        boot = net = ""
+    digest = hashlib.blake2b(f"{socket.gethostname()}/{boot}/{net}".encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "little")
+
+
+def one_host(size: int, group: Any, device: torch.device) -> bool:
+    """Whether every rank of the group is on this host (a collective: every rank calls it)."""
+    every = [torch.empty(1, dtype=torch.int64, device=device) for _ in range(size)]
+    dist.all_gather(every, torch.tensor([host_key()], dtype=torch.int64, device=device), group=group)
+    return len({int(key) for key in every}) == 1
+
+
+def use_symmetric_memory(device: torch.device, size: int, group: Any = None) -> bool:
+    """Whether a CUDA group takes the symmetric-memory all-reduce. The option allreduce symm (or shm)
+    says yes, nccl (or gloo) no; by default (auto) yes where every rank is on this host and its GPU
+    can reach every other rank's GPU directly (NVLink or PCIe peer access), which symmetric memory
+    needs; a group that spans hosts keeps NCCL. A collective: every rank of the group calls it."""
+    choice = kernels.settings.allreduce
+    if device.type != "cuda" or size == 1 or choice in ("nccl", "gloo"):
+        return False
+    if choice in ("symm", "shm"):
+        return True
     gpu = device.index if device.index is not None else torch.cuda.current_device()
-    every = torch.empty(2 * size, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(every, torch.tensor([host, gpu], dtype=torch.int64, device=device), group=group)
-    hosts, gpus = every.view(size, 2).T.tolist()
-    reachable = len(set(hosts)) == 1 and all(torch.cuda.can_device_access_peer(gpu, other)
-                                             for other in gpus if other != gpu)
+    gpus = [torch.empty(1, dtype=torch.int64, device=device) for _ in range(size)]
+    dist.all_gather(gpus, torch.tensor([gpu], dtype=torch.int64, device=device), group=group)
+    reachable = one_host(size, group, device) and all(torch.cuda.can_device_access_peer(gpu, int(other))
+                                                      for other in gpus if int(other) != gpu)
     agreed = torch.tensor([int(reachable)], dtype=torch.int64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)  # every rank takes the same path
     return bool(agreed.item())
+
+
+def cpu_shared_memory(rank: int, size: int, group: Any, timeout_s: float) -> ShmCollectives | None:
+    """A CPU group's shared-memory collectives (layers.shm) where every rank is on this x86-64 host
+    and the option allreduce is auto or shm (or symm); None for Gloo. A collective over `group`.
+    ValueError where shm is asked for and cannot be."""
+    choice = kernels.settings.allreduce
+    if size == 1 or choice in ("gloo", "nccl"):
+        return None
+    if not (shm.supported() and one_host(size, group, torch.device("cpu"))):
+        if choice == "shm":
+            raise ValueError("--allreduce shm needs every rank of a TP group on one x86-64 Linux host")
+        return None
+    return ShmCollectives.join(rank, size, group, timeout_s)
 
 
 class SymmetricReducer:

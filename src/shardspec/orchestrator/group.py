@@ -72,6 +72,7 @@ class WorkerGroup:
         self.relay = config.relay is True  # stage links through this engine (or after a direct one failed)
         self.rank_of: dict[int, int] = {}  # id(WorkerClient) -> its rank, for the relay
         self.watchdog = StepWatchdog(config.step_timeout)
+        self.collectives = ""  # how the TP groups' collectives go (InitReply.collectives)
 
     @property
     def workers(self) -> list[WorkerClient]:
@@ -153,6 +154,8 @@ class WorkerGroup:
                 raise EngineError(f"worker {worker.address} took stage {reply.stage}, TP rank {reply.tp_rank} of "
                                   f"{reply.tp_size}; asked for stage {init.stage}, TP rank "
                                   f"{init.rank % init.tp_size} of {init.tp_size}")
+        # how the TP groups' collectives go (layers.parallel.TPGroup.path), for the ready line
+        self.collectives = "/".join(sorted({reply.collectives for reply, _ in replies if reply.collectives}))
 
     async def load(self, request: LoadRequest) -> LoadReply:
         """Load (or load again, with other caches) on every rank; recovery reloads the same request."""

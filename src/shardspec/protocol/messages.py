@@ -30,7 +30,7 @@ MAX_STEP_PROMPT_TOKENS = 2 * MAX_PROMPT_TOKENS  # a step's prompts together, by 
 FP8_PREFILL_MODES = ("auto", "triton")
 FP8_DECODE_MODES = ("w8a8", "weight-only")
 MOE_BACKENDS = ("auto", "reference", "grouped", "gathered", "fused")  # auto or one of layers.moe.EXPERT_BACKENDS
-ALLREDUCE_MODES = ("auto", "symm", "nccl")
+ALLREDUCE_MODES = ("auto", "shm", "symm", "gloo", "nccl")
 DRAFT_HEADS = ("fp8", "bf16", "cublas")
 LAUNCH_AHEAD_MODES = ("auto", "on", "off")
 
@@ -55,9 +55,11 @@ class WorkerOptions:
                        "delta rule where it is installed; off: shardspec's kernel")
     moe_backend: str = one_of(MOE_BACKENDS, "auto", "how mixture-of-experts layers run their experts: auto picks "
                               "by device, dtype and rows; the others force one")
-    allreduce: str = one_of(ALLREDUCE_MODES, "auto", "tensor-parallel all-reduce of CUDA workers: symm through "
-                            "symmetric memory, nccl through NCCL; auto takes symm where every rank is on one host "
-                            "and its GPU reaches the others' directly")
+    allreduce: str = one_of(ALLREDUCE_MODES, "auto", "how a tensor-parallel group's collectives go: through "
+                            "memory the ranks share (shm or symm: a shared segment for CPU workers, symmetric memory "
+                            "for CUDA ones) or through the library (gloo or nccl: Gloo for CPU workers, NCCL for "
+                            "CUDA ones); auto shares memory where every rank is on one host (CUDA: and its GPU "
+                            "reaches the others' directly)")
     fused_norm: bool = switch(True, "with the symmetric-memory all-reduce, the all-reduce and the RMS norm after it "
                               "in one kernel; off: two")
     draft_head: str = one_of(DRAFT_HEADS, "fp8", "how MTP drafts read the LM head on CUDA: fp8 (a kernel on an "
@@ -183,6 +185,7 @@ class InitReply:
     stage: int
     tp_rank: int
     tp_size: int
+    collectives: str = ""  # how its TP group's collectives go: shm, gloo, symm, nccl ("": a group of one)
 
 
 LOOKAHEAD_MODES = ("auto", "on", "off")
@@ -389,6 +392,7 @@ class StatsReply:
     lookaheads: int = 0  # an earlier stage: verify passes run on the last stage's guess (stage.ForwardingStage)
     lookaheads_right: int = 0  # of them, those whose guess held (the others ran again)
     launched_ahead: int = 0  # passes queued before their step came, behind the step before (runner.py: launch ahead)
+    collectives: str = ""  # how its TP group's collectives go (InitReply.collectives)
     grammar_tokens: int = 0  # the last stage: tokens sampled under a grammar (structured output)
     forced_tokens: int = 0  # of them, those the grammar allowed alone (jump-forward: no choice to sample)
     options: WorkerOptions = field(default_factory=WorkerOptions)  # in effect: the last init's

@@ -338,6 +338,8 @@ class ShardWorker:
             group.share_cores(body.host_ranks)
         kernels.use(body.options)  # the whole process's, before the group's all-reduce choice and the model
         self.tp, backend = group.join(body, self.device)
+        if self.tp.shm is not None:
+            self.tp.shm.abort = self._why_abort
         try:
             self.stage, self.stages = body.stage, body.stages
             if body.stages > 1:
@@ -348,7 +350,7 @@ class ShardWorker:
             raise
         self.state = "initialized"
         return InitReply(rank=body.rank, world_size=body.world_size, backend=backend, stage=body.stage,
-                         tp_rank=self.tp.rank, tp_size=self.tp.size), None
+                         tp_rank=self.tp.rank, tp_size=self.tp.size, collectives=self.tp.path), None
 
     def _open_links(self, body: InitRequest) -> StageLinks:
         if body.relay:
@@ -465,6 +467,7 @@ class ShardWorker:
             step_gap_total_s=self.gap_total,
             busy_s=self.step_total_s - link_wait,
             link_wait_s=link_wait,
+            collectives=self.tp.path if self.tp else "",
             **asdict(runner),
             options=kernels.settings,
         )

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from shardspec.layers.parallel import TPGroup, use_symmetric_memory
+from shardspec.layers.parallel import TPGroup, cpu_shared_memory, use_symmetric_memory
 from shardspec.protocol.errors import ErrorCode, ProtocolError
 from shardspec.protocol.messages import InitRequest
 
@@ -83,7 +83,15 @@ def tp_group(body: InitRequest, device: torch.device) -> TPGroup:
     symmetric = use_symmetric_memory(device, tp, group)
     if symmetric:
         log.info("small all-reduces go through symmetric memory (--allreduce nccl: NCCL only)")
-    return TPGroup(body.rank % tp, tp, group, symmetric=symmetric)
+    shared = None
+    if device.type == "cpu":
+        try:
+            shared = cpu_shared_memory(body.rank % tp, tp, group, body.timeout_s)
+        except ValueError as exc:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc)) from None
+        if shared is not None:
+            log.info("the TP group's collectives go through shared memory (--allreduce gloo: Gloo only)")
+    return TPGroup(body.rank % tp, tp, group, symmetric=symmetric, shm=shared)
 
 
 def leave_process_group() -> None:
