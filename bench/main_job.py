@@ -30,11 +30,14 @@ import torch
 
 import shardspec
 from shardspec.cli import BUNDLED_MODEL, build_parser, sampling_penalties
+from shardspec.protocol.messages import WorkerOptions
 
 PROMPT = "def fibonacci(n):"
 
 
-ROWS = ((2, False), (2, True), (1, False), (1, True))  # (TP, MTP) of the shardspec rows
+# (TP, MTP, collectives) of the shardspec rows: TP = 2 through shared memory (the default), and the
+# main job again through Gloo, the peer of that path
+ROWS = ((2, False, "auto"), (2, True, "auto"), (2, True, "gloo"), (1, False, "auto"), (1, True, "auto"))
 
 
 async def greedy_rows(dtype: str, tokens: int, repeats: int) -> dict:
@@ -44,7 +47,8 @@ async def greedy_rows(dtype: str, tokens: int, repeats: int) -> dict:
     hf_once = transformers_once(dtype, tokens)
     async with contextlib.AsyncExitStack() as stack:
         engines = {row: await stack.enter_async_context(shardspec.connect(
-            model=str(BUNDLED_MODEL), local=row[0], mtp=row[1], dtype=dtype, max_seqs=1)) for row in ROWS}
+            model=str(BUNDLED_MODEL), local=row[0], mtp=row[1], dtype=dtype, max_seqs=1,
+            worker_options=WorkerOptions(allreduce=row[2]))) for row in ROWS}
 
         async def once(engine) -> tuple[float, list[int], float]:
             out, final = [], None
@@ -135,10 +139,10 @@ def main() -> None:
         rows = asyncio.run(greedy_rows(dtype, args.tokens, args.repeats))
         hf, hf_tokens, _ = rows["transformers"]
         print(f"| {dtype} | transformers generate (1 process) | {hf:.1f} | 1.00× | – | – |", flush=True)
-        for tp, mtp in ROWS:
-            rate, out, mal = rows[tp, mtp]
+        for tp, mtp, collectives in ROWS:
+            rate, out, mal = rows[tp, mtp, collectives]
             name = f"shardspec TP={tp}, MTP {'on (k=3)' if mtp else 'off'}"
-            name += " — the main job" if tp == 2 and mtp else ""
+            name += ", through Gloo" if collectives == "gloo" else " — the main job" if tp == 2 and mtp else ""
             print(f"| {dtype} | {name} | {rate:.1f} | {rate / hf:.2f}× | {mal:.2f} | {out == hf_tokens} |", flush=True)
 
 if __name__ == "__main__":
