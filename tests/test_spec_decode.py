@@ -13,6 +13,7 @@ from conftest import full_blocks, pooled
 from scipy.stats import chisquare
 
 import shardspec
+from shardspec.cli import BUNDLED_MODEL
 from shardspec.orchestrator.config import FORCED_ACCEPTANCE_ENV
 from shardspec.protocol.messages import PrefillSpec, ReleaseRequest, StepRequest, WorkerOptions
 
@@ -222,7 +223,6 @@ def test_sampled_distribution_of_a_lone_sequence_at_pp_2_with_lookahead_matches_
     bundled model, whose MTP head agrees with it often enough for guesses to hold; top-k 2 keeps
     the exact distribution cheap to enumerate so far out. Half the samples of the tests above: each
     generation takes a quarter of a second through two stages on the CPU."""
-    from shardspec.cli import BUNDLED_MODEL
 
     held, _ = assert_mtp_samples_the_exact_distribution(BUNDLED_MODEL, pp=2, positions=(9, 11), at_once=1,
                                                         samples=640, temperature=1.0, top_k=2)
@@ -345,3 +345,15 @@ def test_tp_2_on_one_host_gives_one_worker_s_greedy_tokens_through_shared_memory
         taken, split = asyncio.run(run(2, mtp))
         assert taken == path
         assert split == asyncio.run(run(1, mtp))[1]
+
+
+def test_bf16_deterministic_tp_2_gives_the_same_tokens_through_shared_memory_as_through_gloo():
+    """Both sum two ranks' parts as a + b: the path changes no bit. (TP = 2 and TP = 1 differ in bf16:
+    a row-parallel matmul sums its halves apart, and deterministic mode is batch-, not TP-invariant.)"""
+    async def run(allreduce: str) -> list[list[int]]:
+        async with shardspec.connect(model=str(BUNDLED_MODEL), workers=pooled(2), dtype="bfloat16",
+                                     deterministic=True, max_seqs=4,
+                                     worker_options=WorkerOptions(allreduce=allreduce)) as engine:
+            return await generate_all(engine, ["def fibonacci(n):", "class Stack:\n    def"], max_tokens=48)
+
+    assert asyncio.run(run("shm")) == asyncio.run(run("gloo"))
