@@ -54,3 +54,39 @@ def test_penalties_outside_their_range_are_refused_naming_them(small_vocab_model
                     async for _ in engine.generate(PROMPT, max_tokens=2, **{name: value}):
                         pass
     asyncio.run(run())
+
+
+@pytest.mark.parametrize(("tp", "pp", "mtp"), [(1, 1, True), pytest.param(1, 1, False, marks=pytest.mark.slow),
+                                               pytest.param(2, 1, True, marks=pytest.mark.slow), (2, 2, True)])
+def test_a_request_whose_numbers_go_bad_fails_alone_while_the_others_stream_their_solo_tokens(tp, pp, mtp):
+    """repetition_penalty 1e-39 divides the logits of seen tokens into infinity: at the prefill for a
+    prompt whose tokens the model likes, at the first verify for a one-token prompt it does not. The
+    request fails with a ValueError naming why; the others in the same steps, on every rank and
+    stage, give what they give alone, and the engine serves on."""
+    from shardspec.cli import BUNDLED_MODEL
+    from shardspec.orchestrator.requests import SamplingError
+
+    async def run():
+        async with shardspec.connect(model=str(BUNDLED_MODEL), workers=pooled(tp * pp), pp=pp, mtp=mtp,
+                                     dtype="float32", max_seqs=8) as engine:
+            async def one(prompt, **options):
+                tokens = []
+                try:
+                    async for chunk in engine.generate(prompt, max_tokens=16, stop_at_eos=False, **options):
+                        tokens += chunk.token_ids
+                except SamplingError as exc:
+                    return "failed", tokens, str(exc)
+                return tokens
+
+            good = [[5, 6, 7], "def f(x):", [100, 200]]
+            alone = [await one(p) for p in good]
+            bad = [one("def f(x): return x", repetition_penalty=1e-39), one([4000], repetition_penalty=1e-39),
+                   one([4000], repetition_penalty=1e-39, temperature=1.0, seed=3)]
+            together = await asyncio.gather(*(one(p) for p in good), *bad)
+            return alone, together, await one("def f(x):")
+
+    alone, together, after = asyncio.run(run())
+    assert together[:3] == alone and after == alone[1]
+    failures = together[3:]
+    assert all(f[0] == "failed" and "no token can be sampled" in f[2] for f in failures)
+    assert [len(f[1]) for f in failures] == [0, 1, 1]  # at the prefill, then at a verify step

@@ -330,6 +330,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
         ("/completions", b'{"prompt": "x", "frequency_penalty": -2.1}', 400, "frequency_penalty"),
         ("/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "repetition_penalty": 0}', 400,
          "repetition_penalty"),
+        ("/completions", b'{"prompt": "x", "repetition_penalty": 1e-39}', 400, "repetition_penalty"),
         ("/completions", b'{"prompt": "x", "logprobs": 21}', 400, "logprobs"),
         ("/completions", b'{"prompt": "x", "logprobs": -1}', 400, "logprobs"),
         ("/completions", b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens"),

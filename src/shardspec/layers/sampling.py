@@ -29,6 +29,14 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def unusable(logits: torch.Tensor) -> bool:
+    """Whether [..., V] logits hold numbers no row can be sampled from: NaN or +inf anywhere, or a
+    row without a finite logit (nothing left after penalties, biases and masks). The request's own
+    values make them (a repetition_penalty of 1e-39 divides logits into infinity), so such a row
+    fails its request alone."""
+    return bool(torch.isnan(logits).any() or torch.isposinf(logits).any() or not torch.isfinite(logits).any(-1).all())
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution the target model samples from: [..., V] fp32."""
     return torch.softmax(filtered_logits(logits, params), -1)

@@ -64,6 +64,7 @@ class Request:
     generated: int = 0
     cancelled: bool = False
     finished: bool = False
+    failed: bool = False  # its numbers went bad on the workers (SamplingError): it ended without its last tokens
     solo: bool = False  # admitted into a step without other new requests (see Engine._refused)
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -159,6 +160,16 @@ class Request:
         return stats
 
 
+FAILED = "error"  # StepReply.finished of a sequence whose numbers went bad (shard_worker.sequences.FAILED)
+SAMPLING_FAILED = ("the request's sampling values made numbers no token can be sampled from (non-finite logits or "
+                   "probabilities, or no token left after the penalties, the bias, top-k, top-p and the grammar); "
+                   "try less extreme values")
+
+
+class SamplingError(ValueError):
+    """A request's own values made its numbers unusable on the workers; it failed alone."""
+
+
 def deliver(reply: StepReply, running: dict[int, Request],
             tensors: dict[str, torch.Tensor] | None = None) -> list[Request]:
     """Put each sequence's new tokens (and log-probabilities) on its request's queue; returns the
@@ -170,6 +181,11 @@ def deliver(reply: StepReply, running: dict[int, Request],
     for index, (seq, tokens, accepted, drafts, finish) in enumerate(steps):
         request = running.get(seq)
         if request is None:  # cancelled or preempted while this step was in flight
+            continue
+        if finish == FAILED:
+            request.finished = request.failed = True
+            finished.append(request)
+            request.queue.put_nowait(SamplingError(SAMPLING_FAILED))
             continue
         prompt_rows, token_rows = request.logprob_rows(len(tokens), prefill=request.generated == 0)
         table.check(index, prompt_rows + token_rows, max(request.logprobs, request.prompt_logprobs))

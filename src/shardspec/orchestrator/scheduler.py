@@ -163,7 +163,7 @@ class Scheduler:
         for request in requests:
             self.running.pop(request.seq, None)
             self.group_of.pop(request.seq, None)
-            if request.finished and not request.cancelled:  # (a request that failed is released before it fails)
+            if request.finished and not request.cancelled and not request.failed:  # (a failed one: nothing to keep)
                 self.cache.prefilled(request)  # (once only: it may have finished in its prefill)
                 if (save := self.cache.finish(request)) is not None:
                     saves.append(save)

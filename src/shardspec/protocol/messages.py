@@ -323,7 +323,7 @@ class StepRequest:
 class StepReply:
     """Per sequence that produced tokens (prefills first, then decodes, in request order): the new
     token ids, the drafts accepted this step (-1 for a prefill), the next drafts, and whether the
-    sequence finished ("stop", "length" or "").
+    sequence finished ("stop", "length", "error": its numbers went bad, it fails alone; or "").
 
     logprob_rows: empty unless a sequence asked for log-probabilities; else per sequence the rows it
     owns, in order, of the reply's tensors `logprobs` (float32 [R]: the log-probability of the

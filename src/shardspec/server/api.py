@@ -64,7 +64,7 @@ class GenerationBody(BaseModel):
     user: str | None = None  # the caller's id for its end user: accepted, it changes nothing here
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)  # not OpenAI's; vLLM's
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100.0)  # not OpenAI's; vLLM's (below 0.01: overflow)
     logit_bias: dict[str, Any] | None = None  # token id (as a string) -> bias in [-100, 100]
     min_tokens: int | None = Field(None, ge=0)  # not OpenAI's; vLLM's: no stop before this many tokens
     response_format: dict[str, Any] | None = None

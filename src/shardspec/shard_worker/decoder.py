@@ -34,14 +34,14 @@ from llguidance import LLMatcher
 
 from shardspec.layers.batch import Batch
 from shardspec.layers.grammar import advance, llg_tokenizer, masked
-from shardspec.layers.sampling import accept_greedy, accept_sampled, resample, sample, target_probs
+from shardspec.layers.sampling import accept_greedy, accept_sampled, resample, sample, target_probs, unusable
 from shardspec.protocol.errors import ErrorCode, ProtocolError
 from shardspec.protocol.messages import PrefillSpec, StepRequest, WorkerOptions
 from shardspec.shard_worker.graphs import HostRows
 from shardspec.shard_worker.logprobs import prompt_rows, token_rows
 from shardspec.shard_worker.penalties import TokenCounts
 from shardspec.shard_worker.runner import ModelRunner, RunnerStats, StepResult
-from shardspec.shard_worker.sequences import Sequence
+from shardspec.shard_worker.sequences import FAILED, Sequence
 
 # lookahead "auto": the last stage guesses while the moving share of a lone sequence's steps that kept
 # all k drafts (a guess can hold only then; over about the last KEPT_ALL_STEPS steps) is at least this
@@ -216,6 +216,10 @@ class Decoder(ModelRunner):
             if seq.matcher is not None:
                 advance(seq.matcher, output)  # (a preempted request's output so far)
             shaped = seq.constrain(seq.penalise(logits[None], []), [])
+            if unusable(shaped):
+                seq.next_token, seq.finished = 0, FAILED  # (the token is a placeholder: nothing is emitted)
+                result.add(seq, [], -1)
+                continue
             if seq.matcher is not None:
                 self.counters.constrained(shaped)
             seq.next_token = sample(shaped[0], spec.sampling, seq.generator)
@@ -236,7 +240,8 @@ class Decoder(ModelRunner):
             for seq, d in zip(seqs, drafts):
                 seq.drafts = [] if seq.finished else d
         for seq in seqs:
-            result.add(seq, [seq.next_token], -1)
+            if seq.finished != FAILED:
+                result.add(seq, [seq.next_token], -1)
 
     # --- saved states: with MTP, the target's hidden state before the saved position beside each ------
 
@@ -298,7 +303,7 @@ class Decoder(ModelRunner):
             accepted, tokens, logits = self._accept(seqs, hidden, argmax, result if want_logits else None,
                                                     wants_logprobs or not plain)
             for s, n, token in zip(seqs, accepted, tokens):  # (the drafts after them are masked from there)
-                if s.matcher is not None:
+                if s.matcher is not None and s.finished != FAILED:
                     advance(s.matcher, [*s.drafts[:n], token])
             if k:
                 with self._drafting_under(seqs if constrained else []):
@@ -307,7 +312,7 @@ class Decoder(ModelRunner):
             self.counters.count(accepted, k)
         emitted = []
         for s, n, token in zip(seqs, accepted, tokens):
-            emitted.append(s.emit([*s.drafts[:n], token]))
+            emitted.append([] if s.finished == FAILED else s.emit([*s.drafts[:n], token]))
             s.seen(emitted[-1])
             s.length += n + 1
             s.next_token = token
@@ -322,7 +327,7 @@ class Decoder(ModelRunner):
                 if ahead:
                     self.kept_all += (float(n == k) - self.kept_all) / KEPT_ALL_STEPS
         for i, (s, n, new) in enumerate(zip(seqs, accepted, emitted)):
-            if s.logprobs >= 0:  # token j of [d1..dn, bonus] was drawn from the target's logits at position j
+            if s.logprobs >= 0 and new:  # token j of [d1..dn, bonus] was drawn from the target's logits at position j
                 result.pending_rows[s.seq] = [token_rows(logits[i, : len(new)], torch.tensor(new), s.logprobs)]
             result.add(s, new, n if k else -1)
 
@@ -373,6 +378,11 @@ class Decoder(ModelRunner):
         accepted, tokens = [], []
         for i, s in enumerate(seqs):
             target = None if logits is None else s.constrain(s.penalise(logits[i], s.drafts), s.drafts)
+            if target is not None and (s.shaped or not s.sampling.greedy or s.counts is not None) and unusable(target):
+                s.finished = FAILED  # its request fails alone; the step goes on for the others
+                accepted.append(0)
+                tokens.append(s.next_token)  # (a placeholder for the draft pass: nothing is emitted)
+                continue
             if (s.counts is not None or s.shaped) and s.sampling.greedy:  # (else target: None)
                 argmax[i] = target.argmax(-1).tolist()
             probs = None if s.sampling.greedy else target_probs(target, s.sampling)

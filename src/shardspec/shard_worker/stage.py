@@ -136,8 +136,8 @@ class ForwardingStage(ModelRunner):
         if any(g and (len(g) != self.draft_len + 1 or not all(0 <= t < vocab for t in g)) for g in guesses):
             raise ProtocolError(ErrorCode.BAD_MESSAGE, f"a record's guess is not {self.draft_len + 1} token ids")
         for seq, tokens, drafts, finished, guess in zip(new, record.tokens, record.drafts, record.finished, guesses):
-            s = self.sequences[seq]
-            s.next_token, s.drafts, s.finished, s.guess = tokens[0], drafts, finished, guess
+            s = self.sequences[seq]  # (a sequence that failed has no tokens, and no next one)
+            s.next_token, s.drafts, s.finished, s.guess = tokens[0] if tokens else 0, drafts, finished, guess
         accepted = [max(n, 0) for n in record.accepted[len(new) :]]
         if self.draft_len and running:
             if step.snapshot is None:  # (else the lookahead committed it as if it kept all; _resolve)
@@ -147,7 +147,8 @@ class ForwardingStage(ModelRunner):
                    guesses[len(new) :])
         for s, n, tokens, drafts, finished, guess in tail:
             s.length += n + 1
-            s.next_token, s.drafts, s.finished, s.guess = tokens[-1], drafts, finished, guess
+            s.next_token = tokens[-1] if tokens else s.next_token
+            s.drafts, s.finished, s.guess = drafts, finished, guess
         if step.snapshot is not None:
             self._resolve(step, accepted[0])
 
