@@ -17,7 +17,7 @@ import zmq
 from conftest import SyncClient, wait_for_socket
 
 import shardspec
-from shardspec.cli import build_parser
+from shardspec.cli import BUNDLED_MODEL, build_parser
 from shardspec.orchestrator.group import rendezvous
 from shardspec.orchestrator.requests import EngineError
 from shardspec.orchestrator.workers import WorkerClient, WorkerLost, free_port, wait_ready
@@ -172,6 +172,28 @@ def test_the_ipc_socket_is_owner_only_whatever_the_umask(tmp_path):
     finally:
         proc.terminate()
         assert proc.wait(20) == 0
+
+
+def test_stage_link_sockets_are_owner_only_whatever_the_umask(tmp_path):
+    paths = [tmp_path / "w" / f"w{i}.sock" for i in range(2)]
+    procs = []
+    for i, path in enumerate(paths):
+        with open(tmp_path / f"w{i}.log", "wb") as log:
+            procs.append(subprocess.Popen([sys.executable, "-m", "shardspec", "worker", "--listen", f"ipc://{path}"],
+                                          stdout=log, stderr=subprocess.STDOUT, preexec_fn=lambda: os.umask(0)))
+
+    async def modes() -> list[int]:
+        async with shardspec.connect(model=str(BUNDLED_MODEL), workers=[f"ipc://{p}" for p in paths], pp=2):
+            return [stat.S_IMODE(p.with_suffix(".link").stat().st_mode) for p in paths]
+
+    try:
+        for path in paths:
+            wait_for_socket(str(path))
+        assert asyncio.run(modes()) == [0o600, 0o600]
+    finally:
+        for proc in procs:
+            proc.terminate()
+            assert proc.wait(20) == 0
 
 
 def test_a_socket_in_a_folder_others_can_write_is_refused(tmp_path):

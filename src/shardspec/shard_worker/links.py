@@ -31,7 +31,7 @@ from shardspec.protocol import codec, transport
 from shardspec.protocol.codec import Message
 from shardspec.protocol.errors import ErrorCode, ProtocolError
 from shardspec.protocol.messages import LINKS, AcceptRecord, HiddenStates, InitRequest, StepReply, parse, to_meta
-from shardspec.security import AllowList, KeyPair, make_client, make_server
+from shardspec.security import AllowList, KeyPair, ipc_socket_file, make_client, make_server, private_umask
 from shardspec.shard_worker.profiling import mark
 
 POLL_S = 0.1  # how often a wait on a link looks at what could end it
@@ -181,7 +181,10 @@ class DirectLinks(StageLinks):
         self.outgoing: dict[str, zmq.Socket] = {}
         self.handshakes: dict[str, zmq.Socket] = {}  # monitors of the outgoing links, until they are up
         try:
-            self.inbox.bind(bind)
+            with private_umask():  # an ipc:// inbox: owner only, as the worker's own socket
+                self.inbox.bind(bind)
+            if (socket_file := ipc_socket_file(bind)) is not None:
+                socket_file.chmod(0o600)
             self.bound = bind
             self.dropped = self.inbox.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
             self.peers: set[int] = set()  # descriptors of the connections through the handshake (CURVE: peers)
