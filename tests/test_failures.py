@@ -158,7 +158,7 @@ def test_a_killed_worker_fails_the_request_within_the_bound_and_serves_again_onc
     assert [s.slots_free for s in stats] == [s.slots_total for s in stats]
 
 
-@pytest.mark.parametrize("killed", [0, 1])
+@pytest.mark.parametrize("killed", [pytest.param(0, marks=pytest.mark.slow), 1])
 def test_killing_either_rank_of_a_shared_memory_group_is_named_in_time_and_leaves_nothing_in_dev_shm(
         tiny_model, workers, killed):
     """The ranks' collectives go through shared memory (they share this host); the survivor sees its

@@ -57,7 +57,8 @@ def test_penalties_outside_their_range_are_refused_naming_them(small_vocab_model
 
 
 @pytest.mark.parametrize(("tp", "pp", "mtp"), [(1, 1, True), pytest.param(1, 1, False, marks=pytest.mark.slow),
-                                               pytest.param(2, 1, True, marks=pytest.mark.slow), (2, 2, True)])
+                                               pytest.param(2, 1, True, marks=pytest.mark.slow),
+                                               pytest.param(2, 2, True, marks=pytest.mark.slow)])
 def test_a_request_whose_numbers_go_bad_fails_alone_while_the_others_stream_their_solo_tokens(tp, pp, mtp):
     """repetition_penalty 1e-39 divides the logits of seen tokens into infinity: at the prefill for a
     prompt whose tokens the model likes, at the first verify for a one-token prompt it does not. The

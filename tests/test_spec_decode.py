@@ -332,7 +332,7 @@ def test_a_sequence_that_fills_its_context_accepting_every_draft_finishes_cleanl
     assert runner.sequences[0].finished == "length" and len(tokens) == 16 - 2
 
 
-@pytest.mark.parametrize(("allreduce", "path"), [("auto", "shm"), ("gloo", "gloo")])
+@pytest.mark.parametrize(("allreduce", "path"), [pytest.param("auto", "shm", marks=pytest.mark.slow), ("gloo", "gloo")])
 def test_tp_2_on_one_host_gives_one_worker_s_greedy_tokens_through_shared_memory_and_through_gloo(
         small_vocab_model, allreduce, path):
     """fp32 greedy, MTP on and off: the collectives' path changes no token (both sum in rank order)."""
@@ -347,6 +347,7 @@ def test_tp_2_on_one_host_gives_one_worker_s_greedy_tokens_through_shared_memory
         assert split == asyncio.run(run(1, mtp))[1]
 
 
+@pytest.mark.slow
 def test_bf16_deterministic_tp_2_gives_the_same_tokens_through_shared_memory_as_through_gloo():
     """Both sum two ranks' parts as a + b: the path changes no bit. (TP = 2 and TP = 1 differ in bf16:
     a row-parallel matmul sums its halves apart, and deterministic mode is batch-, not TP-invariant.)"""
