@@ -123,7 +123,10 @@ class Engine:
         if self.closed or self.loop_task is None:
             return "the engine is not running"
         if self.lost is not None:
-            return self.lost if self.loop_task.done() else f"{self.lost}; reconnecting to the workers"
+            if self.loop_task.done():
+                return self.lost
+            paused = self.group.local.note if self.group.local is not None else None
+            return f"{self.lost}; reconnecting to the workers" + (f" ({paused})" if paused else "")
         if self.loop_task.done():
             return "the engine's step loop stopped"
         return self.group.failure
@@ -441,12 +444,8 @@ class Engine:
             request.fail(exc)
 
     async def _recover(self) -> bool:
-        """Reconnect to the workers until they all answer and load again; False if that cannot be."""
-        try:
-            recovered = await self.group.recover(self.lost or "", lambda: self.closed)
-        except WorkerLost as exc:
-            self.lost = str(exc)
-            return False
+        """Reconnect to the workers until they all answer and load again; False if the engine closed first."""
+        recovered = await self.group.recover(self.lost or "", lambda: self.closed)
         if recovered:
             self.lost = None
         return recovered

@@ -176,13 +176,13 @@ class WorkerGroup:
         await asyncio.gather(*(w.close() for w in self.workers))
 
     async def recover(self, cause: str, stopped: Callable[[], bool]) -> bool:
-        """Reconnect until every worker answers and has loaded again; False if stopped first.
-
-        Raises WorkerLost for a spawned worker that is out of restarts."""
+        """Reconnect until every worker answers and has loaded again; False if stopped first. A
+        spawned worker in a crash loop is started again after its pause (LocalWorkers)."""
         while not stopped():
             await self.disconnect()
-            if self.local is not None:  # this engine is the supervisor of the workers it spawned
-                self.local.restart_exited()
+            if self.local is not None and self.local.restart_exited() > 0:  # (this engine supervises them)
+                await asyncio.sleep(RECONNECT_PAUSE_S)
+                continue
             try:
                 await self.connect(RECONNECT_HELLO_S)
             except (WorkerLost, RemoteError, EngineError) as exc:

@@ -218,12 +218,14 @@ def _die_with_parent() -> None:
 
 class LocalWorkers:
     """Worker daemons spawned on this machine on ipc:// sockets; they die with this process, and
-    this process restarts one that exits (at most MAX_RESTARTS times each in RESTART_WINDOW_S: a
-    worker that keeps crashing is a fault to report, not to hide, but crashes spread over a long
-    life are not)."""
+    this process restarts one that exits: at once up to MAX_RESTARTS times in RESTART_WINDOW_S, then
+    (a crash loop) after a pause that starts at BACKOFF_S and doubles up to MAX_BACKOFF_S, so that a
+    long-running service comes back once the cause is gone, without restarting in a tight loop."""
 
     MAX_RESTARTS = 3
     RESTART_WINDOW_S = 600.0
+    BACKOFF_S = 5.0
+    MAX_BACKOFF_S = 300.0
 
     def __init__(self, count: int, device: str, heartbeat_timeout: float = transport.DEFAULT_HEARTBEAT_TIMEOUT_S):
         remove_stale_dirs()
@@ -239,6 +241,9 @@ class LocalWorkers:
         ]
         self.restarts = [0] * count
         self.recent_restarts: list[deque[float]] = [deque() for _ in range(count)]  # monotonic times, in the window
+        self.pauses = [0] * count  # a crash loop's pauses so far (0: none since its restarts left the window)
+        self.next_start: list[float | None] = [None] * count  # a paused worker's next start (monotonic)
+        self.note: str | None = None  # why a worker is not started yet (a crash loop's pause), for the failure
         self.procs: list[subprocess.Popen] = [self._spawn(i, "wb") for i in range(count)]
 
     def _spawn(self, i: int, mode: str) -> subprocess.Popen:
@@ -251,25 +256,44 @@ class LocalWorkers:
             if proc.poll() is not None:
                 raise WorkerLost(f"local worker {i} exited with code {proc.returncode}:\n{self.log_tail(i)}")
 
-    def restart_exited(self) -> list[int]:
-        """Start again the workers that exited; raises WorkerLost for one out of restarts."""
-        restarted = []
+    def restart_exited(self) -> float:
+        """Start again the workers that exited and may start now; -> 0, or the seconds until the
+        next one in a crash loop may (its pause)."""
+        wait, notes = 0.0, []
         for i, proc in enumerate(self.procs):
-            if proc.poll() is None:
-                continue
-            recent, now = self.recent_restarts[i], time.monotonic()
-            while recent and recent[0] <= now - self.RESTART_WINDOW_S:
-                recent.popleft()
-            if len(recent) >= self.MAX_RESTARTS:
-                raise WorkerLost(f"local worker {i} exited with code {proc.returncode} after {len(recent)} restarts "
-                                 f"in the last {self.RESTART_WINDOW_S:g}s:\n{self.log_tail(i)}")
-            recent.append(now)
-            self.restarts[i] += 1
-            log.warning("local worker %d exited with code %s; starting it again (%d/%d in %gs)", i, proc.returncode,
-                        len(recent), self.MAX_RESTARTS, self.RESTART_WINDOW_S)
-            self.procs[i] = self._spawn(i, "ab")
-            restarted.append(i)
-        return restarted
+            if proc.poll() is not None and (pause := self._pause(i, proc.returncode)) > 0:
+                wait = max(wait, pause)
+                notes.append(f"local worker {i} keeps exiting (code {proc.returncode}): starting it again in "
+                             f"{pause:.0f}s")
+            elif proc.poll() is not None:
+                self.restarts[i] += 1
+                self.recent_restarts[i].append(time.monotonic())
+                log.warning("local worker %d exited with code %s; starting it again (restart %d)", i, proc.returncode,
+                            self.restarts[i])
+                self.procs[i] = self._spawn(i, "ab")
+        self.note = "; ".join(notes) or None
+        return wait
+
+    def _pause(self, i: int, code: int) -> float:
+        """The seconds before worker i may start again: 0 within its quick restarts, else what is
+        left of its pause (the pause set, and logged, when it begins)."""
+        recent, now = self.recent_restarts[i], time.monotonic()
+        while recent and recent[0] <= now - self.RESTART_WINDOW_S:
+            recent.popleft()
+        if not recent:
+            self.pauses[i] = 0
+        if len(recent) < self.MAX_RESTARTS:
+            return 0.0
+        if self.next_start[i] is None:
+            pause = min(self.BACKOFF_S * 2 ** self.pauses[i], self.MAX_BACKOFF_S)
+            self.pauses[i] += 1
+            self.next_start[i] = now + pause
+            log.error("local worker %d exited with code %s after %d restarts in %gs; starting it again in %.0fs:\n%s",
+                      i, code, len(recent), self.RESTART_WINDOW_S, pause, self.log_tail(i))
+        if now < self.next_start[i]:
+            return self.next_start[i] - now
+        self.next_start[i] = None
+        return 0.0
 
     def log_tail(self, i: int, lines: int = 15) -> str:
         try:
