@@ -226,18 +226,29 @@ def test_step_timeout_is_a_flag_of_generate_and_serve_and_is_checked():
 
 
 def test_key_files_and_their_folder_are_private_from_creation_even_under_umask_000(tmp_path):
+    folder = tmp_path / "new" / "keys"  # its parent is missing too
     old = os.umask(0)
     try:
-        public, secret = security.generate(tmp_path / "keys", "worker")
+        public, secret = security.generate(folder, "worker")
     finally:
         os.umask(old)
-    assert stat.S_IMODE((tmp_path / "keys").stat().st_mode) == 0o700
+    assert stat.S_IMODE(folder.stat().st_mode) == stat.S_IMODE(folder.parent.stat().st_mode) == 0o700
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600
     assert stat.S_IMODE(public.stat().st_mode) == 0o644
-    pair = security.load_pair(tmp_path / "keys")  # zmq's certificate format: zmq reads them back
+    pair = security.load_pair(folder)  # zmq's certificate format: zmq reads them back
     assert zmq.auth.load_certificate(str(public)) == (pair.public, None)
     with pytest.raises(security.KeyFileError, match="not overwriting"):
-        security.generate(tmp_path / "keys", "worker")
+        security.generate(folder, "worker")
+
+
+def test_keys_written_into_a_folder_others_can_write_come_with_a_one_line_warning(tmp_path, caplog):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with caplog.at_level(logging.WARNING, logger="shardspec.security"):
+        security.generate(shared, "worker")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"key folder {shared} is writable by other users (mode 777); run chmod 700 {shared}"]
 
 
 def test_a_secret_key_that_other_users_can_read_is_loaded_with_a_one_line_warning(tmp_path, caplog):

@@ -41,20 +41,35 @@ class KeyPair:
 
 
 def generate(folder: str | Path, name: str) -> tuple[Path, Path]:
-    """Write NAME.key and NAME.key_secret into `folder`; refuse to overwrite a pair. The folder,
-    if new, is made 0700 and the secret file 0600 as they are created (never loosened by a umask)."""
+    """Write NAME.key and NAME.key_secret into `folder`; refuse to overwrite a pair. The folder and
+    its missing parents, if new, are made 0700 and the secret file 0600 as they are created (never
+    loosened by a umask); an existing folder others may write into is warned about."""
     folder = Path(folder)
     public_file, secret_file = folder / f"{name}.key", folder / f"{name}.key_secret"
     if secret_file.exists():
         raise KeyFileError(f"{secret_file} exists; not overwriting a secret key")
     try:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _private_folder(folder)
         public, secret = zmq.curve_keypair()
         _write_new(secret_file, _certificate(SECRET_BANNER, public, secret), 0o600, exclusive=True)
         _write_new(public_file, _certificate(PUBLIC_BANNER, public), 0o644, exclusive=False)
     except OSError as exc:
         raise KeyFileError(f"cannot write a key pair into {folder}: {exc.strerror or exc}") from None
     return public_file, secret_file
+
+
+def _private_folder(folder: Path) -> None:
+    """`folder` and any missing parent made 0700 whatever the umask; a warning for an existing one
+    that other users may write into (they could swap the keys)."""
+    if folder.exists():
+        if (mode := folder.stat().st_mode & 0o777) & 0o022:
+            log.warning("key folder %s is writable by other users (mode %03o); run chmod 700 %s", folder, mode, folder)
+        return
+    previous = os.umask(0o077)
+    try:
+        folder.mkdir(mode=0o700, parents=True)
+    finally:
+        os.umask(previous)
 
 
 def _certificate(banner: str, public: bytes, secret: bytes | None = None) -> str:
