@@ -4,7 +4,8 @@ a real one-way delay, with and without MTP, at batch 1 and 8.
     sudo python bench/pipeline.py [--delay-ms 2] [--tokens 96] [--batch 1 8]
 
 Two hosts (tools/hosts.py: network namespaces joined by VDE wirefilter links, `--delay-ms` one way
-between them); host 0 runs the orchestrator and worker 0, host 1 worker 1 (each `--threads 1`).
+between them), each on a core of its own (taskset); host 0 runs the orchestrator and worker 0, host
+1 worker 1 (each `--threads 1`).
 Rows: (a) one worker alone on host 1, (b) TP = 2 across the two hosts, (c) PP = 2 across them (in
 micro-batches, one per stage; at batch > 1 also as one micro-batch; at batch 1 with MTP, lookahead
 at its default "auto" and also always on and off), worker to worker and relayed through the
@@ -13,15 +14,20 @@ bundled model, greedy, bfloat16 (its checkpoint dtype). tokens/s = tokens genera
 sequences ÷ wall time of the batch, median of --repeats after a warm-up; ms per token = the time
 between one sequence's tokens; idle = the share of the timed runs each worker spent outside a
 step's work (waiting for a command or another stage); lookahead = stage 0's verify passes run on
-the last stage's guess, and the share of them whose guess held; also the bytes of one stage-link message per
-step and the time to encode and send one through ZeroMQ.
+the last stage's guess, and the share of them whose guess held; then, for each batch-1 pipeline
+row, one step's timeline (when each rank took the request, sent and got the hidden states and the
+record, and replied, in ms after stage 0 took the request: the round trips a step costs can be
+read off it); also the bytes of one stage-link message per step and the time to encode and send
+one through ZeroMQ.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -60,11 +66,45 @@ async def client(options: dict, batch: int, tokens: int, repeats: int) -> dict:
         await timed()
         before, started = await engine.stats(), time.perf_counter()
         runs = [await timed() for _ in range(repeats)]
-        after, wall = await engine.stats(), time.perf_counter() - started
+        after, wall = await engine.stats(timeline=True), time.perf_counter() - started
     idle = [1 - (a.busy_s - b.busy_s) / wall for a, b in zip(after, before)]  # per rank, so per stage here
     guesses = after[0].lookaheads - before[0].lookaheads, after[0].lookaheads_right - before[0].lookaheads_right
     return {"tokens_per_s": statistics.median(r for r, _ in runs), "mal": runs[0][1], "idle": idle,
-            "lookaheads": guesses}
+            "lookaheads": guesses, "timeline": step_timeline([s.timeline for s in after])}
+
+
+def step_timeline(timelines: list[list]) -> dict:
+    """The median step of the last steps the workers kept: each rank's events (TimelineEvent) in ms
+    after rank 0 took the step's request, and the median time from one step's request to the next's
+    at rank 0. One machine: the ranks' clocks are one clock."""
+    by_rank = [{(e.step, e.event): e.at for e in events} for events in timelines]
+    starts = {step: at for (step, event), at in by_rank[0].items() if event == "request"}
+    steps = sorted(starts)[len(starts) // 4 :]  # past the warm-up's first steps
+    periods = [starts[b] - starts[a] for a, b in itertools.pairwise(steps) if b == a + 1]
+    rows = []
+    for rank, events in enumerate(by_rank):
+        names = sorted({event for _, event in events}, key=list(EVENT_ORDER).index)
+        for name in names:
+            offsets = [events[step, name] - starts[step] for step in steps if (step, name) in events]
+            if offsets:
+                rows.append([rank, name, 1e3 * statistics.median(offsets)])
+    return {"period_ms": 1e3 * statistics.median(periods) if periods else None, "events": rows}
+
+
+EVENT_ORDER = ("request", "send hidden", "wait hidden", "got hidden", "send record", "wait record", "got record",
+               "reply")
+
+
+def print_timelines(timelines: list[tuple[str, dict]]) -> None:
+    """One step of each batch-1 pipeline row: when each rank's events happened, in ms after stage 0
+    took the step's request (medians over the steps the workers kept)."""
+    for name, timeline in timelines:
+        period = timeline["period_ms"]
+        print(f"\none step of {name}: {period:.1f} ms from one request to the next at stage 0" if period else
+              f"\none step of {name}:")
+        print("| rank | event | ms after stage 0 took the request |\n|---|---|---|")
+        for rank, event, ms in sorted(timeline["events"], key=lambda e: e[2]):
+            print(f"| {rank} | {event} | {ms:.1f} |")
 
 
 def link_cost(hidden: int, rows: int) -> tuple[int, float]:
@@ -117,11 +157,15 @@ def main() -> None:
     print(f"two emulated hosts, {args.delay_ms:g} ms one way; bundled model, greedy, {args.tokens} tokens per sequence")
     print("| setup | MTP | batch | tokens/s | ms per token | MAL | idle per worker | lookahead (held) |\n"
           "|---|---|---|---|---|---|---|---|", flush=True)
-    with EmulatedHosts(2, args.delay_ms / 2) as hosts:  # each host's link to the switch carries half
+    cores = sorted(os.sched_getaffinity(0))
+    per_host = [str(cores[i % len(cores)]) for i in range(2)]  # one core a host (host 0: the orchestrator too)
+    print(f"host 0 on core {per_host[0]}, host 1 on core {per_host[1]}")
+    with EmulatedHosts(2, args.delay_ms / 2, per_host) as hosts:  # each host's link to the switch carries half
         a, b = (f"tcp://{hosts.address(i)}:{PORT}" for i in range(2))
         workers = [hosts.popen(i, [sys.executable, "-m", "shardspec", "worker", "--listen", address, "--insecure",
                                    "--threads", "1", "--log-level", "WARNING"])
                    for i, address in enumerate((a, b))]
+        timelines: list[tuple[str, dict]] = []
         try:
             setups = [("one worker (host 1)", {"workers": [b]}), ("TP = 2 across hosts", {"workers": [a, b]}),
                       ("PP = 2 across hosts", {"workers": [a, b], "pp": 2}),
@@ -146,10 +190,13 @@ def main() -> None:
                         print(f"| {name} | {'k = 3' if mtp else 'off'} | {batch} | {row['tokens_per_s']:.1f} | "
                               f"{1e3 * batch / row['tokens_per_s']:.1f} | {row['mal']:.2f} | {idle} | {guesses} |",
                               flush=True)
+                        if batch == 1 and "pp" in options:
+                            timelines.append((f"{name}, MTP {'k = 3' if mtp else 'off'}", row["timeline"]))
         finally:
             for worker in workers:
                 worker.terminate()
                 worker.wait(20)
+    print_timelines(timelines)
     for rows, what in ((4, "batch 1, k = 3 (a verify pass of 4 tokens)"), (32, "batch 8, k = 3")):
         size, seconds = link_cost(hidden, rows)
         print(f"stage link, {what}: {size} bytes per message; encode + send + receive {seconds * 1e6:.0f} us")

@@ -200,3 +200,21 @@ def test_a_reload_after_steps_of_finished_sequences_only_serves_the_same_output(
 async def collect_tokens(engine, prompt: list[int], max_tokens: int) -> list[int]:
     return [t async for chunk in engine.generate(prompt, max_tokens=max_tokens, temperature=0,
                                                  stop_at_eos=False) for t in chunk.token_ids]
+
+
+def test_the_workers_timelines_show_each_step_s_messages_in_causal_order(tiny_model):
+    """At PP = 2 (one machine: one clock), step N's hidden states leave stage 0 before stage 1 has
+    them, stage 1 sends its record after that, and stage 0 gets the record after it was sent; each
+    rank took the step's request before its part of it."""
+    async def run():
+        async with shardspec.connect(model=str(tiny_model), workers=pooled(2), pp=2, lookahead="off") as engine:
+            async for _ in engine.generate([1, 2, 3], max_tokens=24, stop_at_eos=False):
+                pass
+            return [{(e.step, e.event): e.at for e in stats.timeline} for stats in await engine.stats(timeline=True)]
+
+    first, last = asyncio.run(run())
+    steps = sorted(step for step, event in first if event == "got record")
+    assert len(steps) >= 5
+    for n in steps:
+        assert first[n, "request"] <= first[n, "send hidden"] <= last[n, "got hidden"]
+        assert last[n, "request"] <= last[n, "got hidden"] <= last[n, "send record"] <= first[n, "got record"]

@@ -20,12 +20,15 @@ import tempfile
 import time
 from pathlib import Path
 
-TOOLS = ("ip", "vde_switch", "vde_plug2tap", "vde_plug", "dpipe", "wirefilter")
+TOOLS = ("ip", "vde_switch", "vde_plug2tap", "vde_plug", "dpipe", "wirefilter", "taskset")
 
 
 class EmulatedHosts:
-    def __init__(self, count: int, delay_ms: float):
-        self.count, self.delay_ms = count, delay_ms
+    """`count` hosts `delay_ms` one way from the central switch; `cores`: the CPU cores each host's
+    processes may run on (taskset; None: any), so that hosts do not share cores as real ones would not."""
+
+    def __init__(self, count: int, delay_ms: float, cores: list[str] | None = None):
+        self.count, self.delay_ms, self.cores = count, delay_ms, cores
         self.tag = f"ssb{os.getpid() % 100000}"
         self.dir = Path(tempfile.mkdtemp(prefix="shardspec-hosts-"))
         self.namespaces: list[str] = []
@@ -72,8 +75,9 @@ class EmulatedHosts:
                                            stderr=subprocess.DEVNULL, start_new_session=session))
 
     def popen(self, host: int, cmd: list[str], **kwargs) -> subprocess.Popen:
-        """A process inside host `host`'s namespace (stopped at exit if still running)."""
-        proc = subprocess.Popen(["ip", "netns", "exec", self.namespaces[host], *cmd], **kwargs)
+        """A process inside host `host`'s namespace, on its cores (stopped at exit if still running)."""
+        pinned = ["taskset", "-c", self.cores[host]] if self.cores else []
+        proc = subprocess.Popen(["ip", "netns", "exec", self.namespaces[host], *pinned, *cmd], **kwargs)
         self.guests.append(proc)
         return proc
 

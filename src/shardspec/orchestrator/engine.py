@@ -224,9 +224,10 @@ class Engine:
                 request.cancelled = True
                 self.wakeup.set()
 
-    async def stats(self) -> list[Any]:
-        """Every worker's StatsReply, in rank order."""
-        return [reply for reply, _ in await self.group.call_all(StatsRequest(), timeout=30)]
+    async def stats(self, timeline: bool = False) -> list[Any]:
+        """Every worker's StatsReply, in rank order; `timeline`: with its last steps' events
+        (protocol.messages.TimelineEvent: when each step's messages left and came)."""
+        return [reply for reply, _ in await self.group.call_all(StatsRequest(timeline), timeout=30)]
 
     def _new_request(self, prompt: str | list[int], max_tokens: int, temperature: float, top_k: int, top_p: float,
                      seed: int | None, stop_at_eos: bool) -> Request:

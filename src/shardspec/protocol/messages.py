@@ -360,6 +360,19 @@ class ReleaseReply:
 @dataclass(frozen=True)
 class StatsRequest:
     OP: ClassVar[str] = "stats"
+    timeline: bool = False  # include the worker's last steps' events (StatsReply.timeline)
+
+
+@dataclass(frozen=True)
+class TimelineEvent:
+    """When a worker did one thing of step `step` (numbered as on the stage links, from 1 after a
+    load), by its wall clock in seconds: "request" (it took the step's command), "send hidden",
+    "wait hidden" / "got hidden" (the states from the stage before: waiting began, they were in),
+    "send record", "wait record" / "got record" (the last stage's record of `step`), "reply"."""
+
+    step: int = bounded(0, 2**63 - 1, 0)
+    event: str = ""
+    at: float = bounded(0.0, 1e12, 0.0)
 
 
 @dataclass(frozen=True)
@@ -396,6 +409,7 @@ class StatsReply:
     grammar_tokens: int = 0  # the last stage: tokens sampled under a grammar (structured output)
     forced_tokens: int = 0  # of them, those the grammar allowed alone (jump-forward: no choice to sample)
     options: WorkerOptions = field(default_factory=WorkerOptions)  # in effect: the last init's
+    timeline: list[TimelineEvent] = field(default_factory=list)  # when asked: the last steps' events, oldest first
 
 
 @dataclass(frozen=True)

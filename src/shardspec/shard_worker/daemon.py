@@ -41,8 +41,10 @@ from shardspec.protocol.messages import (
     ReleaseRequest,
     ShutdownReply,
     StatsReply,
+    StatsRequest,
     StepReply,
     StepRequest,
+    TimelineEvent,
     parse,
     to_meta,
 )
@@ -50,7 +52,7 @@ from shardspec.security import AllowList, KeyPair
 from shardspec.shard_worker import group
 from shardspec.shard_worker.links import SPIN_S, LinkDropped, RelayedLinks, StageLinks, open_direct
 from shardspec.shard_worker.loading import HeldModel, free_memory, make_runner
-from shardspec.shard_worker.profiling import StepProfiler, hang_for_test, mark
+from shardspec.shard_worker.profiling import StepProfiler, Timeline, hang_for_test, mark
 from shardspec.shard_worker.runner import ModelRunner, RunnerStats
 from shardspec.utils import memory_stats, parse_device
 
@@ -105,6 +107,7 @@ class ShardWorker:
         self.last_step_sent: float | None = None
         self.stopping = False
         self.profiler = StepProfiler()  # SHARDSPEC_PROFILE: steps under PyTorch's profiler
+        self.timeline = Timeline()  # its steps' requests and replies (the stage links keep theirs)
         self.handlers = {op: getattr(self, f"_{op}") for op in REQUESTS}  # an op's handler: _<op>
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -431,6 +434,7 @@ class ShardWorker:
         if set(tensors) - {"prompt_ids"}:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"step takes one tensor 'prompt_ids', got {sorted(tensors)}")
         prompt_ids = tensors.get("prompt_ids", torch.empty(0, dtype=torch.int64))
+        self.timeline.add(self.steps + 1, "request")  # (the step's number on the links)
         started = time.perf_counter()
         hang_for_test()
         self.profiler.before(self.steps)
@@ -441,6 +445,7 @@ class ShardWorker:
         step_s = time.perf_counter() - started
         self.step_total_s += step_s
         reply = result.reply(step_s=step_s)
+        self.timeline.add(self.steps, "reply")
         return reply, result.tensors()
 
     def _release(self, body: ReleaseRequest, _tensors: dict) -> tuple[ReleaseReply, None]:
@@ -448,7 +453,7 @@ class ShardWorker:
         released = runner.release(body.seqs, body.saves)
         return ReleaseReply(released=released, free_slots=len(runner.table.slots.free)), None
 
-    def _stats(self, _body: Any, _tensors: dict) -> tuple[StatsReply, None]:
+    def _stats(self, body: StatsRequest, _tensors: dict) -> tuple[StatsReply, None]:
         mem = memory_stats()
         link_wait = self.links.waited_s if self.links is not None else 0.0
         runner = self.runner.stats() if self.runner is not None else RunnerStats()
@@ -470,8 +475,14 @@ class ShardWorker:
             collectives=self.tp.path if self.tp else "",
             **asdict(runner),
             options=kernels.settings,
+            timeline=self._timeline() if body.timeline else [],
         )
         return reply, None
+
+    def _timeline(self) -> list[TimelineEvent]:
+        """This worker's and its stage links' step events, oldest first."""
+        events = [*self.timeline.events, *(self.links.timeline.events if self.links is not None else [])]
+        return [TimelineEvent(step, event, at) for step, event, at in sorted(events, key=lambda e: e[2])]
 
     def _shutdown(self, _body: Any, _tensors: dict) -> tuple[ShutdownReply, None]:
         self._reset("orchestrator said goodbye")

@@ -32,7 +32,7 @@ from shardspec.protocol.codec import Message
 from shardspec.protocol.errors import ErrorCode, ProtocolError
 from shardspec.protocol.messages import LINKS, AcceptRecord, HiddenStates, InitRequest, StepReply, parse, to_meta
 from shardspec.security import AllowList, KeyPair, ipc_socket_file, make_client, make_server, private_umask
-from shardspec.shard_worker.profiling import mark
+from shardspec.shard_worker.profiling import Timeline, mark
 
 POLL_S = 0.1  # how often a wait on a link looks at what could end it
 # a GPU worker's wait on a link spins (polls without sleeping) this long before it blocks: a 16 KB
@@ -65,11 +65,13 @@ class StageLinks:
         self.pending: dict[str, deque[Message]] = {op: deque() for op in LINKS}
         self.waited_s = 0.0  # in receives: the time this stage had nothing to do but wait
         self.staging = PinnedStaging()
+        self.timeline = Timeline()  # the worker's (the daemon sets its own): when messages leave and come
 
     # --- what the runner calls --------------------------------------------------------------------
 
     def send_hidden(self, step: int, index: int, hidden: torch.Tensor, kind: str = "pass") -> None:
         meta = to_meta(HiddenStates(step, index, kind))
+        self.timeline.add(step, "send hidden")
         with mark("link send"):
             tensor = self.staging.host_copy(hidden)
             self.staging.sent(self._send_next(Message(HiddenStates.OP, 0, meta, {"hidden": tensor})))
@@ -81,6 +83,7 @@ class StageLinks:
         held (`guess_held`): a lookahead message is then taken only when it held and the message is
         this pass's, and otherwise dropped (a redo follows it, or its sequence finished) and the next
         one read. None (a stage before the last): the next message, whatever its kind."""
+        self.timeline.add(step, "wait hidden")
         while True:
             msg = self._take(HiddenStates.OP, "hidden states from the stage before")
             body = parse(HiddenStates, msg.meta)
@@ -95,15 +98,19 @@ class StageLinks:
             shape = None if hidden is None else list(hidden.shape)
             raise ProtocolError(ErrorCode.BAD_MESSAGE, f"hidden states of shape {shape} for a pass over "
                                 f"{list(tokens)} tokens")
+        self.timeline.add(step, "got hidden")
         return hidden, body.kind
 
     def send_record(self, step: int, reply: StepReply, guesses: list[list[int]] | None = None) -> None:
         record = AcceptRecord(step, reply, guesses or [])
+        self.timeline.add(step, "send record")
         with mark("link send"):
             self._send_earlier(Message(AcceptRecord.OP, 0, to_meta(record)))
 
     def recv_record(self, step: int) -> AcceptRecord:
+        self.timeline.add(step, "wait record")
         body = parse(AcceptRecord, self._take(AcceptRecord.OP, "the last stage's acceptance record").meta)
+        self.timeline.add(step, "got record")
         if body.step != step:
             raise ProtocolError(ErrorCode.INTERNAL, f"stage link out of step: expected the record of step {step}, "
                                 f"got step {body.step}'s")

@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import time
+from collections import deque
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
@@ -49,6 +50,20 @@ def parse_setting(text: str) -> tuple[Path, tuple[int, int]]:
         raise ValueError(f"{PROFILE_ENV} must be DIR or DIR:START:STOP (steps after a load, "
                          f"0 <= START < STOP), got {text!r}")
     return Path(folder), (start, stop)
+
+
+TIMELINE_EVENTS = 4096  # events a worker keeps for StatsReply.timeline
+
+
+class Timeline:
+    """The last TIMELINE_EVENTS events of a worker's steps (protocol.messages.TimelineEvent), for
+    reading off where a pipeline step waits; cheap enough to keep always (a clock read and an append)."""
+
+    def __init__(self) -> None:
+        self.events: deque[tuple[int, str, float]] = deque(maxlen=TIMELINE_EVENTS)
+
+    def add(self, step: int, event: str) -> None:
+        self.events.append((step, event, time.time()))
 
 
 def mark(name: str) -> AbstractContextManager:
