@@ -286,6 +286,7 @@ def test_parallel_required_calls_all_validate(chat_server):
             jsonschema.validate(arguments, schema)
 
 
+@pytest.mark.slow
 def test_reasoning_comes_apart_from_content_streamed_and_not_and_a_json_format_holds_after_it(chat_server):
     """The model's </think> made likely (logit_bias), so that reasoning ends; the JSON format holds
     for the content only."""

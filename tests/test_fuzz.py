@@ -72,6 +72,8 @@ def overrides(model: str) -> dict[tuple[str, str], st.SearchStrategy]:
                                                                   "state": st.integers(0, 8)}), max_size=2),
         ("PrefillSpec", "output"): st.integers(0, 8),
         ("PrefillSpec", "grammar"): st.sampled_from(["", "", "", 'start: "a"', "{not a grammar"]),
+        ("PrefillSpec", "logit_bias"): st.lists(st.fixed_dictionaries({
+            "token": st.integers(0, VOCAB + 5), "bias": st.floats(-100, 100)}), max_size=2),
         ("ReleaseRequest", "saves"): st.lists(st.fixed_dictionaries({"seq": SEQS, "state": st.integers(0, 8)}),
                                               max_size=2),
         ("StepRequest", "prefill"): None,  # built by _prefills, with a matching prompt tensor

@@ -332,7 +332,8 @@ def test_a_sequence_that_fills_its_context_accepting_every_draft_finishes_cleanl
     assert runner.sequences[0].finished == "length" and len(tokens) == 16 - 2
 
 
-@pytest.mark.parametrize(("allreduce", "path"), [pytest.param("auto", "shm", marks=pytest.mark.slow), ("gloo", "gloo")])
+@pytest.mark.slow  # (the other TP tests run through shared memory, the default)
+@pytest.mark.parametrize(("allreduce", "path"), [("auto", "shm"), ("gloo", "gloo")])
 def test_tp_2_on_one_host_gives_one_worker_s_greedy_tokens_through_shared_memory_and_through_gloo(
         small_vocab_model, allreduce, path):
     """fp32 greedy, MTP on and off: the collectives' path changes no token (both sum in rank order)."""
