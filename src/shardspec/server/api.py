@@ -6,7 +6,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -19,8 +19,6 @@ MAX_STOP_CHARS = 1024  # each; the text held back while a stop may still be matc
 MAX_CHAT_MESSAGES = 2048
 Body = TypeVar("Body", bound=BaseModel)
 
-if TYPE_CHECKING:
-    from shardspec.server.chat_output import ChatOutput
 
 
 class ApiError(Exception):
@@ -340,11 +338,12 @@ class ChatShape(Shape):
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
-    def __init__(self, model: str, output: Callable[[], ChatOutput], token_text: Any = None, reasons: bool = False):
+    def __init__(self, model: str, output: Callable[[], Any], token_text: Any = None, reasons: bool = False):
+        """`output` makes a choice's server.chat_output.ChatOutput (which needs this module's errors)."""
         super().__init__(model, token_text)
         self.output = output
         self.reasons = reasons  # the model may reason: messages carry reasoning_content
-        self.streams: dict[int, ChatOutput] = {}
+        self.streams: dict[int, Any] = {}  # a choice index -> its streaming split
 
     def choice(self, index: int, text: str, finish_reason: str | None, logprobs: Any = None) -> dict[str, Any]:
         output = self.output()
@@ -383,6 +382,6 @@ class ChatShape(Shape):
         return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode())}
 
 
-def _finish(reason: str | None, output: ChatOutput) -> str | None:
+def _finish(reason: str | None, output: Any) -> str | None:
     """A choice that ends where the model stopped after calling tools finishes with "tool_calls"."""
     return "tool_calls" if reason == "stop" and output.calls else reason
