@@ -279,7 +279,7 @@ def test_folders_left_by_killed_orchestrators_are_removed_at_the_next_start_and_
     assert not stale.exists() and live.exists() and unrelated.exists()
 
 
-def test_the_restart_budget_is_per_window_not_per_life(monkeypatch, tmp_path):
+def test_the_restart_budget_is_per_window_and_a_crash_loop_waits_out_a_doubling_pause(monkeypatch, tmp_path):
     now = [1000.0]
     monkeypatch.setattr(workers.time, "monotonic", lambda: now[0])
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
@@ -287,18 +287,21 @@ def test_the_restart_budget_is_per_window_not_per_life(monkeypatch, tmp_path):
         [sys.executable, "-c", "raise SystemExit(3)"]))  # a worker that crashes at once
     local = workers.LocalWorkers(1, "cpu")
 
-    def crash_and_restart() -> None:
+    def crash_and_restart() -> float:
         local.procs[0].wait()
-        local.restart_exited()
+        return local.restart_exited()
 
     try:
         for _ in range(workers.LocalWorkers.MAX_RESTARTS):
-            crash_and_restart()
+            assert crash_and_restart() == 0
             now[0] += 60
-        with pytest.raises(workers.WorkerLost, match="after 3 restarts in the last 600s"):
-            crash_and_restart()  # a crash loop: reported
+        # a crash loop: no start for a pause, said in the note; then one start
+        assert crash_and_restart() == workers.LocalWorkers.BACKOFF_S
+        assert local.note == "local worker 0 keeps exiting (code 3): starting it again in 5s"
+        now[0] += workers.LocalWorkers.BACKOFF_S
+        assert crash_and_restart() == 0 and local.restarts == [workers.LocalWorkers.MAX_RESTARTS + 1]
+        assert crash_and_restart() == 2 * workers.LocalWorkers.BACKOFF_S  # the next pause is twice as long
         now[0] += workers.LocalWorkers.RESTART_WINDOW_S  # ten quiet minutes later: the budget is back
-        crash_and_restart()
-        assert local.restarts == [workers.LocalWorkers.MAX_RESTARTS + 1]
+        assert crash_and_restart() == 0 and local.note is None
     finally:
         local.stop()
