@@ -66,6 +66,8 @@ def test_a_client_that_floods_and_never_reads_neither_crashes_nor_blocks_the_wor
                 from None
     assert worker.proc.poll() is None
     assert "Assertion failed" not in worker.log_text()
+    seconds = sum(1 for line in worker.log_text().splitlines() if "rejected request" in line)
+    assert seconds < 60  # at most a line a second, not one per refused request
 
 
 def test_an_owner_that_floods_and_leaves_frees_the_worker_for_the_next(spawn_worker, sync_client):

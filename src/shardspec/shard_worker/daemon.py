@@ -108,6 +108,7 @@ class ShardWorker:
         self.stopping = False
         self.profiler = StepProfiler()  # SHARDSPEC_PROFILE: steps under PyTorch's profiler
         self.timeline = Timeline()  # its steps' requests and replies (the stage links keep theirs)
+        self.rejected_logged_at, self.rejected_unlogged = -1.0, 0  # _log_rejected's rate limit
         self.handlers = {op: getattr(self, f"_{op}") for op in REQUESTS}  # an op's handler: _<op>
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -214,7 +215,7 @@ class ShardWorker:
             reply = self._dispatch(peer.bytes, _source_fd(frames), request)
         except ProtocolError as exc:
             self.errors += 1
-            log.warning("rejected request: %s", exc)
+            self._log_rejected(exc)
             reply = _error(codec.peek_id(frames), exc.code, exc.message)
         except Exception as exc:  # a bug or a device failure: report it, keep serving
             self.errors += 1
@@ -290,6 +291,17 @@ class ShardWorker:
             return parse(StepRequest, msg.meta)
         except ProtocolError:
             return None  # its error goes back when it is served
+
+    def _log_rejected(self, exc: ProtocolError) -> None:
+        """A rejected request in the log, at most one line a second (a peer that floods bad or
+        refused requests must not fill the disk, nor spend the worker's time writing)."""
+        now = time.monotonic()
+        if now - self.rejected_logged_at < 1.0:
+            self.rejected_unlogged += 1
+            return
+        more = f" ({self.rejected_unlogged} more rejected in the second before)" if self.rejected_unlogged else ""
+        log.warning("rejected request: %s%s", exc, more)
+        self.rejected_logged_at, self.rejected_unlogged = now, 0
 
     def _reply(self, sock: zmq.Socket, peer: bytes, reply: Message) -> None:
         """Send without blocking: a peer that does not read loses its replies, never this worker."""
