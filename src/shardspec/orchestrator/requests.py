@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import torch
 
-from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepReply, TokenBias
+from shardspec.protocol.messages import FAILED, PrefillSpec, SamplingParams, StepReply, TokenBias
 
 
 class EngineError(RuntimeError):
@@ -160,7 +160,6 @@ class Request:
         return stats
 
 
-FAILED = "error"  # StepReply.finished of a sequence whose numbers went bad (shard_worker.sequences.FAILED)
 SAMPLING_FAILED = ("the request's sampling values made numbers no token can be sampled from (non-finite logits or "
                    "probabilities, or no token left after the penalties, the bias, top-k, top-p and the grammar); "
                    "try less extreme values")

@@ -261,11 +261,13 @@ class LocalWorkers:
         next one in a crash loop may (its pause)."""
         wait, notes = 0.0, []
         for i, proc in enumerate(self.procs):
-            if proc.poll() is not None and (pause := self._pause(i, proc.returncode)) > 0:
+            if proc.poll() is None:
+                continue
+            if (pause := self._pause(i, proc.returncode)) > 0:
                 wait = max(wait, pause)
                 notes.append(f"local worker {i} keeps exiting (code {proc.returncode}): starting it again in "
                              f"{pause:.0f}s")
-            elif proc.poll() is not None:
+            else:
                 self.restarts[i] += 1
                 self.recent_restarts[i].append(time.monotonic())
                 log.warning("local worker %d exited with code %s; starting it again (restart %d)", i, proc.returncode,

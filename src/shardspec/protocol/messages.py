@@ -21,6 +21,7 @@ MIN_TEMPERATURE = 1e-4  # below it, logits / temperature overflow float32: use 0
 MIN_TOP_P = 1e-6  # below it, top_p rounds to 0 in float32 (denormals flushed) and would keep no token
 MAX_PROMPT_TOKENS = 1 << 22  # one sequence's prompt
 MAX_GRAMMAR_CHARS = 1 << 20  # a structured-output grammar (PrefillSpec.grammar)
+FAILED = "error"  # StepReply.finished of a sequence whose numbers went bad (layers.sampling.unusable): it fails alone
 MAX_PREFIX_STATES = 1 << 16  # saved recurrent states of a worker's prefix cache
 MAX_STEP_PROMPT_TOKENS = 2 * MAX_PROMPT_TOKENS  # a step's prompts together, by default (a worker's --max-message-mb)
 
@@ -323,7 +324,7 @@ class StepRequest:
 class StepReply:
     """Per sequence that produced tokens (prefills first, then decodes, in request order): the new
     token ids, the drafts accepted this step (-1 for a prefill), the next drafts, and whether the
-    sequence finished ("stop", "length", "error": its numbers went bad, it fails alone; or "").
+    sequence finished ("stop", "length", FAILED or "").
 
     logprob_rows: empty unless a sequence asked for log-probabilities; else per sequence the rows it
     owns, in order, of the reply's tensors `logprobs` (float32 [R]: the log-probability of the

@@ -36,12 +36,12 @@ from shardspec.layers.batch import Batch
 from shardspec.layers.grammar import advance, llg_tokenizer, masked
 from shardspec.layers.sampling import accept_greedy, accept_sampled, resample, sample, target_probs, unusable
 from shardspec.protocol.errors import ErrorCode, ProtocolError
-from shardspec.protocol.messages import PrefillSpec, StepRequest, WorkerOptions
+from shardspec.protocol.messages import FAILED, PrefillSpec, StepRequest, WorkerOptions
 from shardspec.shard_worker.graphs import HostRows
 from shardspec.shard_worker.logprobs import prompt_rows, token_rows
 from shardspec.shard_worker.penalties import TokenCounts
 from shardspec.shard_worker.runner import ModelRunner, RunnerStats, StepResult
-from shardspec.shard_worker.sequences import FAILED, Sequence
+from shardspec.shard_worker.sequences import Sequence
 
 # lookahead "auto": the last stage guesses while the moving share of a lone sequence's steps that kept
 # all k drafts (a guess can hold only then; over about the last KEPT_ALL_STEPS steps) is at least this

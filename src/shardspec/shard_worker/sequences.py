@@ -17,8 +17,6 @@ from shardspec.protocol.errors import ErrorCode, ProtocolError
 from shardspec.protocol.messages import PrefillSpec, SamplingParams, SaveFinished, StepRequest
 from shardspec.shard_worker.penalties import TokenCounts
 
-FAILED = "error"  # a sequence whose request's numbers went bad (layers.sampling.unusable): it emits nothing more
-
 
 @dataclass
 class Sequence:
@@ -31,7 +29,7 @@ class Sequence:
     remaining: int  # tokens it may still emit
     stop_ids: frozenset[int]
     drafts: list[int] = field(default_factory=list)
-    finished: str = ""  # "", "stop", "length" or FAILED
+    finished: str = ""  # "", "stop", "length" or protocol.messages.FAILED (its numbers went bad: it fails alone)
     logprobs: int = -1  # top log-probabilities per emitted token in the replies; -1: none
     counts: TokenCounts | None = None  # with penalties: the tokens seen so far
     # lookahead: the last stage's guess of the tokens of the step after the next ([pending, d1..dk] if the
