@@ -41,6 +41,9 @@ PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):\n", "impo
            "for i in range(10):\n", "    def __repr__(self):\n        return ", "with open(path) as f:\n",
            "try:\n    import json\nexcept ImportError:\n", "def parse(line):\n"]
 PORT = 7000
+SETUPS = {"far": "one worker (host 1)", "tp": "TP = 2 across hosts", "pp": "PP = 2 across hosts",
+          "pp-on": "PP = 2, lookahead on", "pp-off": "PP = 2, lookahead off", "pp-mb1": "PP = 2, one micro-batch",
+          "pp-relay": "PP = 2 relayed"}
 
 
 async def client(options: dict, batch: int, tokens: int, repeats: int) -> dict:
@@ -91,12 +94,12 @@ def step_timeline(timelines: list[list]) -> dict:
     return {"period_ms": 1e3 * statistics.median(periods) if periods else None, "events": rows}
 
 
-EVENT_ORDER = ("request", "send hidden", "wait hidden", "got hidden", "send record", "wait record", "got record",
-               "reply")
+EVENT_ORDER = ("request", "send hidden", "wait hidden", "got hidden", "send record", "send guesses", "wait record",
+               "got record", "reply")
 
 
 def print_timelines(timelines: list[tuple[str, dict]]) -> None:
-    """One step of each batch-1 pipeline row: when each rank's events happened, in ms after stage 0
+    """One step of each pipeline row: when each rank's events happened, in ms after stage 0
     took the step's request (medians over the steps the workers kept)."""
     for name, timeline in timelines:
         period = timeline["period_ms"]
@@ -144,7 +147,13 @@ def main() -> None:
     parser.add_argument("--delay-ms", type=float, default=2.0, help="one-way delay between the hosts (default 2)")
     parser.add_argument("--tokens", type=int, default=96, help="tokens per sequence (default 96)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="sequences at once (default 1 8)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per row, after a warm-up (default 3)")
+    parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS),
+                        help="the rows to run (default all): " + ", ".join(f"{k} ({v})" for k, v in SETUPS.items()))
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the rows this many times in turn (a noisy machine: compare rows of one round)")
+    parser.add_argument("--mtp", nargs="+", choices=["on", "off"], default=["on", "off"],
+                        help="MTP k = 3 and/or off (default both)")
     parser.add_argument("--client", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client:  # the orchestrator, run inside host 0
@@ -167,31 +176,30 @@ def main() -> None:
                    for i, address in enumerate((a, b))]
         timelines: list[tuple[str, dict]] = []
         try:
-            setups = [("one worker (host 1)", {"workers": [b]}), ("TP = 2 across hosts", {"workers": [a, b]}),
-                      ("PP = 2 across hosts", {"workers": [a, b], "pp": 2}),
-                      ("PP = 2, lookahead on", {"workers": [a, b], "pp": 2, "lookahead": "on"}),
-                      ("PP = 2, lookahead off", {"workers": [a, b], "pp": 2, "lookahead": "off"}),
-                      ("PP = 2, one micro-batch", {"workers": [a, b], "pp": 2, "micro_batches": 1}),
-                      ("PP = 2 relayed", {"workers": [a, b], "pp": 2, "relay": True})]
-            for batch in args.batch:
-                for name, options in setups:
-                    if batch == 1 and "micro_batches" in options:  # one sequence is one micro-batch anyway
+            options_of = {"far": {"workers": [b]}, "tp": {"workers": [a, b]}, "pp": {"workers": [a, b], "pp": 2},
+                          "pp-on": {"workers": [a, b], "pp": 2, "lookahead": "on"},
+                          "pp-off": {"workers": [a, b], "pp": 2, "lookahead": "off"},
+                          "pp-mb1": {"workers": [a, b], "pp": 2, "micro_batches": 1},
+                          "pp-relay": {"workers": [a, b], "pp": 2, "relay": True}}
+            setups = [(SETUPS[key], options_of[key]) for key in SETUPS if key in args.setups]
+            for batch, (name, options) in itertools.product(args.batch * args.rounds, setups):
+                if batch == 1 and "micro_batches" in options:  # one sequence is one micro-batch anyway
+                    continue
+                for mtp in [m == "on" for m in args.mtp]:
+                    if "lookahead" in options and (batch > 1 or not mtp):  # it runs only for these
                         continue
-                    for mtp in (True, False):
-                        if "lookahead" in options and (batch > 1 or not mtp):  # it runs only for these
-                            continue
-                        spec = json.dumps({"options": {**options, "mtp": mtp}, "batch": batch})
-                        out = hosts.popen(0, [sys.executable, __file__, "--client", spec, "--tokens", str(args.tokens),
-                                              "--repeats", str(args.repeats)], stdout=subprocess.PIPE, text=True)
-                        row = json.loads(out.communicate()[0].strip().splitlines()[-1])
-                        idle = " / ".join(f"{x:.0%}" for x in row["idle"])
-                        runs, held = row["lookaheads"]
-                        guesses = f"{runs} ({held / runs:.0%})" if runs else "—"
-                        print(f"| {name} | {'k = 3' if mtp else 'off'} | {batch} | {row['tokens_per_s']:.1f} | "
-                              f"{1e3 * batch / row['tokens_per_s']:.1f} | {row['mal']:.2f} | {idle} | {guesses} |",
-                              flush=True)
-                        if batch == 1 and "pp" in options:
-                            timelines.append((f"{name}, MTP {'k = 3' if mtp else 'off'}", row["timeline"]))
+                    spec = json.dumps({"options": {**options, "mtp": mtp}, "batch": batch})
+                    out = hosts.popen(0, [sys.executable, __file__, "--client", spec, "--tokens", str(args.tokens),
+                                          "--repeats", str(args.repeats)], stdout=subprocess.PIPE, text=True)
+                    row = json.loads(out.communicate()[0].strip().splitlines()[-1])
+                    idle = " / ".join(f"{x:.0%}" for x in row["idle"])
+                    runs, held = row["lookaheads"]
+                    guesses = f"{runs} ({held / runs:.0%})" if runs else "—"
+                    print(f"| {name} | {'k = 3' if mtp else 'off'} | {batch} | {row['tokens_per_s']:.1f} | "
+                          f"{1e3 * batch / row['tokens_per_s']:.1f} | {row['mal']:.2f} | {idle} | {guesses} |",
+                          flush=True)
+                    if "pp" in options:
+                        timelines.append((f"{name}, MTP {'k = 3' if mtp else 'off'}, batch {batch}", row["timeline"]))
         finally:
             for worker in workers:
                 worker.terminate()

@@ -4,15 +4,18 @@ holding it, departed clients, ipc paths in use, and a process group that failed 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import torch
 import zmq
 from conftest import SyncClient, wait_for_socket
 
@@ -203,6 +206,34 @@ def test_stage_link_sockets_are_owner_only_whatever_the_umask(tmp_path):
             assert proc.wait(20) == 0
 
 
+def test_a_stage_link_inbox_drops_a_frame_over_its_bound_before_reading_it():
+    """A 256 MiB frame to stage 1's link (sent by the same user: the socket is owner-only): the
+    inbox takes frames up to one pass's hidden states at most, so the worker never holds it, and
+    the group serves on."""
+    from shardspec.orchestrator.group import link_address
+
+    async def run():
+        async with shardspec.connect(model=str(BUNDLED_MODEL), local=2, pp=2) as engine:
+            prompt = engine.tokenizer.encode("def f(x):")
+            before = [t async for chunk in engine.generate(prompt, max_tokens=8) for t in chunk.token_ids]
+            rss_before = (await engine.stats())[1].rss_bytes
+            ctx = zmq.Context()
+            push = ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.connect(link_address(engine.group.workers[1].address))
+            push.send(bytes(256 << 20), copy=False)
+            await asyncio.sleep(3.0)
+            push.close()
+            ctx.term()
+            grown = (await engine.stats())[1].rss_bytes - rss_before
+            after = [t async for chunk in engine.generate(prompt, max_tokens=8) for t in chunk.token_ids]
+            return before, after, grown
+
+    before, after, grown = asyncio.run(run())
+    assert after == before
+    assert grown < 64 << 20, grown
+
+
 def test_a_socket_in_a_folder_others_can_write_is_refused(tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
@@ -304,3 +335,96 @@ def test_a_worker_whose_group_failed_to_form_joins_a_fresh_group(tiny_model, spa
             return [t async for chunk in engine.generate([1, 2, 3], max_tokens=4) for t in chunk.token_ids]
 
     assert len(asyncio.run(run())) == 4
+
+
+class SilentListener:
+    """A process other than rank 0 on the rendezvous port: it accepts connections and never answers."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.accepted: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                self.accepted.append(self.sock.accept()[0])
+
+    def close(self) -> None:
+        for conn in [self.sock, *self.accepted]:
+            conn.close()
+
+
+def test_a_rendezvous_port_another_process_holds_fails_the_group_at_once_and_the_next_forms_at_once(tiny_model,
+                                                                                                 spawn_worker):
+    """Rank 0 cannot bind the port and fails; rank 1 connected to the holder, which never answers: it
+    gives up once the orchestrator does, not after --dist-timeout, so the next group forms at once."""
+    workers = [spawn_worker().address, spawn_worker().address]
+    holder = SilentListener()
+
+    async def generate(**options):
+        async with shardspec.connect(model=str(tiny_model), workers=workers, tp=2, dist_timeout=60,
+                                     **options) as engine:
+            return [t async for chunk in engine.generate([1, 2, 3], max_tokens=4) for t in chunk.token_ids]
+
+    try:
+        started = time.monotonic()
+        with pytest.raises(Exception, match=f"{holder.port}.*--dist-port"):
+            asyncio.run(generate(dist_port=holder.port))
+        failed_s = time.monotonic() - started
+    finally:
+        holder.close()
+    started = time.monotonic()
+    assert len(asyncio.run(generate())) == 4
+    assert failed_s < 15 and time.monotonic() - started < 20, (failed_s, time.monotonic() - started)
+
+
+def test_the_groups_keys_in_the_rendezvous_store_lie_under_its_secret_prefix():
+    """A stranger who reaches the store can connect, but the group's keys are not where torch puts
+    them: they lie under the group's secret prefix (InitRequest.dist_secret)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from shardspec.protocol.messages import InitRequest
+    from shardspec.shard_worker import group
+
+    port = free_port()
+    body = InitRequest(rank=0, world_size=1, dist_addr=f"tcp://127.0.0.1:{port}", timeout_s=10.0,
+                       dist_secret="a1b2c3d4e5f60718293a4b5c6d7e8f90")
+    group.join_process_group("gloo", body, torch.device("cpu"))
+    try:
+        stranger = dist.TCPStore("127.0.0.1", port, 1, is_master=False, timeout=timedelta(seconds=5))
+        gloo_key = "default_pg/0//cpu//0/0"  # where Gloo's rank 0 writes its address, under the store's prefix
+        assert stranger.check([f"{body.dist_secret}/{gloo_key}"]) and not stranger.check([gloo_key])
+        dist.barrier()  # the group works
+    finally:
+        group.leave_process_group()
+
+
+def test_an_address_where_something_else_listens_fails_within_the_handshake_time_saying_it_is_not_a_worker():
+    from shardspec.orchestrator.workers import HANDSHAKE_S
+
+    holder = SilentListener()
+
+    async def run():
+        ctx = zmq.asyncio.Context()
+        client = WorkerClient(ctx, f"tcp://127.0.0.1:{holder.port}")
+        started = asyncio.get_running_loop().time()
+        try:
+            with pytest.raises(WorkerLost, match="not a shardspec worker") as info:
+                await wait_ready(client, None, timeout=120)
+            return asyncio.get_running_loop().time() - started, str(info.value)
+        finally:
+            await client.close()
+            ctx.term()
+
+    try:
+        elapsed, message = asyncio.run(run())
+    finally:
+        holder.close()
+    assert elapsed < HANDSHAKE_S + 5, elapsed
+    assert "--keys" not in message  # (no keys given: nothing to check there)

@@ -4,6 +4,7 @@ decoding is the argmax of the penalised logits, with MTP on as with it off."""
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 from conftest import pooled
@@ -91,3 +92,65 @@ def test_a_request_whose_numbers_go_bad_fails_alone_while_the_others_stream_thei
     failures = together[3:]
     assert all(f[0] == "failed" and "no token can be sampled" in f[2] for f in failures)
     assert [len(f[1]) for f in failures] == [0, 1, 1]  # at the prefill, then at a verify step
+
+
+def _extreme_options(rng: random.Random, vocab: int) -> dict:
+    """Sampling options with several values at the edges of the ranges the engine accepts."""
+    from shardspec.protocol.messages import MAX_LOGPROBS, MIN_TEMPERATURE, MIN_TOP_P
+
+    options = {
+        "temperature": rng.choice([0.0, MIN_TEMPERATURE, 1e-3, 1.0, 100.0]),
+        "top_k": rng.choice([0, 1, 2, vocab, 1 << 30]),
+        "top_p": rng.choice([MIN_TOP_P, 1e-3, 0.5, 1.0]),
+        "presence_penalty": rng.choice([-2.0, 0.0, 2.0]),
+        "frequency_penalty": rng.choice([-2.0, 0.0, 2.0]),
+        "repetition_penalty": rng.choice([1e-39, 1e-3, 1.0, 100.0]),
+        "logprobs": rng.choice([None, 0, MAX_LOGPROBS]),
+        "seed": rng.randrange(1 << 20),
+    }
+    if rng.random() < 0.5:
+        options["logit_bias"] = {rng.randrange(vocab): rng.choice([-100.0, 100.0]) for _ in range(rng.randint(1, 8))}
+    return options
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), pytest.param(2, 1, marks=pytest.mark.slow),
+                                        pytest.param(1, 2, marks=pytest.mark.slow)])
+def test_a_row_with_extreme_accepted_sampling_options_ends_alone_and_the_others_give_their_solo_tokens(tp, pp):
+    """Property test: one row of a batch of three draws random extreme values of every sampling
+    option the engine accepts (MTP on, deterministic mode, where a row's tokens do not depend on its
+    batch). It finishes, or fails alone with a clear error; the two greedy rows beside it give what
+    they give alone, every time, and the engine serves on."""
+    from shardspec.cli import BUNDLED_MODEL
+    from shardspec.orchestrator.requests import SamplingError
+
+    rng = random.Random(11 + tp + 2 * pp)
+
+    async def run():
+        async with shardspec.connect(model=str(BUNDLED_MODEL), workers=pooled(tp * pp), pp=pp, mtp=True,
+                                     deterministic=True, max_seqs=4) as engine:
+            vocab = engine.load_info.vocab_size
+
+            async def one(prompt, **options):
+                tokens = []
+                try:
+                    async for chunk in engine.generate(prompt, max_tokens=12, stop_at_eos=False, **options):
+                        tokens += chunk.token_ids
+                except SamplingError as exc:
+                    return "failed", str(exc)
+                return tokens
+
+            good = ["def f(x):", [5, 6, 7]]
+            alone = [await one(p) for p in good]
+            ends = []
+            for _ in range(6):
+                options = _extreme_options(rng, vocab)
+                *together, odd = await asyncio.gather(*(one(p) for p in good), one("class A:", **options))
+                assert together == alone, options
+                ends.append(odd)
+            return ends, await one(good[0]) == alone[0]
+
+    ends, serves_on = asyncio.run(run())
+    assert serves_on
+    for end in ends:
+        finished = isinstance(end, list) and len(end) == 12
+        assert finished or (end[0] == "failed" and "no token can be sampled" in end[1]), end

@@ -25,8 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shardspec.cli import BUNDLED_MODEL, main
 from shardspec.orchestrator.tokenizer import Tokenizer
+from shardspec.server import app as server_app
 from shardspec.server.api import MAX_STOP_CHARS
-from shardspec.server.app import Service
+from shardspec.server.app import Service, encode_within
 from shardspec.server.chat import ChatTemplate
 from shardspec.server.generation import StopText
 from shardspec.server.guard import uvicorn_config
@@ -424,23 +425,44 @@ def test_out_of_range_sampling_values_get_400_naming_them_and_a_running_stream_i
     assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1]["usage"]["completion_tokens"] == 64
 
 
-def test_health_answers_while_a_large_prompt_is_tokenized(server):
-    prompt = "def f(x):\n    return x + 1\n" * 40_000  # 1.1 MB, within the body limit: seconds of tokenizing
+def test_a_prompt_is_counted_against_the_context_as_it_is_tokenized(monkeypatch):
+    """encode_within gives the whole text's ids when they fit and None when they do not, around the
+    limit; a 4 MiB prompt is refused after tokenizing a few contexts' worth of it, not all of it."""
+    tokenizer = Tokenizer.from_folder(BUNDLED_MODEL)
+    rng = __import__("random").Random(3)
+    words = ["def", "return", "x", "+", "1", "(", ")", ":", "\n", "    ", "🙂", "naïve", "0x1F", "self.value"]
+    for n in (10, 200, 1500, 4000):
+        text = " ".join(rng.choice(words) for _ in range(n))
+        ids = tokenizer.inner.encode(text, add_special_tokens=False).ids
+        for limit in (len(ids) - 1, len(ids), len(ids) + 1, len(ids) // 3, 2 * len(ids)):
+            assert encode_within(tokenizer, text, limit) == (ids if len(ids) <= limit else None), (n, limit)
+    tokenized = []
+    encode = server_app._encode_without_the_gil
+    monkeypatch.setattr(server_app, "_encode_without_the_gil", lambda t, x: tokenized.append(len(x)) or encode(t, x))
+    huge = "def f(x):\n    return x + 1\n" * 150_000  # 4.2 MB
+    assert encode_within(tokenizer, huge, 2048) is None
+    assert sum(tokenized) < 64 * 2048, tokenized
 
-    async def run() -> tuple[httpx.Response, float, list[float]]:
+
+def test_twelve_4_mib_prompts_at_once_are_refused_and_leave_the_servers_memory_as_it_was(server):
+    """Each prompt is 1.2M tokens: counted against the context as it is tokenized, each is refused
+    after a few contexts' worth, so the server neither holds gigabytes at its peak nor keeps them."""
+    prompt = "def f(x):\n    return x + 1\n" * 140_000  # 3.9 MiB, within the body limit of 4 MiB
+
+    def rss() -> int:
+        status = Path(f"/proc/{server.proc.pid}/status").read_text()
+        return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) << 10
+
+    async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=120) as http:
-            start = time.perf_counter()
-            completion = asyncio.ensure_future(http.post(f"{server.url}/completions", json={"prompt": prompt}))
-            latencies = []
-            while not completion.done():
-                asked = time.perf_counter()
-                assert (await http.get(f"{server.root}/health")).status_code == 200
-                latencies.append(time.perf_counter() - asked)
-            return await completion, time.perf_counter() - start, latencies
+            return await asyncio.gather(*(http.post(f"{server.url}/completions", json={"prompt": prompt})
+                                          for _ in range(12)))
 
-    reply, took, latencies = asyncio.run(run())
-    assert reply.status_code == 400 and "does not fit the context" in reply.json()["error"]["message"]
-    assert len(latencies) >= 3 and max(latencies) < took / 2  # on the loop, one /health would wait it all out
+    before = rss()
+    replies = asyncio.run(run())
+    assert all(r.status_code == 400 and "does not fit the context" in r.json()["error"]["message"] for r in replies)
+    assert rss() - before < 400 << 20, (before, rss())
+    assert httpx.get(f"{server.root}/health").json() == {"status": "ok"}
 
 
 def _raw(server: Server, data: bytes) -> bytes:

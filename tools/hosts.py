@@ -81,6 +81,11 @@ class EmulatedHosts:
         self.guests.append(proc)
         return proc
 
+    def set_link(self, host: int, up: bool) -> None:
+        """Take host `host`'s network link down (no frame in or out, as when a cable is pulled) or up."""
+        _run("ip", "netns", "exec", self.namespaces[host], "ip", "link", "set", f"{self.tag}t{host}",
+             "up" if up else "down")
+
     def wait_listening(self, host: int, port: int, timeout: float = 120.0) -> None:
         """Until something accepts TCP on `host`'s address and `port`, seen from host 0."""
         probe = f"import socket; socket.create_connection(('{self.address(host)}', {port}), timeout=1).close()"

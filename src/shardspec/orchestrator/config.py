@@ -216,6 +216,20 @@ class EngineConfig:
         _check_split(checkpoint, self.pp, self.layer_split, self.tp_size, self.ep)
         _check_quantization(checkpoint, self.tp_size, self.spawns_workers and self.device == "cuda")
 
+    def link_frame_bytes(self) -> int:
+        """The largest frame a stage link carries: one pass's hidden states in float32, at the most
+        tokens a pass takes (a prefill chunk, 64 a prompt at least, or a verify pass of k + 1 a
+        sequence and a lookahead's as many). Without the model folder here, the largest hidden size a
+        config may have."""
+        from shardspec.models.config import DIMENSION_LIMITS
+        from shardspec.protocol.codec import MAX_HEADER_BYTES
+
+        hidden = DIMENSION_LIMITS["hidden_size"][1]
+        if (Path(self.model) / "config.json").is_file():
+            hidden = _open_checkpoint(Path(self.model)).config.hidden_size
+        tokens = max(self.prefill_chunk, self.max_seqs * max(64, 2 * (self.draft_tokens + 1)))
+        return MAX_HEADER_BYTES + 4 * hidden * tokens
+
     def curve_links(self) -> list[tuple[KeyPair | None, bytes | None]]:
         """Per rank: (this side's key pair, that worker's public key); (None, None) without CURVE."""
         if self.keys is None or self.server_keys is None:

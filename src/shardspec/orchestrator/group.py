@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ from shardspec.protocol import transport
 from shardspec.protocol.errors import ErrorCode, RemoteError
 from shardspec.protocol.messages import (
     AcceptRecord,
+    Guesses,
     HiddenStates,
     InitRequest,
     LoadReply,
@@ -142,10 +144,12 @@ class WorkerGroup:
         dist_addr = rendezvous(self.addresses, self.config.dist_port, links)
         curve = staged and not self.relay and self.links[0][0] is not None
         link_keys = [public.decode() for _, public in self.links] if curve else []
+        secret = secrets.token_hex(16)  # the group's keys in the rendezvous store: under a prefix only it knows
         inits = [InitRequest(rank=rank, world_size=len(self.workers), dist_addr=dist_addr,
                              timeout_s=self.config.dist_timeout, stages=len(self.stages), links=links,
                              relay=staged and self.relay, link_keys=link_keys,
-                             host_ranks=self.hostnames.count(self.hostnames[rank]),
+                             host_ranks=self.hostnames.count(self.hostnames[rank]), dist_secret=secret,
+                             link_max_bytes=self.config.link_frame_bytes() if staged else 0,
                              options=self.config.worker_options)
                  for rank in range(len(self.workers))]
         replies = await self.gather([w.submit(init) for w, init in zip(self.workers, inits, strict=True)])
@@ -206,7 +210,7 @@ class WorkerGroup:
 
     def _relay(self, source: WorkerClient, op: str, frames: list) -> None:
         """Forward a stage-link message, unchanged, to the ranks it is for: hidden states to the next
-        stage's rank at the sender's TP place, a record from the last stage to every earlier one's."""
+        stage's rank at the sender's TP place, a record (and its guesses) from the last stage to every earlier one's."""
         rank = self.rank_of.get(id(source))
         tp, last = self.config.tp_size, len(self.stages) - 1
         if not self.relay or rank is None:
@@ -215,7 +219,7 @@ class WorkerGroup:
         stage = rank // tp
         if op == HiddenStates.OP and stage < last:
             targets = [rank + tp]
-        elif op == AcceptRecord.OP and stage == last:
+        elif op in (AcceptRecord.OP, Guesses.OP) and stage == last:
             targets = [s * tp + rank % tp for s in range(last)]
         else:
             log.warning("dropped a %r message from %s (stage %d): not one it sends", op, source.address, stage)

@@ -39,6 +39,9 @@ class WorkerLost(ConnectionError):
     """The connection to a worker broke, or its process exited."""
 
 
+HANDSHAKE_S = 10.0  # a connection whose peer has not completed the ZeroMQ handshake by then is dropped
+
+
 class WorkerClient:
     """One DEALER socket to one worker; requests are matched to replies by id."""
 
@@ -52,6 +55,7 @@ class WorkerClient:
         self.on_failure = on_failure  # told once, when the connection fails
         self.sock = ctx.socket(zmq.DEALER)
         transport.configure(self.sock, heartbeat_timeout)
+        self.sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
         self.curve = keys is not None and server_key is not None
         if self.curve:
             security.make_client(self.sock, keys, server_key)
@@ -148,9 +152,14 @@ class WorkerClient:
             elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self.fail(WorkerLost(f"worker {self.address} refused this orchestrator's key: add its public key "
                                      "to the worker's --allow"))
-            elif event["event"] & (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+            elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
                 self.fail(WorkerLost(f"security handshake with worker {self.address} failed: check --keys and "
                                      "--server-keys (CURVE on one side only, or the wrong server key)"))
+            elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # (libzmq: the handshake timed out)
+                self.fail(WorkerLost(f"what listens at {self.address} did not complete a ZeroMQ handshake in "
+                                     f"{HANDSHAKE_S:g}s: it is not a shardspec worker"
+                                     + (", or CURVE is on one side only (check --keys and --server-keys)"
+                                        if self.curve else "")))
 
     def _handshake_dropped(self) -> str:
         """Why a worker most likely dropped the connection before its first reply. A worker that refuses

@@ -149,6 +149,12 @@ class InitRequest:
     relay: bool = False  # stage links through the orchestrator instead of worker to worker
     link_keys: list[str] = field(default_factory=list)  # CURVE: every rank's public key (Z85), for its links
     host_ranks: int = bounded(1, 4096, 1)  # ranks of the group on this worker's host (hello's hostname)
+    # the group's keys in the rendezvous store lie under this prefix (random per group: a stranger who
+    # reaches the store's port cannot name them); empty: none
+    dist_secret: str = ""
+    # the largest frame a stage-link inbox takes (a pass's hidden states); a peer that sends a larger
+    # one is disconnected before it is read into memory. 0: no bound
+    link_max_bytes: int = bounded(0, 1 << 40, 0)
     # in init, not load: the all-reduce choice is a collective of the group forming, and all hold for its life
     options: WorkerOptions = field(default_factory=WorkerOptions)
 
@@ -160,6 +166,8 @@ class InitRequest:
         if self.stages > 1 and len(self.links) != self.world_size:
             raise ValueError(f"{self.stages} stages need a link address per rank ({self.world_size}), "
                              f"got {len(self.links)}")
+        if self.dist_secret and not (len(self.dist_secret) <= 64 and self.dist_secret.isalnum()):
+            raise ValueError("dist_secret must be at most 64 letters and digits")
         if self.link_keys and (len(self.link_keys) != self.world_size or not all(
                 len(key) == 40 for key in self.link_keys)):
             raise ValueError(f"link_keys must hold one 40-character Z85 public key per rank ({self.world_size})")
@@ -450,14 +458,29 @@ class HiddenStates:
 @dataclass(frozen=True)
 class AcceptRecord:
     """What the last stage decided in step `step`, for the stages before it to commit and to feed
-    the next pass: the step's reply (accepted drafts, emitted tokens, next drafts, finished). With
-    lookahead, `guesses` holds per sequence of the reply either nothing or the last stage's guess of
-    the tokens of the step after the next ([pending, d1..dk], if the next keeps all its drafts)."""
+    the next pass: the step's reply (accepted drafts, emitted tokens, next drafts, finished).
+    `guessed` (lookahead): a `Guesses` message of this step follows."""
 
     OP: ClassVar[str] = "accepts"
     step: int = bounded(0, 2**63 - 1)
     reply: StepReply
+    guessed: bool = False
+
+
+@dataclass(frozen=True)
+class Guesses:
+    """Lookahead: the last stage's guess of the tokens of the step after the next of each sequence
+    `seqs` ([pending, d1..dk], if the next step keeps all its drafts), made after step `step`'s
+    record left, for the stages before to run that step's pass on before the next record comes."""
+
+    OP: ClassVar[str] = "guesses"
+    step: int = bounded(0, 2**63 - 1)
+    seqs: list[int] = field(default_factory=list)
     guesses: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if len(self.seqs) != len(self.guesses):
+            raise ValueError(f"{len(self.seqs)} sequences with {len(self.guesses)} guesses")
 
 
 @dataclass(frozen=True)
@@ -476,5 +499,5 @@ REPLIES: dict[str, type] = {
     cls.OP: cls
     for cls in (HelloReply, InitReply, LoadReply, StepReply, ReleaseReply, StatsReply, ShutdownReply, ErrorReply)
 }
-LINKS: dict[str, type] = {cls.OP: cls for cls in (HiddenStates, AcceptRecord)}
+LINKS: dict[str, type] = {cls.OP: cls for cls in (HiddenStates, AcceptRecord, Guesses)}
 OPS = frozenset(REQUESTS) | frozenset(REPLIES) | frozenset(LINKS)

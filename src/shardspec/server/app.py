@@ -34,12 +34,28 @@ log = logging.getLogger("shardspec.server")
 
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+PREFIX_MARGIN = 64  # tokens a cut text's prefix may have beyond the whole text's over the same words
 
 
 def _encode_without_the_gil(tokenizer: Tokenizer, text: str) -> list[int]:
     """`tokenizer.encode(text)`; the `tokenizers` library holds the GIL through `encode` (the event loop
     would stall for the whole prompt even with it in a thread), but releases it in `encode_batch`."""
     return tokenizer.inner.encode_batch([text], add_special_tokens=False)[0].ids
+
+
+def encode_within(tokenizer: Tokenizer, text: str, limit: int) -> list[int] | None:
+    """The token ids of `text`, or None once there are more than `limit`. A text longer than a few
+    times `limit` is counted on growing prefixes (each twice the last, cut before a space, where a
+    pre-tokenizer splits anyway): one far past the context costs the tokens of a few contexts, not
+    its own (a 4 MiB prompt is 2.4M tokens, seconds and a gigabyte)."""
+    size = 4 * (limit + 1)
+    while len(text) > size:
+        cut = text.rfind(" ", size // 2, size)
+        if len(_encode_without_the_gil(tokenizer, text[: cut if cut > 0 else size])) > limit + PREFIX_MARGIN:
+            return None  # (the tokens of the prefix's last words may differ from the whole text's: a margin)
+        size *= 2
+    ids = _encode_without_the_gil(tokenizer, text)
+    return ids if len(ids) <= limit else None
 
 
 def _short_reason(text: str, limit: int = 200) -> str:
@@ -107,10 +123,15 @@ class Service:
         return None if tokenizer is None else (lambda token: tokenizer.decode([token]))
 
     async def encode(self, text: str, param: str) -> list[int]:
-        """The text's token ids, tokenized in a thread: a long prompt must not stall other requests."""
+        """The text's token ids, tokenized in a thread (a long prompt must not stall other requests)
+        and counted against the context as they come."""
         if self.engine.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer.json: send the prompt as token ids", param)
-        return await asyncio.to_thread(_encode_without_the_gil, self.engine.tokenizer, text)
+        ids = await asyncio.to_thread(encode_within, self.engine.tokenizer, text, self.context)
+        if ids is None:
+            raise ApiError(400, f"the prompt (over {self.context} tokens) does not fit the context of "
+                           f"{self.context} tokens", param)
+        return ids
 
     # --- generation ---------------------------------------------------------------------------
 

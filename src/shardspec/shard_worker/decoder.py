@@ -15,15 +15,17 @@ outputs, replies and takes the next request while the device runs the next pass,
 device waiting for the host between steps. The next step's rows hold the sequences this one may
 finish; their rows run on and are dropped (a finished sequence's caches are never read again).
 
-Lookahead (pipeline stages, eager passes): while one sequence decodes alone, the chain runs 2k + 1
-drafts, the last k + 1 a guess of the step after the next, on which the stages before run that
-step's pass before this step's record reaches them (stage.ForwardingStage).
+Lookahead (pipeline stages, eager passes): while one sequence decodes alone, the chain goes on
+after the step's record has left for k + 1 more drafts, a guess of the step after the next, on which
+the stages before run that step's pass before this step's record reaches them
+(stage.ForwardingStage). The guess costs the last stage time it would spend waiting for the next pass.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,10 +45,16 @@ from shardspec.shard_worker.penalties import TokenCounts
 from shardspec.shard_worker.runner import ModelRunner, RunnerStats, StepResult
 from shardspec.shard_worker.sequences import Sequence
 
-# lookahead "auto": the last stage guesses while the moving share of a lone sequence's steps that kept
-# all k drafts (a guess can hold only then; over about the last KEPT_ALL_STEPS steps) is at least this
-KEPT_ALL_TO_GUESS = 0.5
-KEPT_ALL_STEPS = 16
+# lookahead "auto": the last stage guesses for its first GUESS_FIRST guesses, then while at least
+# GUESS_TO_PAY of its last (up to GUESS_WINDOW) guesses held; below that, at one lone step in
+# GUESS_PROBE_EVERY, so that the share follows the text. A guess that holds saves the stages a link
+# round trip; one that does not costs the stage before a state snapshot and restore, and the stages
+# time they would have spent waiting (bench/pipeline.py: at 10 ms one way, guesses that held 12 %
+# of the time made "on" faster than "off").
+GUESS_FIRST = 16
+GUESS_TO_PAY = 0.05
+GUESS_WINDOW = 64
+GUESS_PROBE_EVERY = 16
 
 # the next request as soon as it is queued, or None once until() is true (the current pass is done)
 Peek = Callable[[Callable[[], bool]], StepRequest | None]
@@ -121,7 +129,10 @@ class Decoder(ModelRunner):
         whole = self.model.stage.first
         wanted = launch_ahead == "on" or (launch_ahead == "auto" and self.graphed)
         self.ahead = LaunchAhead(peek) if whole and wanted and peek is not None else NoLaunchAhead()
-        self.kept_all = 1.0  # moving share of lone steps that kept all k drafts (from 1: guess first)
+        self.held: deque[bool] = deque(maxlen=GUESS_WINDOW)  # whether each of the last guesses held
+        self.unguessed = 0  # lone steps since the last guess
+        self.guess_due: Sequence | None = None  # the sequence this step guesses for, once its record has left
+        self.chain_end: tuple | None = None  # with lookahead: where the last chain stopped (_guess_on)
 
     def close(self) -> None:
         self.ahead.drop()
@@ -177,7 +188,11 @@ class Decoder(ModelRunner):
         else:
             self.ahead.drop()  # (all its rows' sequences have finished)
         if self.links is not None and result.seqs:  # a step of finished sequences only has no record
-            self.links.send_record(self.steps, result.reply(), result.guesses if any(result.guesses) else None)
+            due, self.guess_due = self.guess_due, None
+            self.links.send_record(self.steps, result.reply(), guessed=due is not None)
+            if due is not None:
+                due.guess = self._guess_on()
+                self.links.send_guesses(self.steps, {due.seq: due.guess})
         return result
 
     # --- prefill --------------------------------------------------------------------------------
@@ -281,14 +296,14 @@ class Decoder(ModelRunner):
 
     def _verify(self, seqs: list[Sequence], result: StepResult, want_logits: bool, launched: Launched | None) -> None:
         k = self.draft_len
-        # lookahead: the chain of the one live sequence runs 2k + 1 drafts, the last k + 1 the guess of the
-        # step after the next, for the stages before to run that step's pass on before this step's record
+        # lookahead: after the record, the chain of the one live sequence goes on for the guess of the step
+        # after the next, for the stages before to run that step's pass on before this step's record
         # reaches them (with more live sequences, even in micro-batches of one, they have other work)
         ahead = self.lookahead and self.table.live() == 1  # (seqs: that one)
-        guessing = ahead and (self.always_guess or self.kept_all >= KEPT_ALL_TO_GUESS)
-        # the rows carry the guess (the chain then runs 2k + 1 drafts) when this step makes one, and when
-        # the one it made before may hold: the chain must then keep the guessed drafts
-        with_guess = guessing or (ahead and bool(seqs[0].guess))
+        pays = len(self.held) < GUESS_FIRST or sum(self.held) >= GUESS_TO_PAY * len(self.held)
+        guessing = ahead and (self.always_guess or pays or self.unguessed + 1 >= GUESS_PROBE_EVERY)
+        # the rows carry the guess made before when it may hold: the chain must then keep the guessed drafts
+        with_guess = ahead and bool(seqs[0].guess)
         x = self._receive(self._next_pass(), (len(seqs), k + 1), guess_held=ahead and seqs[0].guess_held)
         context = self._context(seqs, chain=self.chain if ahead else k)
         wants_logprobs = any(s.logprobs >= 0 for s in seqs)
@@ -322,10 +337,13 @@ class Decoder(ModelRunner):
                 # the guess the stages before ran this step's successor on holds when this step kept all
                 # its drafts and its new token is the guessed one (the chain then kept the guessed drafts)
                 s.guess_held = ahead and bool(s.guess) and n == k and token == s.guess[0]
+                if ahead and s.guess:
+                    self.held.append(s.guess_held)
                 s.drafts = [] if s.finished else d[:k]
-                s.guess = d[k:] if guessing and not s.finished else []
-                if ahead:
-                    self.kept_all += (float(n == k) - self.kept_all) / KEPT_ALL_STEPS
+                s.guess = []
+            if ahead:
+                self.unguessed = 0 if guessing else self.unguessed + 1
+                self.guess_due = seqs[0] if guessing and not seqs[0].finished else None
         for i, (s, n, new) in enumerate(zip(seqs, accepted, emitted)):
             if s.logprobs >= 0 and new:  # token j of [d1..dn, bonus] was drawn from the target's logits at position j
                 result.pending_rows[s.seq] = [token_rows(logits[i, : len(new)], torch.tensor(new), s.logprobs)]
@@ -409,7 +427,7 @@ class Decoder(ModelRunner):
     def _follow_pass(self, packed: torch.Tensor, accepts: torch.Tensor, hidden: torch.Tensor, saved: dict,
                      context: int) -> torch.Tensor:
         """The draft pass: commit the accepted prefix, run the MTP layer over it with the target's
-        hidden states, and chain k new drafts: [B, k] (with a guess: 2k + 1)."""
+        hidden states, and chain k new drafts: [B, k]."""
         ids, positions, slots = self.rows.ids(packed), self.rows.positions(packed), self.rows.slots(packed)
         index, new_tokens = accepts[:, 0], accepts[:, 1]
         self.model.commit(saved, slots, index)
@@ -425,9 +443,9 @@ class Decoder(ModelRunner):
             return self._chain(head, slots, lengths, context)
         # lookahead (one sequence, eagerly): where the guess holds (all drafts kept, the new token the
         # guessed one) the chain keeps the guessed drafts, which the stages before already run the next
-        # pass on, and drafts on
+        # pass on
         holds = bool(guess[0, 0] == new_tokens[0]) and int(index[0]) == self.draft_len
-        return self._chain(head, slots, lengths, context, self.chain, guess[:, 1:] if holds else None)
+        return self._chain(head, slots, lengths, context, kept=guess[:, 1:] if holds else None)
 
     def _fused_pass(self, packed: torch.Tensor, context: int, x: torch.Tensor | None) -> torch.Tensor:
         """Verify, accept on the device (drafts while they equal the target's argmax, or the forced
@@ -444,6 +462,14 @@ class Decoder(ModelRunner):
              context: int, tail: bool = False):
         """MTP layer over (token t+1, target hidden t) pairs at positions t < context; -> its normed output."""
         return self.model.draft(next_ids, hidden, Batch(slots, positions, context, tail=tail))
+
+    def _guess_on(self) -> list[int]:
+        """Lookahead: the one live sequence's chain on from where the step's chain stopped, k + 1 more
+        drafts, its guess of the step after the next ([pending, d1..dk], if the next keeps all its
+        drafts)."""
+        head, token, slots, position, context = self.chain_end
+        head = self._mtp(token[:, None], head[:, None], slots, position[:, None], context)[:, 0]
+        return self._chain(head, slots, position + 1, context, self.draft_len + 1)[0].tolist()
 
     def _chain(self, head: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, context: int,
                length: int | None = None, kept: torch.Tensor | None = None) -> torch.Tensor:
@@ -473,6 +499,8 @@ class Decoder(ModelRunner):
             drafts.append(token)
             if i + 1 < length:
                 head = self._mtp(token[:, None], head[:, None], slots, (lengths + i)[:, None], context)[:, 0]
+        if self.lookahead:  # (eager passes only)
+            self.chain_end = (head, token, slots, lengths + length - 1, context)
         for matcher, n in zip(matchers or [], consumed):
             if matcher is not None and n:
                 matcher.rollback(n)

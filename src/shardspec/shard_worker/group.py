@@ -13,7 +13,11 @@ import logging
 import os
 import socket
 import struct
+import threading
+import time
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,11 +29,14 @@ from shardspec.protocol.messages import InitRequest
 
 log = logging.getLogger("shardspec.worker")
 GLOO_IFNAME = os.environ.get("GLOO_SOCKET_IFNAME")  # the user's choice of Gloo's interface, if any
+ABORT_POLL_S = 0.1  # while a rank waits for the rendezvous: how often it asks whether to give up
 
 
-def join(body: InitRequest, device: torch.device) -> tuple[TPGroup, str]:
+def join(body: InitRequest, device: torch.device, abort: Callable[[], str | None] = lambda: None
+         ) -> tuple[TPGroup, str]:
     """This rank's TP group, after joining the process group when the stage has more than one rank
-    (stages of one rank each share no collective, nor could ranks on one GPU: NCCL); and the backend."""
+    (stages of one rank each share no collective, nor could ranks on one GPU: NCCL); and the backend.
+    `abort` says why the rendezvous should stop waiting (the orchestrator left), or None."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if body.tp_size > 1:
         if not body.dist_addr.startswith("tcp://"):
@@ -37,7 +44,7 @@ def join(body: InitRequest, device: torch.device) -> tuple[TPGroup, str]:
         log.info("joining %s group at %s as rank %d/%d", backend, body.dist_addr, body.rank, body.world_size)
         if backend == "gloo":
             choose_gloo_interface(body.dist_addr)
-        join_process_group(backend, body, device)
+        join_process_group(backend, body, device, abort)
     try:
         return tp_group(body, device), backend
     except BaseException:
@@ -56,12 +63,16 @@ def share_cores(host_ranks: int) -> None:
              threads, cores, host_ranks)
 
 
-def join_process_group(backend: str, body: InitRequest, device: torch.device) -> None:
+def join_process_group(backend: str, body: InitRequest, device: torch.device,
+                       abort: Callable[[], str | None] = lambda: None) -> None:
     """torch.distributed's default group, through the rendezvous store at body.dist_addr (rank 0
-    hosts it); on any failure this worker is left as if it had never tried."""
+    hosts it), its keys under the group's secret prefix; on any failure this worker is left as if it
+    had never tried."""
     timeout = timedelta(seconds=body.timeout_s)
     try:
-        store = rendezvous_store(body.dist_addr, body.rank, body.world_size, timeout)
+        store = rendezvous_store(body.dist_addr, body.rank, body.world_size, timeout, abort)
+        if body.dist_secret:
+            store = dist.PrefixStore(body.dist_secret, store)
         dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=body.rank,
                                 world_size=body.world_size, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
@@ -140,18 +151,48 @@ def interface_towards(address: str) -> str | None:
     return None
 
 
-def rendezvous_store(dist_addr: str, rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+def rendezvous_store(dist_addr: str, rank: int, world_size: int, timeout: timedelta,
+                     abort: Callable[[], str | None] = lambda: None) -> dist.TCPStore:
     """The group's key-value store at tcp://HOST:PORT. Rank 0 serves it on a socket it binds itself:
     on HOST only when HOST is a loopback address (a group on one machine is not reachable from
     others), on every interface otherwise; a port in use fails at once, naming the port."""
     host, port = dist_addr[len("tcp://") :].rsplit(":", 1)
     host = host.strip("[]")
     if rank != 0:
-        return dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timeout)
+        return _store_client(host, int(port), world_size, timeout, abort)
     listener = _rendezvous_listener(host, int(port))
     fd = listener.detach()  # the store owns the descriptor from here on
     return dist.TCPStore(host, int(port), world_size, is_master=True, timeout=timeout, wait_for_workers=False,
                          master_listen_fd=fd)
+
+
+def _store_client(host: str, port: int, world_size: int, timeout: timedelta,
+                  abort: Callable[[], str | None]) -> dist.TCPStore:
+    """A client of the store at host:port, given up when `abort` says so or after `timeout`. The
+    client is made on a thread of its own: torch's waits without end for the answer of whatever
+    accepted the connection (a process other than rank 0 that holds the port never answers), and
+    the worker must stay able to give up. Such a thread ends when that process closes the connection."""
+    made: dict[str, Any] = {}
+
+    def connect() -> None:
+        try:
+            made["store"] = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+        except Exception as exc:  # (DistNetworkError, DistStoreError: a RuntimeError, or not)
+            made["error"] = exc
+
+    thread = threading.Thread(target=connect, name="shardspec-rendezvous", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout.total_seconds()
+    while thread.is_alive():
+        thread.join(ABORT_POLL_S)
+        if thread.is_alive() and (why := abort()) is not None:
+            raise ProtocolError(ErrorCode.BAD_STATE, f"gave up joining the group's rendezvous at {host}:{port}: {why}")
+        if thread.is_alive() and time.monotonic() > deadline:
+            raise ProtocolError(ErrorCode.BAD_STATE, f"the group's rendezvous at {host}:{port} did not answer in "
+                                f"{timeout.total_seconds():g}s: rank 0 is not there, or another process holds the port")
+    if "error" in made:
+        raise made["error"]
+    return made["store"]
 
 
 def _rendezvous_listener(host: str, port: int) -> socket.socket:

@@ -30,7 +30,16 @@ from zmq.utils.monitor import recv_monitor_message
 from shardspec.protocol import codec, transport
 from shardspec.protocol.codec import Message
 from shardspec.protocol.errors import ErrorCode, ProtocolError
-from shardspec.protocol.messages import LINKS, AcceptRecord, HiddenStates, InitRequest, StepReply, parse, to_meta
+from shardspec.protocol.messages import (
+    LINKS,
+    AcceptRecord,
+    Guesses,
+    HiddenStates,
+    InitRequest,
+    StepReply,
+    parse,
+    to_meta,
+)
 from shardspec.security import AllowList, KeyPair, ipc_socket_file, make_client, make_server, private_umask
 from shardspec.shard_worker.profiling import Timeline, mark
 
@@ -101,8 +110,8 @@ class StageLinks:
         self.timeline.add(step, "got hidden")
         return hidden, body.kind
 
-    def send_record(self, step: int, reply: StepReply, guesses: list[list[int]] | None = None) -> None:
-        record = AcceptRecord(step, reply, guesses or [])
+    def send_record(self, step: int, reply: StepReply, guessed: bool = False) -> None:
+        record = AcceptRecord(step, reply, guessed)
         self.timeline.add(step, "send record")
         with mark("link send"):
             self._send_earlier(Message(AcceptRecord.OP, 0, to_meta(record)))
@@ -114,10 +123,31 @@ class StageLinks:
         if body.step != step:
             raise ProtocolError(ErrorCode.INTERNAL, f"stage link out of step: expected the record of step {step}, "
                                 f"got step {body.step}'s")
-        if body.guesses and len(body.guesses) != len(body.reply.seqs):
-            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"a record of {len(body.reply.seqs)} sequences with "
-                                f"{len(body.guesses)} guesses")
         return body
+
+    def send_guesses(self, step: int, guesses: dict[int, list[int]]) -> None:
+        meta = to_meta(Guesses(step, list(guesses), list(guesses.values())))
+        self.timeline.add(step, "send guesses")
+        with mark("link send"):
+            self._send_earlier(Message(Guesses.OP, 0, meta))
+
+    def recv_guesses(self, step: int) -> dict[int, list[int]]:
+        """The guesses of step `step` by sequence (its record said they follow); those of earlier
+        steps, which no lookahead took, are dropped on the way."""
+        while True:
+            body = parse(Guesses, self._take(Guesses.OP, "the last stage's guesses").meta)
+            if body.step >= step:
+                break
+        if body.step != step:
+            raise ProtocolError(ErrorCode.INTERNAL, f"stage link out of step: expected the guesses of step {step}, "
+                                f"got step {body.step}'s")
+        return dict(zip(body.seqs, body.guesses))
+
+    def drop_guesses(self, before: int) -> None:
+        """Drop the guesses of steps before `before` that have come and that no lookahead took."""
+        queue = self.pending[Guesses.OP]
+        while queue and parse(Guesses, queue[0].meta).step < before:
+            queue.popleft()
 
     def arrived(self, frames: Sequence[Any]) -> None:
         """Queue a link message that came in (validated here; a bad one raises ProtocolError)."""
@@ -177,11 +207,13 @@ class DirectLinks(StageLinks):
 
     def __init__(self, ctx: zmq.Context, bind: str, next_stage: str | None, earlier_stages: list[str],
                  timeout_s: float, heartbeat_timeout: float, abort: Callable[[], str | None] = lambda: None,
-                 keys: KeyPair | None = None, peer_keys: dict[str, bytes] | None = None):
+                 keys: KeyPair | None = None, peer_keys: dict[str, bytes] | None = None, max_bytes: int = 0):
         super().__init__(timeout_s, abort)
         self.bound: str | None = None
         self.inbox = ctx.socket(zmq.PULL)
         transport.configure(self.inbox, heartbeat_timeout)
+        if max_bytes:
+            self.inbox.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         if keys is not None:
             make_server(self.inbox, keys)
             self.inbox.zap_domain = LINK_DOMAIN.encode()
@@ -342,7 +374,8 @@ def open_direct(ctx: zmq.Context, body: InitRequest, listen: str, heartbeat_time
     try:
         links = DirectLinks(ctx, bind, None if last else body.links[peers[0]],
                             [body.links[r] for r in peers] if last else [], body.timeout_s,
-                            heartbeat_timeout, abort=abort, keys=keys, peer_keys=peer_keys)
+                            heartbeat_timeout, abort=abort, keys=keys, peer_keys=peer_keys,
+                            max_bytes=body.link_max_bytes)
     except zmq.ZMQError as exc:
         raise ProtocolError(ErrorCode.UNREACHABLE, f"cannot open the stage link at {bind}: {exc}") from None
     if unreachable := links.unreachable(LINK_UP_S):

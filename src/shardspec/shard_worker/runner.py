@@ -95,7 +95,6 @@ class StepResult:
     finished: list[str] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)  # per pass, when asked for
     logprob_rows: list[int] = field(default_factory=list)  # per sequence (see StepReply)
-    guesses: list[list[int]] = field(default_factory=list)  # per sequence, for the record (AcceptRecord)
     rows: list[LogprobRows] = field(default_factory=list)
     pending_rows: dict[int, list[LogprobRows]] = field(default_factory=dict)  # by sequence, until `add`
 
@@ -115,7 +114,6 @@ class StepResult:
         self.accepted.append(accepted)
         self.drafts.append(list(seq.drafts))
         self.finished.append(seq.finished)
-        self.guesses.append(list(seq.guess))
         rows = self.pending_rows.pop(seq.seq, [])
         self.rows.extend(rows)
         self.logprob_rows.append(sum(len(r.chosen) for r in rows))
@@ -211,7 +209,7 @@ class ModelRunner:
         if lookahead != "off" and draft_len and not whole and self.graphed:
             log.info("lookahead is off: it is not built for CUDA graphs yet")
         self.always_guess = lookahead == "on"
-        self.chain = 2 * draft_len + 1 if self.lookahead else draft_len  # drafts chained for a lone sequence
+        self.chain = 2 * draft_len + 1 if self.lookahead else draft_len  # a lone sequence's drafts and guess
         # batch-invariant mode: the model's layers (CausalLM.set_batch_invariant), and prompts prefilled one
         # at a time in chunks that depend on the prompt alone
         self.deterministic = deterministic

@@ -33,8 +33,9 @@ class Sequence:
     logprobs: int = -1  # top log-probabilities per emitted token in the replies; -1: none
     counts: TokenCounts | None = None  # with penalties: the tokens seen so far
     # lookahead: the last stage's guess of the tokens of the step after the next ([pending, d1..dk] if the
-    # next keeps all its drafts), from its chain of 2k + 1 drafts; [] when it made none
+    # next keeps all its drafts), its chain after the record; [] when it made none
     guess: list[int] = field(default_factory=list)
+    guess_step: int = -1  # a stage before the last: the step whose guesses (still on the link) hold its guess
     guess_held: bool = False  # the last stage: its last step proved the guess the next step's lookahead ran on
     draws: torch.Generator | None = None  # on the host: benchmark-only forced acceptance (drawn with no device sync)
     blocks: int = 0  # K/V blocks in its block table (granted by the orchestrator)

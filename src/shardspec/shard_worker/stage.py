@@ -7,8 +7,9 @@ speculative state, takes the next tokens and drafts) when a later step or a rele
 that step's sequences (_settle).
 
 Lookahead: when a step advances one sequence alone, the stage runs its next verify pass on the last
-stage's guess of its tokens instead of waiting for the step's record, and runs it again when the
-record proves the guess wrong (_lookahead_step, _resolve).
+stage's guess of its tokens (which follows the record before, as a message of its own) instead of
+waiting for the step's record, and runs it again when the record proves the guess wrong
+(_lookahead_step, _resolve).
 """
 
 from __future__ import annotations
@@ -128,27 +129,25 @@ class ForwardingStage(ModelRunner):
         """The last stage's record of a forwarded step: commit the accepted prefixes, take the next
         tokens, drafts and guesses."""
         body = self.links.recv_record(step.step)
+        self.links.drop_guesses(before=step.step)  # (guesses no lookahead took)
         record, running, new = body.reply, step.running, step.new
         if record.seqs != new + [s.seq for s in running]:
             raise ProtocolError(ErrorCode.INTERNAL, "the last stage's record does not list this step's sequences")
-        guesses = body.guesses or [[] for _ in record.seqs]
-        vocab = self.model.config.vocab_size
-        if any(g and (len(g) != self.draft_len + 1 or not all(0 <= t < vocab for t in g)) for g in guesses):
-            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"a record's guess is not {self.draft_len + 1} token ids")
-        for seq, tokens, drafts, finished, guess in zip(new, record.tokens, record.drafts, record.finished, guesses):
+        guess_step = step.step if body.guessed else -1  # (its guesses come next: _guess)
+        for seq, tokens, drafts, finished in zip(new, record.tokens, record.drafts, record.finished):
             s = self.sequences[seq]  # (a sequence that failed has no tokens, and no next one)
-            s.next_token, s.drafts, s.finished, s.guess = tokens[0] if tokens else 0, drafts, finished, guess
+            s.next_token, s.drafts, s.finished = tokens[0] if tokens else 0, drafts, finished
+            s.guess, s.guess_step = [], guess_step
         accepted = [max(n, 0) for n in record.accepted[len(new) :]]
         if self.draft_len and running:
             if step.snapshot is None:  # (else the lookahead committed it as if it kept all; _resolve)
                 step.commit([[n, 0] for n in accepted])  # without drafts the pass wrote its state itself
             self.counters.count(accepted, self.draft_len)
-        tail = zip(running, accepted, record.tokens[len(new) :], record.drafts[len(new) :], record.finished[len(new) :],
-                   guesses[len(new) :])
-        for s, n, tokens, drafts, finished, guess in tail:
+        tail = zip(running, accepted, record.tokens[len(new) :], record.drafts[len(new) :], record.finished[len(new) :])
+        for s, n, tokens, drafts, finished in tail:
             s.length += n + 1
             s.next_token = tokens[-1] if tokens else s.next_token
-            s.drafts, s.finished, s.guess = drafts, finished, guess
+            s.drafts, s.finished, s.guess, s.guess_step = drafts, finished, [], guess_step
         if step.snapshot is not None:
             self._resolve(step, accepted[0])
 
@@ -162,9 +161,20 @@ class ForwardingStage(ModelRunner):
         if not self.lookahead or request.prefill or len(request.decode) != 1 or len(self.forwarded) != 1:
             return None
         s, previous = self.sequences[request.decode[0]], self.forwarded[0]
-        if s.finished or not s.guess or previous.new or [r.seq for r in previous.running] != [s.seq]:
+        if s.finished or previous.new or [r.seq for r in previous.running] != [s.seq]:
             return None
-        return s
+        return s if self._guess(s) else None
+
+    def _guess(self, s: Sequence) -> list[int]:
+        """The last stage's guess for `s` from its latest record, read off the link the first time
+        ([] when it made none)."""
+        if s.guess_step >= 0:
+            guess = self.links.recv_guesses(s.guess_step).get(s.seq, [])
+            vocab = self.model.config.vocab_size
+            if guess and (len(guess) != self.draft_len + 1 or not all(0 <= t < vocab for t in guess)):
+                raise ProtocolError(ErrorCode.BAD_MESSAGE, f"a guess is not {self.draft_len + 1} token ids")
+            s.guess, s.guess_step = guess, -1
+        return s.guess
 
     def _lookahead_step(self, s: Sequence) -> None:
         """Run this step's verify pass on the guess of the record before the last (as if the step
