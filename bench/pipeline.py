@@ -43,7 +43,7 @@ PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):\n", "impo
 PORT = 7000
 SETUPS = {"far": "one worker (host 1)", "tp": "TP = 2 across hosts", "pp": "PP = 2 across hosts",
           "pp-on": "PP = 2, lookahead on", "pp-off": "PP = 2, lookahead off", "pp-mb1": "PP = 2, one micro-batch",
-          "pp-relay": "PP = 2 relayed"}
+          "pp-mb4": "PP = 2, four micro-batches", "pp-relay": "PP = 2 relayed"}
 
 
 async def client(options: dict, batch: int, tokens: int, repeats: int) -> dict:
@@ -180,6 +180,7 @@ def main() -> None:
                           "pp-on": {"workers": [a, b], "pp": 2, "lookahead": "on"},
                           "pp-off": {"workers": [a, b], "pp": 2, "lookahead": "off"},
                           "pp-mb1": {"workers": [a, b], "pp": 2, "micro_batches": 1},
+                          "pp-mb4": {"workers": [a, b], "pp": 2, "micro_batches": 4},
                           "pp-relay": {"workers": [a, b], "pp": 2, "relay": True}}
             setups = [(SETUPS[key], options_of[key]) for key in SETUPS if key in args.setups]
             for batch, (name, options) in itertools.product(args.batch * args.rounds, setups):

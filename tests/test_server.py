@@ -366,6 +366,44 @@ def test_bad_requests_get_an_openai_error_object_with_a_4xx(server, path, body, 
     assert "Traceback" not in response.text
 
 
+EXTREME_VALUES = [
+    {"repetition_penalty": 1e-39}, {"repetition_penalty": 100}, {"temperature": 1e-4}, {"temperature": 2},
+    {"temperature": 1.0, "top_p": 1e-6}, {"temperature": 1.0, "top_k": 1}, {"presence_penalty": 2},
+    {"frequency_penalty": -2}, {"logit_bias": {"17": 100, "42": -100}}, {"logprobs": 5},
+    {"temperature": 1.0, "seed": 2**63 - 1}, {"max_tokens": 1}, {"temperature": 9},  # (the last: a 400)
+]
+
+
+@pytest.mark.slow
+def test_twenty_streams_all_finish_while_200_requests_each_bring_one_extreme_value(server):
+    """Issue 45's acceptance: 0 streams lost, 0 responses of 500 or more."""
+
+    async def stream(http: httpx.AsyncClient) -> str | None:
+        finish = None
+        async with http.stream("POST", f"{server.url}/completions", json={
+                "model": MODEL, "prompt": "def fibonacci(n):", "max_tokens": 48, "temperature": 0,
+                "stream": True}) as reply:
+            async for line in reply.aiter_lines():
+                if line.startswith("data: {"):
+                    finish = json.loads(line[6:])["choices"][0]["finish_reason"] or finish
+        return finish
+
+    async def extremes(http: httpx.AsyncClient) -> list[int]:
+        statuses = []
+        for i in range(200):
+            body = {"model": MODEL, "prompt": "class A:", "max_tokens": 8, **EXTREME_VALUES[i % len(EXTREME_VALUES)]}
+            statuses.append((await http.post(f"{server.url}/completions", json=body)).status_code)
+        return statuses
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as http:
+            return await asyncio.gather(extremes(http), *(stream(http) for _ in range(20)))
+
+    statuses, *finishes = asyncio.run(run())
+    assert finishes == ["length"] * 20
+    assert max(statuses) < 500 and statuses.count(400) >= 200 // len(EXTREME_VALUES), sorted(set(statuses))
+
+
 def test_the_openai_client_raises_its_own_errors_for_bad_requests(server):
     client = server.client()
     with pytest.raises(openai.NotFoundError, match="does not exist"):
