@@ -73,22 +73,25 @@ def test_the_bundled_model_with_mtp_at_pp_2_equals_one_worker(bundled_prompts=("
     assert accepted > 48  # high acceptance: several drafts kept per step, every stage advanced by them
 
 
-def test_a_lone_sequences_lookahead_on_the_last_stages_guess_gives_the_output_of_waiting_for_each_record():
-    """PP = 3 (a middle stage too), the bundled model, one sequence at a time: the stages before the
-    last run each step's pass on the guess of the record before; most guesses hold, the others put
-    the state back and run the pass again. Deterministic mode, where the two are equal bit for bit."""
+def test_a_lone_sequences_lookahead_on_the_last_stages_guess_gives_the_output_of_waiting_and_of_one_worker():
+    """PP = 3 (a middle stage too, an uneven split), the bundled model, one sequence at a time: the
+    stages before the last run each step's pass on the guess of the record before; some guesses
+    hold, the others put the state back and run the pass again. Deterministic mode, where the
+    outputs with lookahead on, off and of one worker are equal bit for bit."""
     from shardspec.cli import BUNDLED_MODEL
 
     prompts = ("def fibonacci(n):", "class Stack:")
 
-    async def run(lookahead: str):
-        async with shardspec.connect(model=str(BUNDLED_MODEL), workers=pooled(3), pp=3, layer_split=[3, 3, 2],
-                                     deterministic=True, lookahead=lookahead) as engine:
+    async def run(lookahead: str, pp: int = 3):
+        async with shardspec.connect(model=str(BUNDLED_MODEL), workers=pooled(pp), pp=pp,
+                                     layer_split=[3, 3, 2] if pp == 3 else None, deterministic=True,
+                                     lookahead=lookahead) as engine:
             outputs = [await collect_tokens(engine, engine.tokenizer.encode(p), 48) for p in prompts]
             return outputs, [(stats.lookaheads, stats.lookaheads_right) for stats in await engine.stats()]
 
     (ahead, counts), (waited, none) = asyncio.run(run("on")), asyncio.run(run("off"))
-    assert ahead == waited
+    alone, _ = asyncio.run(run("off", pp=1))
+    assert ahead == waited == alone
     (runs, right), middle, last = counts
     assert middle == (runs, right) and last == (0, 0)  # the stages before the last decide alike
     assert 0 < right < runs  # guesses that held and guesses that did not
