@@ -84,3 +84,12 @@ def parse_size(text: str) -> int:
         raise ValueError(f"{text!r} is not a size: a positive number of bytes, or with a unit such as 512MiB or "
                          "2GiB (KiB, MiB, GiB, TiB; KB, MB, GB, TB)")
     return int(value * SIZE_UNITS[unit])
+
+
+IPC_PATH = re.compile(r"ipc://(?:\S*/)?([^/\s]+)")
+
+
+def public(text: str) -> str:
+    """`text` with each ipc:// address cut to its socket's file name: what an operator's view shows
+    (no folder of this machine)."""
+    return IPC_PATH.sub(r"ipc:\1", text)

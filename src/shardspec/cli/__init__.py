@@ -1,5 +1,5 @@
 """The `shardspec` command: `worker` runs a shard-worker daemon, `generate` runs one prompt, `serve`
-runs an OpenAI-compatible HTTP server, `keys` makes CURVE key pairs.
+runs an OpenAI-compatible HTTP server, `status` asks workers what they do, `keys` makes CURVE key pairs.
 
 `parser` holds the subcommands and their flags; `commands` what each subcommand does.
 """
@@ -15,6 +15,7 @@ from shardspec.cli.commands import (
     run_generate,
     run_keys,
     run_serve,
+    run_status,
     run_worker,
     sampling_penalties,
 )
@@ -32,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_worker(args)
         if args.command == "keys":
             return run_keys(args)
+        if args.command == "status":
+            return asyncio.run(run_status(args))
         if args.command == "serve":
             return run_serve(args)
         return asyncio.run(run_generate(args))

@@ -9,6 +9,7 @@ import logging
 import sys
 from typing import Any
 
+from shardspec.cli.load_display import LoadDisplay
 from shardspec.cli.parser import DEFAULT_REPETITION_PENALTY
 from shardspec.option_flags import from_flags
 from shardspec.orchestrator.config import BUNDLED_MODEL, DEFAULT_DRAFT_TOKENS, EngineConfig
@@ -28,6 +29,13 @@ class UsageError(Exception):
 
 def progress(message: str) -> None:
     print(f"[shardspec] {message}", file=sys.stderr, flush=True)
+
+
+def worker_labels(config: Any) -> list[str]:
+    """How the load's progress names each worker: its address, or its number when spawned here."""
+    from shardspec.utils import public
+
+    return [public(a) for a in config.workers] if config.workers else [f"worker {i}" for i in range(config.world_size)]
 
 
 def _local_defaults(args: argparse.Namespace, workers: list[str] | None) -> tuple[str, int | None]:
@@ -166,6 +174,67 @@ def run_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+async def run_status(args: argparse.Namespace) -> int:
+    """Each worker's state, one line each (or JSON), without taking any over."""
+    from dataclasses import asdict
+
+    from shardspec import security
+    from shardspec.orchestrator.workers import worker_status
+    from shardspec.protocol.errors import RemoteError
+    from shardspec.protocol.transport import check_range
+
+    try:
+        check_range("--timeout", args.timeout, 0.1, 3600.0)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if (args.keys is None) != (args.server_keys is None):
+        raise UsageError("give --keys and --server-keys together (CURVE), or neither")
+    pair, publics = None, [None]
+    if args.keys is not None:
+        try:
+            pair, publics = security.load_pair(args.keys), security.load_public_keys(args.server_keys)
+        except security.KeyFileError as exc:
+            raise UsageError(str(exc)) from None
+        if len(publics) not in (1, len(args.addresses)):
+            raise UsageError(f"--server-keys holds {len(publics)} public keys for {len(args.addresses)} addresses: "
+                             "give one, or one per address")
+    answers = await asyncio.gather(*(worker_status(address, pair, publics[i % len(publics)], args.timeout)
+                                     for i, address in enumerate(args.addresses)), return_exceptions=True)
+    failed = 0
+    for address, answer in zip(args.addresses, answers, strict=True):
+        if isinstance(answer, BaseException) and not isinstance(answer, Exception):
+            raise answer
+        if isinstance(answer, Exception):
+            failed += 1
+            reason = answer.message if isinstance(answer, RemoteError) else str(answer)
+            print(json.dumps({"address": address, "error": reason}) if args.json else f"{address}: error: {reason}")
+        else:
+            print(json.dumps({"address": address, **asdict(answer)}) if args.json else status_line(address, answer))
+    return 1 if failed else 0
+
+
+def status_line(address: str, s: Any) -> str:
+    """One worker's StatusReply as a line of text."""
+    parts = [s.state]
+    if s.owner:
+        parts.append(f"owned by {s.owner}")
+    if s.loading is not None and s.loading.bytes_total:
+        parts.append(f"{s.loading.bytes_done / s.loading.bytes_total:.0%} of {s.loading.bytes_total / 1e9:.2f} GB read")
+    if s.model:
+        where = f"stage {s.stage} of {s.stages}" + (f", layers {s.layers[0]}-{s.layers[1] - 1}" if s.layers else "")
+        parts.append(f"{s.model} ({where}, rank {s.rank} of {s.world_size})")
+    memory = f"{s.rss_bytes / 1e9:.2f} GB resident" + (f", {s.device_bytes / 1e9:.2f} GB on the device"
+                                                       if s.device_bytes else "")
+    parts += [f"{s.device} on {s.hostname}", memory, f"shardspec {s.version}", f"up {_duration(s.uptime_s)}"]
+    return f"{address}: " + "; ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
 def _generate_prompt(args: argparse.Namespace) -> Any:
     if (args.prompt is None) == (args.prompt_ids is None):
         raise UsageError("give either a PROMPT text or --prompt-ids, exactly one")
@@ -199,20 +268,25 @@ async def run_generate(args: argparse.Namespace) -> int:
     final = None
     try:
         progress(f"starting {'workers' if config.spawns_workers else 'connection'} and loading {args.model}")
-        async with connect(config=config) as engine:
-            info, world_size = engine.load_info, config.world_size
-            weights = info.weight_bytes * world_size / 1e6
-            progress(f"ready: {world_size} workers{collectives_note(engine)}, {weights:.0f} MB of {info.dtype} "
-                     f"weights, MTP drafts per step: {info.draft_tokens or 'off'}; {cache_line(engine)}")
-            async for chunk in engine.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                                               top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                                               **sampling_penalties(args)):
-                token_ids += chunk.token_ids
-                if not args.json:
-                    print(chunk.text if engine.tokenizer else " ".join(map(str, chunk.token_ids)),
-                          end="" if engine.tokenizer else " ", flush=True)
-                final = chunk
-            text = engine.tokenizer.decode(token_ids) if engine.tokenizer else None
+        display = LoadDisplay(worker_labels(config))
+        try:
+            async with connect(config=config, on_progress=display) as engine:
+                display.close()
+                info, world_size = engine.load_info, config.world_size
+                weights = info.weight_bytes * world_size / 1e6
+                progress(f"ready: {world_size} workers{collectives_note(engine)}, {weights:.0f} MB of {info.dtype} "
+                         f"weights, MTP drafts per step: {info.draft_tokens or 'off'}; {cache_line(engine)}")
+                async for chunk in engine.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                                                   top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                                   **sampling_penalties(args)):
+                    token_ids += chunk.token_ids
+                    if not args.json:
+                        print(chunk.text if engine.tokenizer else " ".join(map(str, chunk.token_ids)),
+                              end="" if engine.tokenizer else " ", flush=True)
+                    final = chunk
+                text = engine.tokenizer.decode(token_ids) if engine.tokenizer else None
+        finally:
+            display.close()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     except ENGINE_ERRORS as exc:
@@ -256,14 +330,16 @@ def run_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     progress(f"starting {'workers' if options.engine.spawns_workers else 'connection'} and loading {args.model}")
+    display = LoadDisplay(worker_labels(options.engine))
     try:
-        asyncio.run(serve(options, sock, _serving_line(options.model_name)))
+        asyncio.run(serve(options, sock, _serving_line(options.model_name, display.close), on_progress=display))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     except ENGINE_ERRORS as exc:
         print(f"shardspec serve: error: {exc}", file=sys.stderr)
         return 1
     finally:
+        display.close()
         sock.close()
     progress("stopped")
     return 0
@@ -302,8 +378,9 @@ def cache_line(engine: Any) -> str:
             f"{info.cache_bytes / 2**20:,.1f} MiB a worker; prefix cache: {prefix}")
 
 
-def _serving_line(name: str) -> Any:
+def _serving_line(name: str, loaded: Any) -> Any:
     def ready(url: str, engine: Any) -> None:
+        loaded()
         info = engine.load_info
         progress(f"serving {name} at {url} ({engine.config.world_size} workers{collectives_note(engine)}, "
                  f"{info.dtype}, MTP drafts per step: {info.draft_tokens or 'off'}; {cache_line(engine)})")

@@ -82,6 +82,22 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{DEFAULT_MAX_MESSAGE_BYTES / 2**20:g}: a step's prompts of "
                         f"{MAX_STEP_PROMPT_TOKENS} tokens)")
 
+    status = commands.add_parser(
+        "status", help="ask worker daemons what they are doing, without taking them over",
+        description="Ask each worker daemon at ADDR for its state: idle, initialized, loading (how far) or loaded; "
+        "its owner's address, the model folder's name, stage and layers it holds, memory, version and uptime. "
+        "The workers are not taken over: this works while an orchestrator uses them. A worker with CURVE keys "
+        "answers only peers it allows. Exits 1 if any worker did not answer.")
+    status.add_argument("addresses", nargs="+", metavar="ADDR", help="worker addresses (tcp://HOST:PORT or "
+                        "ipc://PATH)")
+    status.add_argument("--keys", metavar="DIR_OR_FILE", help="this client's CURVE key pair, for workers with "
+                        "keys (default: none, plain connections)")
+    status.add_argument("--server-keys", metavar="DIR_OR_FILE", help="the workers' public key(s): one .key for "
+                        "all, or a folder with one per address, in order (default: none; needed with --keys)")
+    status.add_argument("--timeout", type=float, default=10.0, metavar="S",
+                        help="give up on a worker that has not answered after this many seconds (default 10)")
+    status.add_argument("--json", action="store_true", help="print one JSON object per worker instead of a table")
+
     keys = commands.add_parser("keys", help="make CURVE key pairs for workers and orchestrators",
                                description="CURVE key pairs in ZeroMQ's certificate format.")
     key_commands = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
@@ -161,8 +177,8 @@ def _add_model_options(parser: argparse.ArgumentParser,
     parser.add_argument("--lookahead", choices=LOOKAHEAD_MODES, default="auto", help="with --pp and MTP, "
                         "while a sequence decoding alone waits for its step's result, the earlier stages run its "
                         "next step on the last stage's guess and again if the guess was wrong (CPU workers): "
-                        "auto guesses while at least half of the recent steps kept all their drafts (a guess "
-                        "can hold only then), on always, off never (default: auto)")
+                        "auto guesses for the first 16 guesses, then while at least 5%% of the last 64 held (and "
+                        "at one step in 16 otherwise), on always, off never (default: auto)")
     parser.add_argument("--device", default=None, help="device of spawned local workers: cpu or cuda "
                         "(default: cuda when this machine has a GPU)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],

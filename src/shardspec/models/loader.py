@@ -22,7 +22,7 @@ from shardspec.models.base import CausalLM, Stage, split_config
 from shardspec.models.checkpoint import Checkpoint, fp8_degrees_note
 from shardspec.models.config import ConfigError, check_regular
 
-Progress = Callable[[int, int], None]
+Progress = Callable[[int, int, int, int], None]  # (tensors read, of, bytes read, of)
 
 
 def load_model(
@@ -68,6 +68,7 @@ def load_model(
            for key, _, _ in reads}  # read as they are; other FP8 tensors are dequantised
 
     params = list(model.named_parameters())
+    total_bytes, done_bytes = sum(p.numel() * p.element_size() for _, p in params), 0
     experts = {name for name, spec in slice_specs(model).items() if spec.experts is not None}
     with ExitStack() as stack:
         read = _CheckpointReader(files, stack, quantized - raw, dtype).read
@@ -79,8 +80,9 @@ def load_model(
             assert list(tensor.shape) == list(param.shape), (name, tensor.shape, param.shape)
             with torch.no_grad():
                 param.copy_(tensor)
+            done_bytes += param.numel() * param.element_size()
             if progress:
-                progress(done, len(params))
+                progress(done, len(params), done_bytes, total_bytes)
     after_loading(model)
     return model
 

@@ -22,7 +22,7 @@ import logging
 import numbers
 import random
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +39,7 @@ from shardspec.orchestrator.tokenizer import Detokenizer, Tokenizer
 from shardspec.orchestrator.workers import WorkerLost
 from shardspec.protocol.errors import ErrorCode, RemoteError
 from shardspec.protocol.messages import (
+    LoadProgress,
     LoadReply,
     PrefillSpec,
     ReleaseRequest,
@@ -499,16 +500,20 @@ def _breaks_group(exc: Exception) -> bool:
 
 @asynccontextmanager
 async def connect(model: str | None = None, *, config: EngineConfig | None = None,
+                  on_progress: Callable[[list[LoadProgress | None]], None] | None = None,
                   **options: Any) -> AsyncIterator[Engine]:
     """Connect to (or spawn) workers, load the model on them, and yield a ready Engine.
 
     Give the model folder and any EngineConfig field as keywords (`connect(model=DIR, local=2)`; no
-    model: the bundled one), or a whole `config=EngineConfig(...)`; the fields are documented there."""
+    model: the bundled one), or a whole `config=EngineConfig(...)`; the fields are documented there.
+    `on_progress` is called while the workers load, with each rank's last LoadProgress (None before
+    its first), a few times a second at most per worker."""
     if config is None:
         config = EngineConfig(**options) if model is None else EngineConfig(model=model, **options)
     elif model is not None or options:
         raise ValueError("give either config, or model and its options, not both")
     engine = Engine(config)
+    engine.group.on_progress = on_progress
     try:
         await engine.start()
         yield engine

@@ -35,6 +35,7 @@ from shardspec.protocol.messages import (
     Guesses,
     HiddenStates,
     InitRequest,
+    LoadProgress,
     LoadReply,
     LoadRequest,
     ShutdownRequest,
@@ -75,6 +76,11 @@ class WorkerGroup:
         self.rank_of: dict[int, int] = {}  # id(WorkerClient) -> its rank, for the relay
         self.watchdog = StepWatchdog(config.step_timeout)
         self.collectives = ""  # how the TP groups' collectives go (InitReply.collectives)
+        self.loading = False  # a load is running on the workers
+        self.hostnames: list[str] = []  # each rank's, from its hello
+        self.devices: list[str] = []
+        self.load_replies: list[LoadReply] = []  # each rank's, from the last load
+        self.on_progress: Callable[[list[LoadProgress | None]], None] | None = None  # told as loads go
 
     @property
     def workers(self) -> list[WorkerClient]:
@@ -111,7 +117,7 @@ class WorkerGroup:
     async def connect(self, hello_timeout: float) -> None:
         """Fresh connections to every worker: hello, a new process group, load."""
         workers = [WorkerClient(self.ctx, address, *link, heartbeat_timeout=self.config.heartbeat_timeout,
-                                on_failure=self.on_failure, on_link=self._relay)
+                                on_failure=self.on_failure, on_link=self._relay, on_progress=self._progress)
                    for address, link in zip(self.addresses, self.links, strict=True)]
         self.stages = [[workers[rank] for rank in ranks] for ranks in self.config.stage_ranks()]
         self.rank_of = {id(worker): rank for rank, worker in enumerate(workers)}
@@ -136,6 +142,7 @@ class WorkerGroup:
         for worker, hello in zip(self.workers, hellos, strict=True):
             log.info("worker %s: pid %d on %s, device %s", worker.address, hello.pid, hello.hostname, hello.device)
         self.hostnames = [hello.hostname for hello in hellos]
+        self.devices = [hello.device for hello in hellos]
 
     async def _init(self) -> None:
         """Every rank joins the new group, in its stage at its TP place."""
@@ -161,13 +168,28 @@ class WorkerGroup:
         # how the TP groups' collectives go (layers.parallel.TPGroup.path), for the ready line
         self.collectives = "/".join(sorted({reply.collectives for reply, _ in replies if reply.collectives}))
 
+    def load_progress(self) -> list[LoadProgress | None]:
+        """Each rank's last LoadProgress of the load running (None before its first)."""
+        return [worker.loading for worker in self.workers]
+
+    def _progress(self, _worker: WorkerClient, _progress: LoadProgress) -> None:
+        if self.on_progress is not None and self.loading:
+            self.on_progress(self.load_progress())
+
     async def load(self, request: LoadRequest) -> LoadReply:
         """Load (or load again, with other caches) on every rank; recovery reloads the same request."""
-        replies = await self.call_all(request)
+        for worker in self.workers:
+            worker.loading = None
+        self.loading = True
+        try:
+            replies = await self.call_all(request)
+        finally:
+            self.loading = False
         for stage, ranks in enumerate(self.config.stage_ranks()):
             log.info("stage %d: decoder layers %s on %s", stage, replies[ranks[0]][0].layers,
                      ", ".join(self.workers[rank].address for rank in ranks))
         self.load_request, self.load_info = request, replies[0][0]
+        self.load_replies = [reply for reply, _ in replies]
         self.paging = Paging.of([reply for reply, _ in replies])
         self.watchdog.loaded(sum(reply.weight_bytes for reply, _ in replies), self.load_info.draft_tokens)
         return self.load_info

@@ -8,6 +8,7 @@ scrape.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -17,6 +18,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    10.0, 30.0, 60.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+RECENT_STEPS = 512  # the steps the status page's step-time percentiles are over
 
 
 class ServingMetrics:
@@ -28,6 +30,11 @@ class ServingMetrics:
         for position in range(1, draft_tokens + 1):  # every position shows up, at 0 before any step
             self.accepted_per_position.labels(position=str(position))
         self.draft_tokens_per_step = draft_tokens
+        # for the status page: the last steps' times, and the counts behind MTP's acceptance
+        self.recent_steps: deque[float] = deque(maxlen=RECENT_STEPS)
+        self.steps_seen = 0
+        self.verified = 0  # sequences' verify steps that checked drafts
+        self.kept_at = [0] * draft_tokens  # of them, those that kept the draft at each position
 
     def _counters(self) -> None:
         r = self.registry
@@ -91,9 +98,14 @@ class ServingMetrics:
         """The engine's StepObserver hook: one call per step reply."""
         self.step_seconds.observe(step_s)
         self.step_sequences.observe(len(accepted))
+        self.recent_steps.append(step_s)
+        self.steps_seen += 1
         verified = [n for n in accepted if n >= 0]
         if not verified or not self.draft_tokens_per_step:
             return
+        self.verified += len(verified)
+        for position in range(self.draft_tokens_per_step):
+            self.kept_at[position] += sum(n > position for n in verified)
         self.drafts.inc(len(verified))
         self.draft_tokens.inc(len(verified) * self.draft_tokens_per_step)
         self.accepted_tokens.inc(sum(verified))
@@ -129,6 +141,20 @@ class ServingMetrics:
         for counter, total, seen in zip((self.grammar_tokens, self.forced_tokens), totals, self.grammar_seen):
             counter.inc(total - seen if total >= seen else total)
         self.grammar_seen = totals
+
+    def summary(self) -> dict[str, Any]:
+        """Step times (p50/p95 over the last RECENT_STEPS, ms) and MTP's acceptance: the share of
+        verify steps that kept the draft at each position, and the mean acceptance length."""
+        steps = sorted(self.recent_steps)
+
+        def percentile(q: float) -> float | None:
+            return round(1e3 * steps[min(len(steps) - 1, int(q * len(steps)))], 3) if steps else None
+
+        kept = [round(n / self.verified, 4) if self.verified else None for n in self.kept_at]
+        mal = round(1 + sum(self.kept_at) / self.verified, 3) if self.verified else None
+        return {"steps": self.steps_seen, "step_ms_p50": percentile(0.5), "step_ms_p95": percentile(0.95),
+                "draft_tokens": self.draft_tokens_per_step, "acceptance_per_position": kept,
+                "mean_acceptance_length": mal}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

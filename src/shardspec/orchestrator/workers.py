@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
 import logging
 import os
 import shutil
@@ -29,7 +30,16 @@ from shardspec import security
 from shardspec.protocol import codec, transport
 from shardspec.protocol.codec import Message
 from shardspec.protocol.errors import ErrorCode, ProtocolError, RemoteError
-from shardspec.protocol.messages import LINKS, REPLIES, HelloRequest, parse, to_meta
+from shardspec.protocol.messages import (
+    LINKS,
+    REPLIES,
+    HelloRequest,
+    LoadProgress,
+    StatusReply,
+    StatusRequest,
+    parse,
+    to_meta,
+)
 from shardspec.security import KeyPair
 
 log = logging.getLogger("shardspec.orchestrator")
@@ -48,8 +58,12 @@ class WorkerClient:
     def __init__(self, ctx: zmq.asyncio.Context, address: str, keys: KeyPair | None = None,
                  server_key: bytes | None = None, heartbeat_timeout: float = transport.DEFAULT_HEARTBEAT_TIMEOUT_S,
                  on_failure: Callable[[], None] | None = None,
-                 on_link: Callable[[WorkerClient, str, list], None] | None = None):
+                 on_link: Callable[[WorkerClient, str, list], None] | None = None,
+                 on_progress: Callable[[WorkerClient, LoadProgress], None] | None = None, lease: bool = True):
         self.address = address
+        self.on_progress = on_progress  # given the worker's load progress as it comes
+        self.loading: LoadProgress | None = None  # the last progress of its load
+        self.last_heard = 0.0  # loop time of its last message (an idle orchestrator says hello every KEEPALIVE_S)
         self.on_link = on_link  # given stage-link messages to relay: (this client, op, frames)
         self.heartbeat_timeout = heartbeat_timeout
         self.on_failure = on_failure  # told once, when the connection fails
@@ -72,8 +86,9 @@ class WorkerClient:
         self.last_sent = 0.0  # loop time of the last request: the worker's lease runs from its last one
         self.failure: Exception | None = None
         self.closed = False
-        self.tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch()),
-                      asyncio.create_task(self._keep_lease())]
+        self.tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+        if lease:  # (an orchestrator's: it owns the worker; `shardspec status` only asks)
+            self.tasks.append(asyncio.create_task(self._keep_lease()))
 
     def submit(self, request: Any, tensors: dict[str, torch.Tensor] | None = None) -> asyncio.Future:
         """Send a request now; the future resolves to (reply, tensors) or raises."""
@@ -125,6 +140,12 @@ class WorkerClient:
                     future.set_exception(WorkerLost(f"worker {self.address}: {exc}"))
                 continue
             self.answered = True
+            self.last_heard = asyncio.get_running_loop().time()
+            if reply.op == LoadProgress.OP:  # not a reply: how far the load it runs has come
+                self.loading = body
+                if self.on_progress is not None:
+                    self.on_progress(self, body)
+                continue
             future = self.pending.pop(reply.id, None)
             if future is None:
                 log.warning("reply %d from %s matches no request", reply.id, self.address)
@@ -152,14 +173,13 @@ class WorkerClient:
             elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self.fail(WorkerLost(f"worker {self.address} refused this orchestrator's key: add its public key "
                                      "to the worker's --allow"))
-            elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and event["value"] == errno.EAGAIN:
+                # (libzmq's handshake timer: the peer never answered the greeting)
+                self.fail(WorkerLost(f"what listens at {self.address} did not complete a ZeroMQ handshake in "
+                                     f"{HANDSHAKE_S:g}s: it is not a shardspec worker"))
+            elif event["event"] & (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
                 self.fail(WorkerLost(f"security handshake with worker {self.address} failed: check --keys and "
                                      "--server-keys (CURVE on one side only, or the wrong server key)"))
-            elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # (libzmq: the handshake timed out)
-                self.fail(WorkerLost(f"what listens at {self.address} did not complete a ZeroMQ handshake in "
-                                     f"{HANDSHAKE_S:g}s: it is not a shardspec worker"
-                                     + (", or CURVE is on one side only (check --keys and --server-keys)"
-                                        if self.curve else "")))
 
     def _handshake_dropped(self) -> str:
         """Why a worker most likely dropped the connection before its first reply. A worker that refuses
@@ -354,6 +374,21 @@ def _alive(pid: int) -> bool:
     return True
 
 
+async def worker_status(address: str, keys: KeyPair | None = None, server_key: bytes | None = None,
+                        timeout: float = 10.0) -> StatusReply:
+    """What the worker at `address` is doing (its StatusReply), without taking it over; WorkerLost
+    when nothing answers (refused, a peer that is not a worker, keys refused) within `timeout`."""
+    ctx = zmq.asyncio.Context()
+    client = WorkerClient(ctx, address, keys, server_key, lease=False)
+    try:
+        reply, _ = await _answer(client, StatusRequest(), None, asyncio.get_running_loop().time() + timeout, timeout,
+                                 "status")
+        return reply
+    finally:
+        await client.close()
+        ctx.term()
+
+
 async def wait_ready(client: WorkerClient, local: LocalWorkers | None, timeout: float) -> Any:
     """Say hello until the worker answers (it may still be starting); returns its HelloReply.
 
@@ -363,26 +398,38 @@ async def wait_ready(client: WorkerClient, local: LocalWorkers | None, timeout: 
     deadline = loop.time() + timeout
     busy_until = loop.time() + client.heartbeat_timeout + 1.0
     while True:
-        future = client.submit(HelloRequest(client=f"shardspec-orchestrator pid {os.getpid()}"))
-        while not future.done():
-            if local is not None:
-                local.check_alive()
-            elif client.refused_since is not None and loop.time() - client.refused_since > transport.REFUSED_GRACE_S:
-                future.cancel()
-                raise WorkerLost(f"connection refused: is a worker listening on {client.address}? (refused for "
-                                 f"{transport.REFUSED_GRACE_S:g}s)")
-            if loop.time() > deadline:
-                future.cancel()
-                raise WorkerLost(f"worker {client.address} did not answer hello within {timeout:.0f}s "
-                                 "(--connect-timeout)")
-            await asyncio.wait([future], timeout=0.1)
         try:
-            hello, _ = future.result()
+            hello, _ = await _answer(client, HelloRequest(client=f"shardspec-orchestrator pid {os.getpid()}"), local,
+                                     deadline, timeout, "hello", "--connect-timeout")
             return hello
         except RemoteError as exc:
             if exc.code != ErrorCode.BUSY or loop.time() > min(busy_until, deadline):
                 raise
         await asyncio.sleep(0.2)
+
+
+async def _answer(client: WorkerClient, request: Any, local: LocalWorkers | None, deadline: float, timeout: float,
+                  what: str, flag: str = "") -> tuple:
+    """The worker's answer to `request`, while it may still be starting: WorkerLost past `deadline`,
+    or once its address has refused connections for REFUSED_GRACE_S (or a spawned worker exited)."""
+    loop = asyncio.get_running_loop()
+    future = client.submit(request)
+    while not future.done():
+        if local is not None:
+            local.check_alive()
+        elif client.refused_since is not None and loop.time() - client.refused_since > transport.REFUSED_GRACE_S:
+            future.cancel()
+            raise WorkerLost(f"connection refused: is a worker listening on {client.address}? (refused for "
+                             f"{transport.REFUSED_GRACE_S:g}s)")
+        if loop.time() > deadline:
+            future.cancel()
+            if client.refused_since is not None:
+                raise WorkerLost(f"connection refused: is a worker listening on {client.address}? (refused for "
+                                 f"{loop.time() - client.refused_since:.0f}s)")
+            raise WorkerLost(f"worker {client.address} did not answer {what} within {timeout:.0f}s"
+                             + (f" ({flag})" if flag else ""))
+        await asyncio.wait([future], timeout=0.1)
+    return future.result()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -373,6 +373,51 @@ class StatsRequest:
 
 
 @dataclass(frozen=True)
+class StatusRequest:
+    """What a worker is doing, for anyone who may reach it (`shardspec status`): it takes no
+    ownership and is answered while the worker loads too."""
+
+    OP: ClassVar[str] = "status"
+
+
+@dataclass(frozen=True)
+class LoadProgress:
+    """How much of its shard a loading worker has read: sent to its owner while `load` runs, a few
+    times a second at most and once at the end (no reply)."""
+
+    OP: ClassVar[str] = "progress"
+    tensors_done: int = bounded(0, 1 << 40, 0)
+    tensors_total: int = bounded(0, 1 << 40, 0)
+    bytes_done: int = bounded(0, 1 << 60, 0)
+    bytes_total: int = bounded(0, 1 << 60, 0)
+
+
+@dataclass(frozen=True)
+class StatusReply:
+    """A worker's state: "idle", "initialized", "loading" or "loaded"; its owner's address as the
+    worker sees it ("" when it has none; "local" over ipc://); the model folder's name (no path),
+    the stage and decoder layers it holds; its load's progress while it loads."""
+
+    OP: ClassVar[str] = "status"
+    state: str
+    owner: str
+    version: str
+    device: str
+    hostname: str
+    pid: int
+    uptime_s: float
+    rss_bytes: int
+    device_bytes: int
+    model: str = ""
+    rank: int = 0
+    world_size: int = 0
+    stage: int = 0
+    stages: int = 0
+    layers: list[int] = field(default_factory=list)  # [first, end) of the stage's decoder layers
+    loading: LoadProgress | None = None
+
+
+@dataclass(frozen=True)
 class TimelineEvent:
     """When a worker did one thing of step `step` (numbered as on the stage links, from 1 after a
     load), by its wall clock in seconds: "request" (it took the step's command), "send hidden",
@@ -493,11 +538,13 @@ class ErrorReply:
 # the op set: these maps are the one place that defines it (the codec's OPS derives from them)
 REQUESTS: dict[str, type] = {
     cls.OP: cls
-    for cls in (HelloRequest, InitRequest, LoadRequest, StepRequest, ReleaseRequest, StatsRequest, ShutdownRequest)
+    for cls in (HelloRequest, InitRequest, LoadRequest, StepRequest, ReleaseRequest, StatsRequest, StatusRequest,
+                ShutdownRequest)
 }
 REPLIES: dict[str, type] = {
     cls.OP: cls
-    for cls in (HelloReply, InitReply, LoadReply, StepReply, ReleaseReply, StatsReply, ShutdownReply, ErrorReply)
+    for cls in (HelloReply, InitReply, LoadReply, StepReply, ReleaseReply, StatsReply, StatusReply, LoadProgress,
+                ShutdownReply, ErrorReply)
 }
 LINKS: dict[str, type] = {cls.OP: cls for cls in (HiddenStates, AcceptRecord, Guesses)}
 OPS = frozenset(REQUESTS) | frozenset(REPLIES) | frozenset(LINKS)

@@ -16,12 +16,13 @@ from contextlib import aclosing
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from shardspec.orchestrator.engine import ENGINE_ERRORS, Engine
 from shardspec.orchestrator.metrics import CONTENT_TYPE, ServingMetrics
 from shardspec.orchestrator.tokenizer import Tokenizer
+from shardspec.server import status
 from shardspec.server.api import ApiError, ChatBody, ChatShape, CompletionBody, GenerationBody, Shape, parse_body
 from shardspec.server.chat import ChatTemplate, ChatTemplateError
 from shardspec.server.chat_output import THINK_CLOSE, THINK_OPEN, ChatOutput
@@ -297,6 +298,17 @@ def create_app(engine: Engine, name: str, chat: ChatTemplate | None) -> FastAPI:
     @app.get("/v1/internal/stats")
     async def internal_stats() -> dict[str, Any]:
         return await service.internal_stats()
+
+    started = time.monotonic()
+
+    @app.get("/status.json")
+    async def status_json() -> dict[str, Any]:
+        return await status.report(service, started)
+
+    @app.get("/status")
+    @app.get("/")
+    async def status_page() -> HTMLResponse:
+        return HTMLResponse(status.page())
 
     return app
 

@@ -7,6 +7,7 @@ returns to idle. Only SIGINT/SIGTERM end the process.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -16,6 +17,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +37,7 @@ from shardspec.protocol.messages import (
     HelloReply,
     InitReply,
     InitRequest,
+    LoadProgress,
     LoadReply,
     LoadRequest,
     ReleaseReply,
@@ -42,6 +45,8 @@ from shardspec.protocol.messages import (
     ShutdownReply,
     StatsReply,
     StatsRequest,
+    StatusReply,
+    StatusRequest,
     StepReply,
     StepRequest,
     TimelineEvent,
@@ -58,6 +63,7 @@ from shardspec.utils import memory_stats, parse_device
 
 log = logging.getLogger("shardspec.worker")
 
+LOAD_REPORT_S = 0.25  # while loading: how often the owner is told how far (LoadProgress), and status answered
 # launch ahead: while the device runs a step's pass, how often the worker looks for the next request
 PEEK_POLL_S = 50e-6
 
@@ -96,6 +102,7 @@ class ShardWorker:
         self.deferred: deque[list] = deque()  # requests that came while a step waited on relayed links
         self.tp: TPGroup | None = None
         self.stage, self.stages = 0, 1  # this rank's pipeline stage, of how many
+        self.rank, self.world_size = 0, 1  # its place in the group (the last init's)
         self.links: StageLinks | None = None  # to the other stages, with more than one
         self.ctx: zmq.Context | None = None
         self.runner: ModelRunner | None = None
@@ -109,6 +116,12 @@ class ShardWorker:
         self.profiler = StepProfiler()  # SHARDSPEC_PROFILE: steps under PyTorch's profiler
         self.timeline = Timeline()  # its steps' requests and replies (the stage links keep theirs)
         self.rejected_logged_at, self.rejected_unlogged = -1.0, 0  # _log_rejected's rate limit
+        self.started = time.monotonic()
+        self.owner_address = ""  # where the owner's hello came from, as the worker sees it
+        self.model_name = ""  # the loaded model folder's name (StatusReply)
+        self.layers: list[int] = []
+        self.loading: LoadProgress | None = None  # while a load reads weights: how far
+        self.load_reported = 0.0  # when the owner was last told (LoadProgress)
         self.handlers = {op: getattr(self, f"_{op}") for op in REQUESTS}  # an op's handler: _<op>
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -212,7 +225,7 @@ class ShardWorker:
             if request.op == "step" and self.last_step_sent is not None:
                 self.gap_count, self.gap_total = self.gap_count + 1, self.gap_total + received - self.last_step_sent
             self.last_step_sent = None
-            reply = self._dispatch(peer.bytes, _source_fd(frames), request)
+            reply = self._dispatch(peer.bytes, _source_fd(frames), request, _peer_address(frames))
         except ProtocolError as exc:
             self.errors += 1
             self._log_rejected(exc)
@@ -252,8 +265,11 @@ class ShardWorker:
             return
         parts = self.sock.recv_multipart(copy=False)
         if parts[0].bytes != self.owner:  # only the owner's requests wait: others get their answer now
-            busy = _error(codec.peek_id(parts[1:]), ErrorCode.BUSY, "this worker serves another orchestrator")
-            self._reply(self.sock, parts[0].bytes, busy)
+            reply = _error(codec.peek_id(parts[1:]), ErrorCode.BUSY, "this worker serves another orchestrator")
+            with contextlib.suppress(ProtocolError):
+                if (request := codec.decode(parts[1:])).op == StatusRequest.OP:
+                    reply = self._dispatch(parts[0].bytes, None, request)
+            self._reply(self.sock, parts[0].bytes, reply)
             return
         self.owner_seen = time.monotonic()
         try:
@@ -261,8 +277,11 @@ class ShardWorker:
         except ProtocolError:
             self.deferred.append(parts)  # answered (with its error) after the step
             return
-        if msg.op in LINKS:
+        if msg.op in LINKS and self.links is not None:
             self.links.queue(msg)
+            return
+        if msg.op == StatusRequest.OP:
+            self._reply(self.sock, parts[0].bytes, self._dispatch(parts[0].bytes, None, msg))
             return
         self.deferred.append(parts)
         if msg.op == "shutdown":
@@ -315,16 +334,19 @@ class ShardWorker:
         if why_not == transport.PEER_GONE and self.state == "idle":  # its hello was queued before it left
             self._reset("the orchestrator left before its hello was answered")
 
-    def _dispatch(self, peer: bytes, fd: int | None, request: Message) -> Message:
+    def _dispatch(self, peer: bytes, fd: int | None, request: Message, address: str = "") -> Message:
         if request.op not in REQUESTS:
             raise ProtocolError(ErrorCode.BAD_MESSAGE, f"{request.op!r} is not a request op")
         body = parse(REQUESTS[request.op], request.meta)
+        if request.op == "status":  # anyone's, and no contact with the owner
+            return Message(op="status", id=request.id, meta=to_meta(self._status(body, {})[0]))
         if request.op == "hello":
             if self.owner not in (None, peer):
                 raise ProtocolError(ErrorCode.BUSY, "this worker serves another orchestrator")
             if self.owner is None and fd in self.closed_fds:  # queued by a client that already left
                 raise ProtocolError(ErrorCode.BAD_STATE, "hello from a connection that is closed")
             self.owner, self.owner_fd = peer, fd
+            self.owner_address = address
         elif self.owner is None:
             raise ProtocolError(ErrorCode.BAD_STATE, f"say hello before {request.op!r}")
         elif peer != self.owner:
@@ -334,6 +356,29 @@ class ShardWorker:
         return Message(op=request.op, id=request.id, meta=to_meta(meta), tensors=tensors or {})
 
     # --- ops ----------------------------------------------------------------------------------
+
+    def _load_progress(self, progress: LoadProgress) -> None:
+        """After each tensor a load reads: tell the owner (at most every LOAD_REPORT_S, and at the
+        end) and answer the status requests that came meanwhile."""
+        self.loading = progress
+        now = time.monotonic()
+        if now - self.load_reported >= LOAD_REPORT_S or progress.tensors_done == progress.tensors_total:
+            self.load_reported = now
+            if self.owner is not None:
+                transport.send_reply(self.sock, self.owner, Message(LoadProgress.OP, 0, to_meta(progress)))
+            self._pump(0)
+
+    def _status(self, _body: StatusRequest, _tensors: dict) -> tuple[StatusReply, None]:
+        mem = memory_stats()
+        state = "loading" if self.loading is not None else self.state
+        return StatusReply(state=state, owner=self.owner_address if self.owner is not None else "",
+                           version=__version__, device=str(self.device), hostname=socket.gethostname(),
+                           pid=os.getpid(), uptime_s=time.monotonic() - self.started, rss_bytes=mem["rss_bytes"],
+                           device_bytes=torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0,
+                           model=self.model_name if self.runner is not None or self.loading else "",
+                           rank=self.rank, world_size=self.world_size if self.tp else 0,
+                           stage=self.stage, stages=self.stages, layers=list(self.layers) if self.runner else [],
+                           loading=self.loading), None
 
     def _hello(self, body: Any, _tensors: dict) -> tuple[HelloReply, None]:
         reply = HelloReply(
@@ -357,6 +402,7 @@ class ShardWorker:
             self.tp.shm.abort = self._why_abort
         try:
             self.stage, self.stages = body.stage, body.stages
+            self.rank, self.world_size = body.rank, body.world_size
             if body.stages > 1:
                 self.links = self._open_links(body)
         except BaseException:
@@ -402,7 +448,11 @@ class ShardWorker:
         self._drop_runner()  # a load replaces every sequence and cache
         self.state = "initialized"
         free_memory(self.device)
-        model = self.held.load(body, plan, self.tp)
+        self.loading, self.load_reported = LoadProgress(), 0.0
+        try:
+            model = self.held.load(body, plan, self.tp, self._load_progress)
+        finally:
+            self.loading = None
         draft_len = body.draft_tokens if plan.mtp else 0
         # with more ranks, each would decide alone when its next request is here: no launch ahead
         peek = self._peek_step if self.tp.size == 1 else None
@@ -414,6 +464,7 @@ class ShardWorker:
         log.info("loaded %.1f MB of weights, %.1f MB of cache in %.1fs; MTP drafts per step: %d",
                  weight_bytes / 1e6, self.runner.cache_bytes / 1e6, load_s, draft_len)
         config, stage = model.config, model.stage
+        self.model_name, self.layers = Path(body.model).name, [stage.start, stage.end]
         reply = LoadReply(
             weight_bytes=weight_bytes,
             cache_bytes=self.runner.cache_bytes,
@@ -504,6 +555,19 @@ class ShardWorker:
         if self.runner is None:
             raise ProtocolError(ErrorCode.BAD_STATE, f"worker is {self.state}; load a model first")
         return self.runner
+
+
+def _peer_address(frames: list) -> str:
+    """Where a message's connection comes from as this worker sees it: an IP address, or over ipc://
+    "local pid N" (libzmq gives the peer's credentials there as localhost:UID:GID:PID)."""
+    try:
+        address = (frames[0].get("Peer-Address") if frames else "") or ""
+    except zmq.ZMQError:
+        address = ""
+    parts = address.split(":")
+    if len(parts) == 4 and parts[0] == "localhost":
+        return f"local pid {parts[3]}"
+    return address or "local"
 
 
 def _source_fd(frames: list) -> int | None:

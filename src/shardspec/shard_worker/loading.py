@@ -7,6 +7,7 @@ import ctypes
 import gc
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from shardspec.models.checkpoint import Checkpoint
 from shardspec.models.config import ConfigError
 from shardspec.models.loader import load_model
 from shardspec.protocol.errors import ErrorCode, ProtocolError
-from shardspec.protocol.messages import LoadRequest
+from shardspec.protocol.messages import LoadProgress, LoadRequest
 from shardspec.shard_worker.decoder import Decoder, Peek
 from shardspec.shard_worker.links import StageLinks
 from shardspec.shard_worker.runner import ModelRunner
@@ -73,14 +74,16 @@ class HeldModel:
             raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
         return LoadPlan(checkpoint, dtype, stage, mtp)
 
-    def load(self, body: LoadRequest, plan: LoadPlan, tp: TPGroup) -> CausalLM:
-        """The model of `plan`: the one held if it has the same weights, else read."""
+    def load(self, body: LoadRequest, plan: LoadPlan, tp: TPGroup,
+             report: Callable[[LoadProgress], None] = lambda _: None) -> CausalLM:
+        """The model of `plan`: the one held if it has the same weights, else read (`report`: told
+        after each tensor how far the read is)."""
         key = (body.model, plan.dtype, plan.stage, body.expert_parallel)
         if self.model is not None and self.key == key and (self.mtp or not plan.mtp):
             log.info("keeping the loaded weights of %s; new caches", body.model)
         else:
             self.drop()
-            self.model = self._read(body, plan, tp)
+            self.model = self._read(body, plan, tp, report)
             self.key, self.mtp = key, plan.mtp
         return self.model
 
@@ -88,14 +91,16 @@ class HeldModel:
         self.model = self.key = None
         free_memory(self.device)
 
-    def _read(self, body: LoadRequest, plan: LoadPlan, tp: TPGroup) -> CausalLM:
+    def _read(self, body: LoadRequest, plan: LoadPlan, tp: TPGroup, report: Callable[[LoadProgress], None]
+              ) -> CausalLM:
         log.info("loading %s as %s (rank %d of %d)", body.model, plan.dtype, tp.rank, tp.size)
         last_report = [0.0]
 
-        def progress(done: int, total: int) -> None:
+        def progress(done: int, total: int, done_bytes: int, total_bytes: int) -> None:
+            report(LoadProgress(done, total, done_bytes, total_bytes))
             if time.perf_counter() - last_report[0] > PROGRESS_EVERY_S or done == total:
                 last_report[0] = time.perf_counter()
-                log.info("loaded %d/%d tensors", done, total)
+                log.info("loaded %d/%d tensors (%.0f of %.0f MB)", done, total, done_bytes / 1e6, total_bytes / 1e6)
 
         try:
             return load_model(plan.checkpoint, tp, plan.dtype, self.device, with_mtp=plan.mtp, progress=progress,
