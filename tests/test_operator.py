@@ -196,6 +196,8 @@ def test_status_json_lays_out_hosts_stages_and_ranks_and_counts_steps_and_accept
 
 
 def test_the_status_page_in_a_browser_shows_the_stages_and_follows_a_request(pp_server):
+    """Headless Chromium at a phone's width: both stages and their layers, then a request moves the
+    step count and the acceptance figures."""
     webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
     browser, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
     if browser is None or driver_path is None:
@@ -217,13 +219,16 @@ def test_the_status_page_in_a_browser_shows_the_stages_and_follows_a_request(pp_
         wait.until(lambda d: "stage 1" in d.find_element(By.ID, "hosts").text)
         hosts = driver.find_element(By.ID, "hosts").text
         assert "stage 0" in hosts and "stage 1" in hosts and "loaded" in hosts
+        assert "0–3" in hosts and "4–7" in hosts  # the bundled model's 8 layers, 4 a stage
         summary = driver.find_element(By.ID, "summary").text
         steps = int(re.search(r"Steps\s+(\d+)", summary).group(1))
+        acceptance = driver.find_element(By.ID, "mtp").text
         reply = httpx.post(f"{pp_server.url}/completions", json={"prompt": "class A:", "max_tokens": 16},
                            timeout=120)
         assert reply.status_code == 200
         wait.until(lambda d: int(re.search(r"Steps\s+(\d+)", d.find_element(By.ID, "summary").text).group(1))
                    > steps)
+        wait.until(lambda d: d.find_element(By.ID, "mtp").text != acceptance)
         assert "mean acceptance length" in driver.find_element(By.ID, "mtp").text
         width, window = driver.execute_script("return [document.documentElement.scrollWidth, window.innerWidth]")
         assert window == 390 and width <= window, (width, window)  # nothing wider (tables scroll inside)

@@ -53,7 +53,7 @@ class _Scripted(StageLinks):
     def _poll(self, seconds: float) -> None:
         self.timeouts.append(seconds)
         if len(self.timeouts) == self.arrives:
-            record = AcceptRecord(1, StepReply(seqs=[], tokens=[], accepted=[], drafts=[], finished=[], step_s=0.0), [])
+            record = AcceptRecord(1, StepReply(seqs=[], tokens=[], accepted=[], drafts=[], finished=[], step_s=0.0))
             self.queue(Message(AcceptRecord.OP, 0, to_meta(record)))
 
 

@@ -198,6 +198,7 @@ class EngineConfig:
             deterministic=self.deterministic,
             expert_parallel=self.ep,
             lookahead=self.lookahead if self.pp > 1 else "off",
+            progress=True,  # (WorkerGroup takes the LoadProgress messages; a raw client gets none)
         )
 
     # --- checks that read files --------------------------------------------------------------------

@@ -219,6 +219,7 @@ class LoadRequest:
     lookahead: str = "off"  # stages with MTP: a lone sequence's next step runs on a guess (stage.ForwardingStage)
     cache_bytes: int = bounded(0, 1 << 50, 0)  # K/V blocks and recurrent states; 0: the device's default
     prefix_cache: bool = True  # room for saved recurrent states (LoadReply.prefix_states), for prefix caching
+    progress: bool = False  # send the owner LoadProgress messages while the weights are read
 
     def __post_init__(self) -> None:
         if self.mtp not in ("auto", "on", "off"):

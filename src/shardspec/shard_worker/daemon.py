@@ -122,6 +122,7 @@ class ShardWorker:
         self.layers: list[int] = []
         self.loading: LoadProgress | None = None  # while a load reads weights: how far
         self.load_reported = 0.0  # when the owner was last told (LoadProgress)
+        self.load_tells = False  # the load asked for LoadProgress messages
         self.handlers = {op: getattr(self, f"_{op}") for op in REQUESTS}  # an op's handler: _<op>
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -364,7 +365,7 @@ class ShardWorker:
         now = time.monotonic()
         if now - self.load_reported >= LOAD_REPORT_S or progress.tensors_done == progress.tensors_total:
             self.load_reported = now
-            if self.owner is not None:
+            if self.owner is not None and self.load_tells:
                 transport.send_reply(self.sock, self.owner, Message(LoadProgress.OP, 0, to_meta(progress)))
             self._pump(0)
 
@@ -448,7 +449,7 @@ class ShardWorker:
         self._drop_runner()  # a load replaces every sequence and cache
         self.state = "initialized"
         free_memory(self.device)
-        self.loading, self.load_reported = LoadProgress(), 0.0
+        self.loading, self.load_reported, self.load_tells = LoadProgress(), 0.0, body.progress
         try:
             model = self.held.load(body, plan, self.tp, self._load_progress)
         finally:
