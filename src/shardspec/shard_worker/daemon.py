@@ -360,14 +360,20 @@ class ShardWorker:
 
     def _load_progress(self, progress: LoadProgress) -> None:
         """After each tensor a load reads: tell the owner (at most every LOAD_REPORT_S, and at the
-        end) and answer the status requests that came meanwhile."""
+        end), answer the status requests that came meanwhile, and stop if the owner left or said
+        goodbye."""
         self.loading = progress
         now = time.monotonic()
         if now - self.load_reported >= LOAD_REPORT_S or progress.tensors_done == progress.tensors_total:
             self.load_reported = now
             if self.owner is not None and self.load_tells:
                 transport.send_reply(self.sock, self.owner, Message(LoadProgress.OP, 0, to_meta(progress)))
-            self._pump(0)
+            try:
+                self._pump(0)
+            except LinkDropped as exc:  # (its goodbye stays queued: served after the load's error)
+                raise ProtocolError(ErrorCode.BAD_STATE, f"load stopped: {exc}") from None
+            if (why := self._why_abort()) is not None:
+                raise ProtocolError(ErrorCode.BAD_STATE, f"load stopped: {why}")
 
     def _status(self, _body: StatusRequest, _tensors: dict) -> tuple[StatusReply, None]:
         mem = memory_stats()
