@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import socket
 import stat
@@ -428,3 +429,49 @@ def test_an_address_where_something_else_listens_fails_within_the_handshake_time
         holder.close()
     assert elapsed < HANDSHAKE_S + 5, elapsed
     assert "--keys" not in message  # (no keys given: nothing to check there)
+
+
+STRANGER_PROBE = r"""
+import json, os, socket, sys
+os.setgroups([]); os.setgid(65534); os.setuid(65534)  # nobody
+results = {}
+for path in sys.argv[1:]:
+    try:
+        if path.endswith((".sock", ".link")):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(path)
+        else:
+            open(path, "rb").close()
+        results[path] = "reached"
+    except OSError as exc:
+        results[path] = type(exc).__name__
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to the user nobody needs root")
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2}], ids=["tp2-store", "pp2-links"])
+def test_the_user_nobody_reaches_no_worker_socket_stage_link_or_store_file_under_umask_000(layout):
+    """Spawned workers and their orchestrator under umask 000: the worker sockets, the stage links
+    (PP) and the rendezvous store (a file in a 0700 folder for workers on this host, TP) stay closed
+    to another user."""
+
+    async def paths() -> list[str]:
+        async with shardspec.connect(model=str(BUNDLED_MODEL), local=2, **layout) as engine:
+            found = [w.address.removeprefix("ipc://") for w in engine.group.workers]
+            if "pp" in layout:
+                found += [p.removesuffix(".sock") + ".link" for p in found]
+            else:
+                found += [str(p) for p in Path(engine.group.store_dir).iterdir()]
+            probe = subprocess.run([sys.executable, "-c", STRANGER_PROBE, *found], capture_output=True, text=True,
+                                   timeout=60)
+            return found, probe
+
+    old = os.umask(0)
+    try:
+        found, probe = asyncio.run(paths())
+    finally:
+        os.umask(old)
+    assert len(found) == (4 if "pp" in layout else 3), found  # 2 sockets, and 2 links or the store
+    results = json.loads(probe.stdout)
+    assert all(outcome == "PermissionError" for outcome in results.values()), results

@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import shutil
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -77,6 +79,7 @@ class WorkerGroup:
         self.watchdog = StepWatchdog(config.step_timeout)
         self.collectives = ""  # how the TP groups' collectives go (InitReply.collectives)
         self.loading = False  # a load is running on the workers
+        self.store_dir: str | None = None  # the folder of the groups' file stores (ipc:// workers), until close
         self.hostnames: list[str] = []  # each rank's, from its hello
         self.devices: list[str] = []
         self.load_replies: list[LoadReply] = []  # each rank's, from the last load
@@ -148,10 +151,12 @@ class WorkerGroup:
         """Every rank joins the new group, in its stage at its TP place."""
         staged = len(self.stages) > 1
         links = [link_address(address) for address in self.addresses] if staged else []
-        dist_addr = rendezvous(self.addresses, self.config.dist_port, links)
+        if self.store_dir is None:
+            self.store_dir = tempfile.mkdtemp(prefix="shardspec-store-")  # (0700)
+        secret = secrets.token_hex(16)  # the group's keys in the rendezvous store: under a prefix only it knows
+        dist_addr = rendezvous(self.addresses, self.config.dist_port, links, f"{self.store_dir}/{secret}")
         curve = staged and not self.relay and self.links[0][0] is not None
         link_keys = [public.decode() for _, public in self.links] if curve else []
-        secret = secrets.token_hex(16)  # the group's keys in the rendezvous store: under a prefix only it knows
         inits = [InitRequest(rank=rank, world_size=len(self.workers), dist_addr=dist_addr,
                              timeout_s=self.config.dist_timeout, stages=len(self.stages), links=links,
                              relay=staged and self.relay, link_keys=link_keys,
@@ -224,6 +229,8 @@ class WorkerGroup:
         await self.disconnect()
         if self.local is not None:
             self.local.stop()
+        if self.store_dir is not None:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
         # destroy, not term: term waits for every socket of the context to be closed, and hung the close of an
         # engine in the test suite (2 of 4 runs) on one still open; destroy closes what is left (linger 0) first
         self.ctx.destroy(linger=0)
@@ -344,11 +351,14 @@ def link_address(address: str) -> str:
     return address.removesuffix(".sock") + ".link"
 
 
-def rendezvous(addresses: list[str], port: int | None, links: list[str]) -> str:
+def rendezvous(addresses: list[str], port: int | None, links: list[str], store_file: str | None = None) -> str:
     """Where rank 0 hosts the torch.distributed store: on rank 0's host, at `port` or by default at
-    the first port above rank 0's that no worker or stage link there listens on (on 127.0.0.1 at a
-    free port for ipc:// workers). A `port` that a worker there listens on is refused."""
+    the first port above rank 0's that no worker or stage link there listens on. For ipc:// workers
+    (all on this host): `store_file` (in a folder only this user may enter), or 127.0.0.1 at `port`
+    (or a free one when there is no file). A `port` that a worker there listens on is refused."""
     if not addresses[0].startswith("tcp://"):
+        if store_file is not None and port is None:
+            return f"file://{store_file}"
         return f"tcp://127.0.0.1:{port or free_port()}"
     host, rank0_port = addresses[0][len("tcp://") :].rsplit(":", 1)
     taken = {int(a.rsplit(":", 1)[1]): a for a in [*addresses, *links] if a.startswith(f"tcp://{host}:")}

@@ -404,7 +404,7 @@ class ShardWorker:
         if self.device.type == "cpu" and self.threads is None:
             group.share_cores(body.host_ranks)
         kernels.use(body.options)  # the whole process's, before the group's all-reduce choice and the model
-        self.tp, backend = group.join(body, self.device, self._why_abort)
+        self.tp, backend = group.join(body, self.device, self._why_abort, local=self.listen.startswith("ipc://"))
         if self.tp.shm is not None:
             self.tp.shm.abort = self._why_abort
         try:

@@ -12,11 +12,13 @@ import ipaddress
 import logging
 import os
 import socket
+import stat
 import struct
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,17 +34,19 @@ GLOO_IFNAME = os.environ.get("GLOO_SOCKET_IFNAME")  # the user's choice of Gloo'
 ABORT_POLL_S = 0.1  # while a rank waits for the rendezvous: how often it asks whether to give up
 
 
-def join(body: InitRequest, device: torch.device, abort: Callable[[], str | None] = lambda: None
-         ) -> tuple[TPGroup, str]:
+def join(body: InitRequest, device: torch.device, abort: Callable[[], str | None] = lambda: None,
+         local: bool = False) -> tuple[TPGroup, str]:
     """This rank's TP group, after joining the process group when the stage has more than one rank
     (stages of one rank each share no collective, nor could ranks on one GPU: NCCL); and the backend.
-    `abort` says why the rendezvous should stop waiting (the orchestrator left), or None."""
+    `abort` says why the rendezvous should stop waiting (the orchestrator left), or None; `local`:
+    this worker listens on ipc:// (its orchestrator is on this host), where a file store may serve."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if body.tp_size > 1:
-        if not body.dist_addr.startswith("tcp://"):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"dist_addr must be tcp://HOST:PORT, got {body.dist_addr!r}")
+        if not body.dist_addr.startswith("tcp://") and not (local and body.dist_addr.startswith("file://")):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"dist_addr must be tcp://HOST:PORT (or, for a worker on "
+                                f"ipc://, file://PATH), got {body.dist_addr!r}")
         log.info("joining %s group at %s as rank %d/%d", backend, body.dist_addr, body.rank, body.world_size)
-        if backend == "gloo":
+        if backend == "gloo" and body.dist_addr.startswith("tcp://"):
             choose_gloo_interface(body.dist_addr)
         join_process_group(backend, body, device, abort)
     try:
@@ -155,7 +159,10 @@ def rendezvous_store(dist_addr: str, rank: int, world_size: int, timeout: timede
                      abort: Callable[[], str | None] = lambda: None) -> dist.TCPStore:
     """The group's key-value store at tcp://HOST:PORT. Rank 0 serves it on a socket it binds itself:
     on HOST only when HOST is a loopback address (a group on one machine is not reachable from
-    others), on every interface otherwise; a port in use fails at once, naming the port."""
+    others), on every interface otherwise; a port in use fails at once, naming the port. At
+    file://PATH (a group on one host): a file in a folder only this user may enter."""
+    if dist_addr.startswith("file://"):
+        return _file_store(Path(dist_addr[len("file://") :]), world_size, timeout)
     host, port = dist_addr[len("tcp://") :].rsplit(":", 1)
     host = host.strip("[]")
     if rank != 0:
@@ -164,6 +171,22 @@ def rendezvous_store(dist_addr: str, rank: int, world_size: int, timeout: timede
     fd = listener.detach()  # the store owns the descriptor from here on
     return dist.TCPStore(host, int(port), world_size, is_master=True, timeout=timeout, wait_for_workers=False,
                          master_listen_fd=fd)
+
+
+def _file_store(path: Path, world_size: int, timeout: timedelta) -> dist.FileStore:
+    """A store in `path`, whose folder must be this user's and closed to everyone else (no other
+    user can open the file then, whatever the umask); a missing or open folder is refused."""
+    try:
+        folder = path.parent.lstat()
+    except OSError as exc:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"the rendezvous folder {path.parent}: {exc.strerror}") from None
+    if not path.is_absolute() or not stat.S_ISDIR(folder.st_mode) or folder.st_uid != os.geteuid() \
+            or folder.st_mode & 0o077:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"the rendezvous file {path} must be in a folder of this user's "
+                            "that no one else may enter (mode 0700)")
+    store = dist.FileStore(str(path), world_size)
+    store.set_timeout(timeout)
+    return store
 
 
 def _store_client(host: str, port: int, world_size: int, timeout: timedelta,
