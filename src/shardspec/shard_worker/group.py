@@ -179,7 +179,8 @@ def _file_store(path: Path, world_size: int, timeout: timedelta) -> dist.FileSto
     try:
         folder = path.parent.lstat()
     except OSError as exc:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"the rendezvous folder {path.parent}: {exc.strerror}") from None
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"the rendezvous folder {path.parent}: {exc.strerror} (a worker "
+                            "that does not share the orchestrator's /tmp: give --dist-port to meet over TCP)") from None
     if not path.is_absolute() or not stat.S_ISDIR(folder.st_mode) or folder.st_uid != os.geteuid() \
             or folder.st_mode & 0o077:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"the rendezvous file {path} must be in a folder of this user's "
