@@ -66,19 +66,12 @@ def test_a_request_whose_numbers_go_bad_fails_alone_while_the_others_stream_thei
     request fails with a ValueError naming why; the others in the same steps, on every rank and
     stage, give what they give alone, and the engine serves on."""
     from shardspec.cli import BUNDLED_MODEL
-    from shardspec.orchestrator.requests import SamplingError
 
     async def run():
         async with shardspec.connect(model=str(BUNDLED_MODEL), workers=pooled(tp * pp), pp=pp, mtp=mtp,
                                      dtype="float32", max_seqs=8) as engine:
-            async def one(prompt, **options):
-                tokens = []
-                try:
-                    async for chunk in engine.generate(prompt, max_tokens=16, stop_at_eos=False, **options):
-                        tokens += chunk.token_ids
-                except SamplingError as exc:
-                    return "failed", tokens, str(exc)
-                return tokens
+            def one(prompt, **options):
+                return _tokens_or_failure(engine, prompt, 16, **options)
 
             good = [[5, 6, 7], "def f(x):", [100, 200]]
             alone = [await one(p) for p in good]
@@ -92,6 +85,19 @@ def test_a_request_whose_numbers_go_bad_fails_alone_while_the_others_stream_thei
     failures = together[3:]
     assert all(f[0] == "failed" and "no token can be sampled" in f[2] for f in failures)
     assert [len(f[1]) for f in failures] == [0, 1, 1]  # at the prefill, then at a verify step
+
+
+async def _tokens_or_failure(engine, prompt, max_tokens: int, **options):
+    """The request's tokens, or ("failed", the tokens before, the SamplingError's text)."""
+    from shardspec.orchestrator.requests import SamplingError
+
+    tokens = []
+    try:
+        async for chunk in engine.generate(prompt, max_tokens=max_tokens, stop_at_eos=False, **options):
+            tokens += chunk.token_ids
+    except SamplingError as exc:
+        return "failed", tokens, str(exc)
+    return tokens
 
 
 def _extreme_options(rng: random.Random, vocab: int) -> dict:
@@ -121,7 +127,6 @@ def test_a_row_with_extreme_accepted_sampling_options_ends_alone_and_the_others_
     batch). It finishes, or fails alone with a clear error; the two greedy rows beside it give what
     they give alone, every time, and the engine serves on."""
     from shardspec.cli import BUNDLED_MODEL
-    from shardspec.orchestrator.requests import SamplingError
 
     rng = random.Random(11 + tp + 2 * pp)
 
@@ -130,14 +135,8 @@ def test_a_row_with_extreme_accepted_sampling_options_ends_alone_and_the_others_
                                      deterministic=True, max_seqs=4) as engine:
             vocab = engine.load_info.vocab_size
 
-            async def one(prompt, **options):
-                tokens = []
-                try:
-                    async for chunk in engine.generate(prompt, max_tokens=12, stop_at_eos=False, **options):
-                        tokens += chunk.token_ids
-                except SamplingError as exc:
-                    return "failed", str(exc)
-                return tokens
+            def one(prompt, **options):
+                return _tokens_or_failure(engine, prompt, 12, **options)
 
             good = ["def f(x):", [5, 6, 7]]
             alone = [await one(p) for p in good]
@@ -153,4 +152,4 @@ def test_a_row_with_extreme_accepted_sampling_options_ends_alone_and_the_others_
     assert serves_on
     for end in ends:
         finished = isinstance(end, list) and len(end) == 12
-        assert finished or (end[0] == "failed" and "no token can be sampled" in end[1]), end
+        assert finished or (end[0] == "failed" and "no token can be sampled" in end[2]), end
