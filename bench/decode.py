@@ -78,7 +78,7 @@ class Bench:
         load = dataclasses.replace(self.engine.group.load_request, max_seqs=slots, mtp="on" if k else "off",
                                    draft_tokens=k or 1, forced_acceptance=-1.0 if forced is None else forced,
                                    deterministic=deterministic)
-        await self.engine.group.load(load)
+        await self.engine.reload(load)  # (new pools: the engine grants from them)
         self.engine.scheduler.max_seqs = slots
 
     async def decode(self, batch: int, new_tokens: int, prompt_len: int = PROMPT_LEN) -> dict:

@@ -221,3 +221,31 @@ def test_a_max_seq_len_above_the_model_s_maximum_is_warned_about(tiny_model, cap
         context = asyncio.run(run())
     assert context == 4096  # the tiny model's max_position_embeddings
     assert "max_seq_len 8192 is above the model's maximum of 4096" in caplog.text
+
+
+def test_a_reload_with_smaller_caches_grants_from_the_new_pools_and_an_engine_in_use_refuses_it(tiny_model):
+    """Reloading with max_seqs 1 shrinks each worker's block pool; a long generation afterwards
+    needs more blocks than the old pool's first ones and must come from the new one."""
+    import dataclasses
+
+    from shardspec.orchestrator.requests import EngineError
+
+    async def run():
+        async with shardspec.connect(model=str(tiny_model), workers=pooled(1), max_seqs=8, max_seq_len=512) as engine:
+            before = engine.group.paging.blocks
+            stream = engine.generate([1, 2, 3], max_tokens=200, stop_at_eos=False)
+            await anext(stream)
+            with pytest.raises(EngineError, match="idle"):
+                await engine.reload(engine.group.load_request)
+            await stream.aclose()
+            while engine.scheduler.running or engine.scheduler.waiting:
+                await asyncio.sleep(0.05)
+            await engine.reload(dataclasses.replace(engine.group.load_request, max_seqs=1))
+            after = engine.group.paging.blocks
+            assert engine.scheduler.pool.paging is engine.group.paging  # the engine grants from the new pools
+            tokens = [t async for chunk in engine.generate([1, 2, 3], max_tokens=400, stop_at_eos=False)
+                      for t in chunk.token_ids]
+            return before, after, len(tokens)
+
+    before, after, generated = asyncio.run(run())
+    assert after < before and generated == 400

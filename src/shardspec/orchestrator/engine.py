@@ -41,6 +41,7 @@ from shardspec.protocol.errors import ErrorCode, RemoteError
 from shardspec.protocol.messages import (
     LoadProgress,
     LoadReply,
+    LoadRequest,
     PrefillSpec,
     ReleaseRequest,
     SamplingParams,
@@ -307,6 +308,14 @@ class Engine:
             if self.closed or not await self._recover():
                 return
             self._use_blocks()
+
+    async def reload(self, request: LoadRequest) -> None:
+        """Load again on every worker with other caches or settings (the workers keep weights they
+        hold), and grant from the new pools; only while no request runs or waits."""
+        if self.scheduler.running or self.scheduler.waiting:
+            raise EngineError("reload needs an idle engine: requests are running or waiting")
+        await self.group.load(request)
+        self._use_blocks()
 
     def _use_blocks(self) -> None:
         """Grant the blocks of the workers' pools as loaded (again)."""
