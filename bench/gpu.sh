@@ -56,7 +56,7 @@
 #           (.bench/9b-chat, eos its <|endoftext|>): bench/prefix_cache.py, a turn whose ~8,000-token conversation is
 #           cached against cold (cache on and off), and its sweep at serve's default --cache-memory; then
 #           bench/structured.py, MTP on and off; each part runs even if one before failed
-#   pp-b1   one H200 or H100, ~5 minutes: 9B-class batch 1, MTP off and k = 3 at 0.8, PP = 1 and PP = 2 with both
+#   pp-b1   one H200 or H100, ~8 minutes (each PP a bound of 280 s: PP = 2 loads and captures two stages): 9B-class batch 1, MTP off and k = 3 at 0.8, PP = 1 and PP = 2 with both
 #           stages on cuda:0 (8 GiB of cache a stage: the default takes 90 % of the GPU), then PP = 2's link cost
 # Then, where matplotlib is: python bench/plot_decode.py OUT/decode-9b-tp1.json ... --out docs/decode.png
 set -euo pipefail
@@ -274,7 +274,7 @@ for stage in "$@"; do
     pp-b1)
         [ -f .bench/9b/config.json ] || write_9b || failed=1
         for pp in 1 2; do
-            timeout 150 python3 bench/decode.py --size 9b --ckpt .bench/9b --pp $pp --device cuda:0 --cache-memory 8GiB \
+            timeout 280 python3 bench/decode.py --size 9b --ckpt .bench/9b --pp $pp --device cuda:0 --cache-memory 8GiB \
                 --batch 1 --k 3 --forced 0.8 --prefill $([ $pp = 2 ] && echo --link-cost) \
                 --out "$out/decode-9b-pp$pp-paged.json" 2>&1 | tee "$out/decode-9b-pp$pp-paged.log" || failed=1
         done
