@@ -56,8 +56,9 @@
 #           (.bench/9b-chat, eos its <|endoftext|>): bench/prefix_cache.py, a turn whose ~8,000-token conversation is
 #           cached against cold (cache on and off), and its sweep at serve's default --cache-memory; then
 #           bench/structured.py, MTP on and off; each part runs even if one before failed
-#   pp-b1   one H200 or H100, ~8 minutes (each PP a bound of 280 s: PP = 2 loads and captures two stages): 9B-class batch 1, MTP off and k = 3 at 0.8, PP = 1 and PP = 2 with both
-#           stages on cuda:0 (8 GiB of cache a stage: the default takes 90 % of the GPU), then PP = 2's link cost
+#   pp-b1   one H200 or H100, ~8 minutes: 9B-class batch 1, MTP off and k = 3 at 0.8, PP = 1 and PP = 2 with both
+#           stages on cuda:0 (8 GiB of cache a stage: the default takes 90 % of the GPU), then PP = 2's link cost;
+#           each run within 280 s (PP = 2 loads and captures two stages: over 150 s on an H100)
 # Then, where matplotlib is: python bench/plot_decode.py OUT/decode-9b-tp1.json ... --out docs/decode.png
 set -euo pipefail
 if [ $# -lt 3 ]; then
