@@ -7,7 +7,6 @@ returns to idle. Only SIGINT/SIGTERM end the process.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -260,32 +259,34 @@ class ShardWorker:
                                 f"orchestrator: {exc}") from None
 
     def _pump(self, seconds: float) -> None:
-        """While a step waits on relayed links: read this worker's socket for up to `seconds`, queue the
-        link messages and keep every other request for after the step."""
+        """While a step waits on relayed links, or a load reads weights: read this worker's socket for
+        up to `seconds`; answer status requests (anyone's) and other peers' requests (busy) now, queue
+        the link messages, and keep the owner's other requests for after."""
         if not self.sock.poll(seconds * 1000):
             return
         parts = self.sock.recv_multipart(copy=False)
-        if parts[0].bytes != self.owner:  # only the owner's requests wait: others get their answer now
-            reply = _error(codec.peek_id(parts[1:]), ErrorCode.BUSY, "this worker serves another orchestrator")
-            with contextlib.suppress(ProtocolError):
-                if (request := codec.decode(parts[1:])).op == StatusRequest.OP:
-                    reply = self._dispatch(parts[0].bytes, None, request)
-            self._reply(self.sock, parts[0].bytes, reply)
-            return
-        self.owner_seen = time.monotonic()
+        peer = parts[0].bytes
         try:
             msg = codec.decode(parts[1:])
         except ProtocolError:
-            self.deferred.append(parts)  # answered (with its error) after the step
+            msg = None  # (the owner's: answered with its error after the step)
+        if msg is not None and msg.op == StatusRequest.OP:
+            try:
+                reply = self._dispatch(peer, None, msg)
+            except ProtocolError as exc:
+                reply = _error(msg.id, exc.code, exc.message)
+            self._reply(self.sock, peer, reply)
             return
-        if msg.op in LINKS and self.links is not None:
+        if peer != self.owner:
+            busy = _error(codec.peek_id(parts[1:]), ErrorCode.BUSY, "this worker serves another orchestrator")
+            self._reply(self.sock, peer, busy)
+            return
+        self.owner_seen = time.monotonic()
+        if msg is not None and msg.op in LINKS and self.links is not None:
             self.links.queue(msg)
             return
-        if msg.op == StatusRequest.OP:
-            self._reply(self.sock, parts[0].bytes, self._dispatch(parts[0].bytes, None, msg))
-            return
         self.deferred.append(parts)
-        if msg.op == "shutdown":
+        if msg is not None and msg.op == "shutdown":
             raise LinkDropped("the orchestrator said goodbye")
 
     def _peek_step(self, until: Callable[[], bool]) -> StepRequest | None:
