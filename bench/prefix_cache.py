@@ -39,7 +39,8 @@ prompt once another conversation's turn 1 has started answering, and turn t > 1 
 --sweep: one server with --cache-memory (and --max-seqs as many as the largest level, unless
 SERVE-ARGS set it); for each level N, N concurrent /v1/completions requests with distinct prompts of
 --sweep-prompt-tokens tokens, each generating --sweep-max-tokens tokens; /metrics is polled while they
-run (every 0.1 s) for the peak of shardspec_requests_running (and _waiting) and the preemptions. The
+run (every 0.1 s) for the peak of shardspec_requests_running (and _waiting; the peak is at least the
+largest step batch of shardspec_step_sequences, which a short request cannot slip past) and the preemptions. The
 K/V positions that the ready line reports ("cache: N tokens of K/V ...") ÷ the longest sequence is how
 many sequences the old fixed reservation (--max-seq-len positions a sequence) would have run in the
 same memory; ÷ the sweep's sequence length, how many of its sequences fit at once.
@@ -258,6 +259,24 @@ def per_turn(turns: list[Turn], reusable: list[int]) -> dict[str, dict[str, floa
 # --- the server ---------------------------------------------------------------------------------
 
 
+def step_batch_buckets(url: str) -> dict[float, float]:
+    """The counts of shardspec_step_sequences's buckets (sequences a step advanced), by upper bound."""
+    text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=60).text
+    return {float(s.labels["le"]): s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "shardspec_step_sequences_bucket"}
+
+
+def largest_batch_at_least(before: dict[float, float], after: dict[float, float]) -> int:
+    """A lower bound of the most sequences one step advanced between two readings of the buckets: one
+    more than the largest bound below which not every new step fell (0: no step)."""
+    new = {bound: after[bound] - before.get(bound, 0.0) for bound in after}
+    total = new.get(float("inf"), 0.0)
+    if not total:
+        return 0
+    below = [bound for bound, count in sorted(new.items()) if count < total]
+    return int(max(below)) + 1 if below else 1
+
+
 def metric_values(url: str) -> dict[str, float]:
     text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=60).text
     return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
@@ -459,10 +478,13 @@ def sweep_main(args: argparse.Namespace) -> dict[str, Any]:
         warm_up(url, model)
         levels = []
         for n in args.sweep_requests:
-            before = metric_values(url).get("shardspec_preemptions_total", 0.0)
+            before, buckets = metric_values(url).get("shardspec_preemptions_total", 0.0), step_batch_buckets(url)
             level = asyncio.run(sweep_level(url, model, [text.cut(rng, args.sweep_prompt_tokens) for _ in range(n)],
                                             args))
             level.preemptions = metric_values(url).get("shardspec_preemptions_total", 0.0) - before
+            # (a request shorter than the poll's period can slip between two polls: the steps' own count
+            # of sequences bounds the peak from below)
+            level.peak_running = max(level.peak_running, largest_batch_at_least(buckets, step_batch_buckets(url)))
             levels.append(level)
     capacity = CAPACITY.search(ready)
     positions, longest = (int(g.replace(",", "")) for g in capacity.groups()) if capacity else (None, None)
