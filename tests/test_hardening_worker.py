@@ -383,9 +383,9 @@ def test_a_rendezvous_port_another_process_holds_fails_the_group_at_once_and_the
     assert failed_s < 15 and time.monotonic() - started < 20, (failed_s, time.monotonic() - started)
 
 
-def test_the_groups_keys_in_the_rendezvous_store_lie_under_its_secret_prefix():
+def test_the_groups_keys_in_the_rendezvous_store_lie_under_names_made_with_its_secret():
     """A stranger who reaches the store can connect, but the group's keys are not where torch puts
-    them: they lie under the group's secret prefix (InitRequest.dist_secret)."""
+    them: each lies under its HMAC with the group's secret (InitRequest.dist_secret; SealedStore)."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -400,7 +400,8 @@ def test_the_groups_keys_in_the_rendezvous_store_lie_under_its_secret_prefix():
     try:
         stranger = dist.TCPStore("127.0.0.1", port, 1, is_master=False, timeout=timedelta(seconds=5))
         gloo_key = "default_pg/0//cpu//0/0"  # where Gloo's rank 0 writes its address, under the store's prefix
-        assert stranger.check([f"{body.dist_secret}/{gloo_key}"]) and not stranger.check([gloo_key])
+        sealed_name = group.SealedStore(body.dist_secret, dist.HashStore())._name(gloo_key)
+        assert stranger.check([sealed_name]) and not stranger.check([gloo_key])
         dist.barrier()  # the group works
     finally:
         group.leave_process_group()

@@ -153,7 +153,7 @@ class WorkerGroup:
         links = [link_address(address) for address in self.addresses] if staged else []
         if self.store_dir is None:
             self.store_dir = tempfile.mkdtemp(prefix="shardspec-store-")  # (0700)
-        secret = secrets.token_hex(16)  # the group's keys in the rendezvous store: under a prefix only it knows
+        secret = secrets.token_hex(16)  # seals the group's keys and values in the rendezvous store (SealedStore)
         dist_addr = rendezvous(self.addresses, self.config.dist_port, links, f"{self.store_dir}/{secret}")
         curve = staged and not self.relay and self.links[0][0] is not None
         link_keys = [public.decode() for _, public in self.links] if curve else []

@@ -1,13 +1,16 @@
 """A worker's torch.distributed group: the rendezvous, the Gloo interface, the TP group of its stage.
 
 Rank 0 hosts the rendezvous store on a socket it binds itself; every rank joins the default group
-through it and then makes its stage's TP group (layers.parallel.TPGroup). On any failure a worker is
-left as if it had never tried, so that the next init starts clean.
+through it, each key and value sealed with the group's secret (SealedStore), and then makes its
+stage's TP group (layers.parallel.TPGroup). On any failure a worker is left as if it had never
+tried, so that the next init starts clean.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import hmac
 import ipaddress
 import logging
 import os
@@ -32,6 +35,9 @@ from shardspec.protocol.messages import InitRequest
 log = logging.getLogger("shardspec.worker")
 GLOO_IFNAME = os.environ.get("GLOO_SOCKET_IFNAME")  # the user's choice of Gloo's interface, if any
 ABORT_POLL_S = 0.1  # while a rank waits for the rendezvous: how often it asks whether to give up
+# the default group's SealedStore: torch holds it from C++ only, which does not keep its Python half
+# (its methods) alive; the group's later groups and symmetric-memory buffers still use it
+_group_store: list[dist.Store] = []
 
 
 def join(body: InitRequest, device: torch.device, abort: Callable[[], str | None] = lambda: None,
@@ -70,13 +76,14 @@ def share_cores(host_ranks: int) -> None:
 def join_process_group(backend: str, body: InitRequest, device: torch.device,
                        abort: Callable[[], str | None] = lambda: None) -> None:
     """torch.distributed's default group, through the rendezvous store at body.dist_addr (rank 0
-    hosts it), its keys under the group's secret prefix; on any failure this worker is left as if it
-    had never tried."""
+    hosts it), sealed with the group's secret; on any failure this worker is left as if it had
+    never tried."""
     timeout = timedelta(seconds=body.timeout_s)
     try:
         store = rendezvous_store(body.dist_addr, body.rank, body.world_size, timeout, abort)
         if body.dist_secret:
-            store = dist.PrefixStore(body.dist_secret, store)
+            store = SealedStore(body.dist_secret, store)
+            _group_store[:] = [store]
         dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=body.rank,
                                 world_size=body.world_size, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
@@ -116,6 +123,7 @@ def leave_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     c10d._world.group_count = 0
+    _group_store.clear()
 
 
 def choose_gloo_interface(dist_addr: str) -> None:
@@ -157,9 +165,8 @@ def interface_towards(address: str) -> str | None:
 
 def rendezvous_store(dist_addr: str, rank: int, world_size: int, timeout: timedelta,
                      abort: Callable[[], str | None] = lambda: None) -> dist.TCPStore:
-    """The group's key-value store at tcp://HOST:PORT. Rank 0 serves it on a socket it binds itself:
-    on HOST only when HOST is a loopback address (a group on one machine is not reachable from
-    others), on every interface otherwise; a port in use fails at once, naming the port. At
+    """The group's key-value store at tcp://HOST:PORT. Rank 0 serves it on a socket it binds itself,
+    on HOST's address only (see _listen_address); a port in use fails at once, naming the port. At
     file://PATH (a group on one host): a file in a folder only this user may enter."""
     if dist_addr.startswith("file://"):
         return _file_store(Path(dist_addr[len("file://") :]), world_size, timeout)
@@ -171,6 +178,87 @@ def rendezvous_store(dist_addr: str, rank: int, world_size: int, timeout: timede
     fd = listener.detach()  # the store owns the descriptor from here on
     return dist.TCPStore(host, int(port), world_size, is_master=True, timeout=timeout, wait_for_workers=False,
                          master_listen_fd=fd)
+
+
+class SealedStore(dist.Store):
+    """The group's view of the rendezvous store, which anyone who reaches its port may list, read
+    and write (torch's TCPStore has no authentication): each key is stored under its HMAC with the
+    group's secret, each value encrypted and authenticated with it. A stranger sees names and
+    values that say nothing, cannot make a key's name, and a value it writes fails the group's read.
+    Counters (`add`) stay plain: changing one can stall or fail the rendezvous, not feed it data.
+
+    The sealing is SIV-like and deterministic (so compare_set still compares): the HMAC of the
+    name and value is both the tag and the IV of an HMAC-SHA256 keystream."""
+
+    TAG_BYTES = 32
+
+    def __init__(self, secret: str, store: dist.Store):
+        super().__init__()
+        self.store = store
+        self.name_key, self.tag_key, self.stream_key = (hmac.digest(secret.encode(), use, "sha256")
+                                                         for use in (b"name", b"tag", b"stream"))
+        super().set_timeout(store.timeout)  # what C++ callers read through the base class
+
+    def _name(self, key: str) -> str:
+        return hmac.new(self.name_key, key.encode(), hashlib.sha256).hexdigest()
+
+    def _tag(self, name: str, value: bytes) -> bytes:
+        return hmac.digest(self.tag_key, name.encode() + value, "sha256")  # (names: 64 hex digits)
+
+    def _cipher(self, iv: bytes, data: bytes) -> bytes:
+        """data XOR the keystream of iv: encrypts and decrypts."""
+        blocks = -(-len(data) // 32)
+        stream = b"".join(hmac.digest(self.stream_key, iv + i.to_bytes(8, "big"), "sha256") for i in range(blocks))
+        return (int.from_bytes(data, "big") ^ int.from_bytes(stream[: len(data)], "big")).to_bytes(len(data), "big")
+
+    def _seal(self, name: str, value: bytes) -> bytes:
+        tag = self._tag(name, value)
+        return tag + self._cipher(tag, value)
+
+    def _open(self, name: str, sealed: bytes, key: str) -> bytes:
+        tag = sealed[: self.TAG_BYTES]
+        value = self._cipher(tag, sealed[self.TAG_BYTES :])
+        if len(sealed) < self.TAG_BYTES or not hmac.compare_digest(tag, self._tag(name, value)):
+            raise ValueError(f"the rendezvous store's value of {key!r} was written without the group's secret: "
+                             "another process reaches the store's port")
+        return value
+
+    def set(self, key: str, value: bytes) -> None:
+        name = self._name(key)
+        self.store.set(name, self._seal(name, value))
+
+    def get(self, key: str) -> bytes:
+        name = self._name(key)
+        return self._open(name, self.store.get(name), key)
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        name = self._name(key)
+        current = self.store.compare_set(name, self._seal(name, expected) if expected else b"",
+                                         self._seal(name, desired))
+        return self._open(name, current, key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.store.add(self._name(key), amount)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.store.check([self._name(key) for key in keys])
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        names = [self._name(key) for key in keys]
+        if timeout is None:
+            self.store.wait(names)
+        else:
+            self.store.wait(names, timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return self.store.delete_key(self._name(key))
+
+    def num_keys(self) -> int:
+        return self.store.num_keys()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        super().set_timeout(timeout)
+        self.store.set_timeout(timeout)
 
 
 def _file_store(path: Path, world_size: int, timeout: timedelta) -> dist.FileStore:
@@ -220,18 +308,41 @@ def _store_client(host: str, port: int, world_size: int, timeout: timedelta,
 
 
 def _rendezvous_listener(host: str, port: int) -> socket.socket:
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = host == "localhost"
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
+    address = _listen_address(host)
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((host if loopback else "", port))
+        listener.bind((address, port))
         listener.listen(128)
     except OSError as exc:
         listener.close()
         raise ProtocolError(ErrorCode.BAD_STATE, f"cannot host the process group's rendezvous on port {port}: "
                             f"{exc.strerror or exc}; choose a free port with --dist-port") from None
+    if not address:
+        log.info("the rendezvous store listens on every interface (%s: not this host's address, or a name "
+                 "for loopback here only)", host)
     return listener
+
+
+def _listen_address(host: str) -> str:
+    """Where rank 0's store listens: HOST's address, the one the other ranks reach it at, so that no
+    other interface exposes it; "" (every interface) when this host does not have that address
+    (behind NAT) or HOST is a name that resolves to a loopback address here only (Debian's
+    /etc/hosts: the other hosts resolve it to a reachable one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        address = str(socket.getaddrinfo(host, None, family, socket.SOCK_STREAM)[0][4][0])
+        if ipaddress.ip_address(address).is_loopback and not _names_loopback(host):
+            return ""
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((address, 0))  # EADDRNOTAVAIL: not this host's
+        return address
+    except OSError:
+        return ""
+
+
+def _names_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
