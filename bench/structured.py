@@ -26,8 +26,7 @@ from llguidance import LLMatcher
 
 import shardspec
 from shardspec.cli import BUNDLED_MODEL
-from shardspec.layers.grammar import llg_tokenizer
-from shardspec.orchestrator.grammars import grammar_of
+from shardspec.constraints import grammar_of, llg_tokenizer
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 24}, "count": {"type": "integer", "minimum": 0},

@@ -18,8 +18,8 @@ from llguidance import LLMatcher
 from test_server import start_server
 from tokenizers import Tokenizer
 
-from shardspec.layers.grammar import advance, llg_tokenizer
-from shardspec.orchestrator.grammars import grammar_of
+from shardspec.constraints import grammar_of, llg_tokenizer
+from shardspec.layers.grammar import Constraint
 from shardspec.server.chat import ChatTemplate
 from shardspec.server.chat_output import ChatOutput, Delta
 from shardspec.server.tools import Tool, calls_grammar, typed_value
@@ -186,7 +186,7 @@ def matches(grammar: str, text: str) -> bool:
     ids = hf.encode(text, add_special_tokens=False).ids
     matcher = LLMatcher(llg, grammar)
     assert not matcher.is_error(), matcher.get_error()
-    return advance(matcher, ids) == len(ids) and matcher.is_accepting()
+    return Constraint(matcher, []).advance(ids) == len(ids) and matcher.is_accepting()
 
 
 def rendered_call(name: str, arguments: dict) -> str:

@@ -13,8 +13,7 @@ from llguidance import LLMatcher
 
 import shardspec
 from shardspec.cli import BUNDLED_MODEL
-from shardspec.layers.grammar import llg_tokenizer
-from shardspec.orchestrator.grammars import grammar_of
+from shardspec.constraints import grammar_of, llg_tokenizer
 
 SCHEMA = {
     "type": "object",

@@ -75,6 +75,8 @@ def engine_config(args: argparse.Namespace, **options: Any) -> EngineConfig:
             keys=args.keys, server_keys=args.server_keys, heartbeat_timeout=args.heartbeat_timeout,
             dist_timeout=args.dist_timeout, dist_port=args.dist_port, connect_timeout=args.connect_timeout,
             step_timeout=args.step_timeout, deterministic=args.deterministic,
+            grammar_compilers=args.grammar_compilers, grammar_timeout=args.grammar_timeout,
+            grammar_memory=args.grammar_memory, grammar_budget=args.grammar_budget,
             worker_options=from_flags(args, WorkerOptions), **options,
         )
     except ValueError as exc:

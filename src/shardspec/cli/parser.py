@@ -242,6 +242,26 @@ def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deterministic", action="store_true",
                         help="batch-invariant decoding: a request's greedy output is the same whatever else runs "
                         "with it and with MTP on or off, also in bfloat16 (costs throughput; default off)")
+    _add_grammar_options(parser)
+
+
+def _add_grammar_options(parser: argparse.ArgumentParser) -> None:
+    """Structured output's bounds (docs/architecture.md, "Structured output"): a constraint is compiled in
+    a compile process of its own before its request is queued."""
+    group = parser.add_argument_group("structured output", "A constraint (a JSON schema, regex, choice or grammar) "
+                                      "is compiled and checked in a compile process before its request is queued; "
+                                      "one that crashes it, or passes these bounds, is refused.")
+    group.add_argument("--grammar-compilers", type=int, default=2, metavar="N",
+                       help="compile processes at once, at the lowest CPU priority (default 2; more constraints "
+                       "wait; compiled ones are remembered)")
+    group.add_argument("--grammar-timeout", type=float, default=10.0, metavar="S",
+                       help="seconds a constraint may take to compile (default 10)")
+    group.add_argument("--grammar-memory", type=size, default="2GiB", metavar="SIZE",
+                       help="address space of each compile process (default 2GiB)")
+    group.add_argument("--grammar-budget", type=float, default=0.2, metavar="S",
+                       help="seconds a sequence's grammar masks may take in one step on the workers; over it the "
+                       "sequence fails alone, and a constraint whose first mask takes over a quarter of it is "
+                       "refused up front (default 0.2)")
 
 
 def _add_serve_parser(commands: Any) -> None:

@@ -1,45 +1,90 @@
-"""Grammar masks on logits (structured output), with llguidance's matchers: which tokens a grammar
-allows next, as -inf on the logits of the others."""
+"""Grammar masks on logits (structured output): a sequence's llguidance matcher, which tokens it
+allows next, as -inf on the logits of the others; the time its masks take and the first error it
+meets, for its sequence to fail alone."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import time
 
 import torch
-from llguidance import LLMatcher, LLTokenizer  # (not llguidance.torch: it imports torch._dynamo, seconds)
+from llguidance import LLMatcher  # (not llguidance.torch: it imports torch._dynamo, seconds)
+
+from shardspec.constraints import allowed_mask
 
 
-def llg_tokenizer(tokenizer_file: Path, vocab_size: int, eos_ids: list[int]) -> LLTokenizer:
-    """llguidance's view of a model's tokenizer.json, over the model's vocabulary."""
-    return LLTokenizer(tokenizer_file.read_text(), n_vocab=vocab_size, eos_token=eos_ids[0] if eos_ids else None)
+class Constraint:
+    """A sequence's grammar on the last stage: its matcher at the sequence's emitted tokens, the time
+    its masks, advances and rollbacks took since `spent` was last reset, and `failure`: the first
+    error the matcher met ("" while none). llguidance errors are the same on every rank (its limits
+    count work, not time); `spent` is this rank's own."""
+
+    def __init__(self, matcher: LLMatcher, special: list[int]):
+        self.matcher = matcher
+        self.special = special  # the special token ids: a mask's special tokens are checked one by one
+        self.spent = 0.0
+        self.failure = ""
+
+    def masks(self, tokens: list[int], rows: int) -> torch.Tensor:
+        """[rows, words] int32 bitmasks: row j what the grammar allows after `tokens[:j]` (the rows
+        after a token it refuses, or after its end, repeat that token's row, where the token is
+        refused anyway). The matcher is left as it was."""
+        started = time.perf_counter()
+        masks, consumed = [], 0
+        for j in range(rows):
+            masks.append(allowed_mask(self.matcher, self.special))
+            if self._failed() or j == rows - 1 or j >= len(tokens) or not self._consume(tokens[j]):
+                masks += masks[-1:] * (rows - j - 1)
+                break
+            consumed += 1
+        if consumed:
+            self.matcher.rollback(consumed)
+        self.spent += time.perf_counter() - started
+        return torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.int32).view(rows, -1)
+
+    def advance(self, tokens: list[int]) -> int:
+        """Consume the tokens the grammar allows, in order, up to the first it refuses or its end (a
+        token after the end would not count for rollback); how many it consumed."""
+        started = time.perf_counter()
+        consumed = 0
+        for token in tokens:
+            if not self._consume(token):
+                break
+            consumed += 1
+        self.spent += time.perf_counter() - started
+        return consumed
+
+    def accept(self, tokens: list[int]) -> bool:
+        """Consume emitted tokens; False (and `failure` set) where the grammar refuses one (past its
+        end it allows only the end of text, which ends the sequence: not consumed, not refused)."""
+        if self.failure:
+            return False
+        if self.advance(tokens) != len(tokens) and not self.matcher.is_stopped():
+            self.failure = self.failure or "the grammar refused a token its own mask allowed"
+        return not self.failure
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self.matcher.rollback(n)
+
+    def _consume(self, token: int) -> bool:
+        if self.matcher.is_stopped() or self.matcher.validate_tokens([token]) != 1:
+            self._failed()
+            return False
+        self.matcher.consume_token(token)
+        return not self._failed()
+
+    def _failed(self) -> bool:
+        if not self.failure and self.matcher.is_error():
+            self.failure = "the grammar failed: " + self.matcher.get_error().strip().split("\n", 1)[0][:300]
+        return bool(self.failure)
 
 
-def masked(logits: torch.Tensor, matcher: LLMatcher, tokens: list[int]) -> torch.Tensor:
-    """logits [P, V] (fp32 copies) with row j limited to what the grammar allows after `tokens[:j]`
-    (drafts: the rows after a token the grammar refuses, or after its end, are limited as that
-    token's row, where the draft is refused anyway). The matcher is left as it was."""
+def masked(logits: torch.Tensor, constraint: Constraint, tokens: list[int]) -> torch.Tensor:
+    """logits [P, V] (fp32 copies) with row j limited to what the grammar allows after `tokens[:j]`;
+    all -inf once the grammar has failed (its sequence then fails: layers.sampling.unusable)."""
     rows, vocab = logits.shape
-    masks, consumed = [], 0
-    for j in range(rows):
-        masks.append(matcher.compute_bitmask())  # bit t of 32-bit word t // 32: token t is allowed
-        if j == rows - 1 or j >= len(tokens) or not advance(matcher, tokens[j : j + 1]):
-            masks += masks[-1:] * (rows - j - 1)
-            break
-        consumed += 1
-    if consumed:
-        matcher.rollback(consumed)
-    words = torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.int32).view(rows, -1)
+    words = constraint.masks(tokens, rows)
+    if constraint.failure:
+        return torch.full_like(logits, float("-inf"), dtype=torch.float32)
     allowed = ((words[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten(1)[:, :vocab]
     return logits.float().masked_fill(~allowed.to(logits.device), float("-inf"))
-
-
-def advance(matcher: LLMatcher, tokens: list[int]) -> int:
-    """Consume the tokens the grammar allows, in order, up to the first it refuses or its end (a
-    token after the end would not count for rollback); how many it consumed."""
-    consumed = 0
-    for token in tokens:
-        if matcher.is_stopped() or matcher.validate_tokens([token]) != 1:
-            break
-        matcher.consume_token(token)
-        consumed += 1
-    return consumed

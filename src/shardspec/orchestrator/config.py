@@ -29,6 +29,8 @@ DEFAULT_DIST_TIMEOUT_S = 60.0  # a collective waiting longer for a peer fails, a
 DEFAULT_CONNECT_TIMEOUT_S = 120.0
 MAX_CONNECT_TIMEOUT_S = 86400.0
 MTP_MODES = {None: "auto", True: "on", False: "off"}
+MAX_GRAMMAR_COMPILERS = 64
+MIN_GRAMMAR_MEMORY = 256 << 20  # a compile process holds Python, llguidance and the tokenizer
 
 
 BUNDLED_MODEL = Path(__file__).parents[1] / "bundled"  # the tiny model in the package: the default model
@@ -149,6 +151,21 @@ class EngineConfig:
     fail, the engine reconnects). 0: derived from the step's tokens and the step times measured since the
     model loaded, never under 30s (group.StepWatchdog). A hung worker still answers heartbeats."""
 
+    grammar_compilers: int = 2
+    """Structured output: processes that compile constraints at once (each compiles one, checks that it
+    can start and times its first mask; more wait). They run at the lowest CPU priority."""
+
+    grammar_timeout: float = 10.0
+    """Structured output: seconds a constraint may take to compile; past them it is refused (a 400)."""
+
+    grammar_memory: int | str = "2GiB"
+    """Structured output: the address space of each compile process (an int of bytes, or a size such as
+    "2GiB"); a constraint that needs more is refused."""
+
+    grammar_budget: float = 0.2
+    """Structured output: seconds a sequence's grammar masks may take in one step on the workers; a sequence
+    over it fails alone. A constraint whose first mask takes over a quarter of it is refused up front."""
+
     worker_options: WorkerOptions = field(default_factory=WorkerOptions)
     """How the workers compute (kernels, all-reduce, draft head, launch-ahead, ...; each field's help is in
     protocol.messages.WorkerOptions): sent to every worker when the group forms, so no worker needs them set."""
@@ -160,6 +177,7 @@ class EngineConfig:
             raise ValueError(f"worker_options must be a shardspec.WorkerOptions, got {self.worker_options!r}")
         self._check_forced_acceptance()
         self._check_connection()
+        self._check_grammars()
 
     # --- what the rest of the engine reads ---------------------------------------------------------
 
@@ -199,6 +217,7 @@ class EngineConfig:
             expert_parallel=self.ep,
             lookahead=self.lookahead if self.pp > 1 else "off",
             progress=True,  # (WorkerGroup takes the LoadProgress messages; a raw client gets none)
+            grammar_budget_s=self.grammar_budget,
         )
 
     # --- checks that read files --------------------------------------------------------------------
@@ -345,6 +364,23 @@ class EngineConfig:
             raise ValueError("CURVE needs both keys (this side's pair) and server_keys (the workers' public keys)")
         if self.keys is not None and self.spawns_workers:
             raise ValueError("keys apply to workers given by address (tcp://); spawned local workers use ipc://")
+
+
+    def _check_grammars(self) -> None:
+        if type(self.grammar_compilers) is not int or not 1 <= self.grammar_compilers <= MAX_GRAMMAR_COMPILERS:
+            raise ValueError(f"grammar_compilers must be an integer in [1, {MAX_GRAMMAR_COMPILERS}], got "
+                             f"{self.grammar_compilers!r}")
+        self.grammar_timeout = _seconds("grammar_timeout", self.grammar_timeout, 0.1, MAX_CONNECT_TIMEOUT_S)
+        self.grammar_budget = _seconds("grammar_budget", self.grammar_budget, *message_range(LoadRequest,
+                                                                                             "grammar_budget_s"))
+        if isinstance(self.grammar_memory, str):
+            try:
+                self.grammar_memory = parse_size(self.grammar_memory)
+            except ValueError as exc:
+                raise ValueError(f"grammar_memory: {exc}") from None
+        if type(self.grammar_memory) is not int or self.grammar_memory < MIN_GRAMMAR_MEMORY:
+            raise ValueError(f"grammar_memory must be at least {MIN_GRAMMAR_MEMORY >> 20} MiB, got "
+                             f"{self.grammar_memory!r}")
 
 
 def _seconds(name: str, value: Any, lo: float, hi: float) -> float:

@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import functools
 import itertools
-import json
 import logging
 import numbers
 import random
@@ -28,9 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardspec.constraints import added_tokens
 from shardspec.orchestrator.blocks import BlockPool
 from shardspec.orchestrator.config import EngineConfig, message_range
-from shardspec.orchestrator.grammars import GrammarCheck
+from shardspec.orchestrator.grammars import GrammarCompiler, Grammars
 from shardspec.orchestrator.group import WorkerGroup
 from shardspec.orchestrator.prefix import PrefixCache
 from shardspec.orchestrator.requests import Chunk, EngineError, Request, StepObserver, deliver
@@ -101,12 +101,17 @@ class Engine:
         return self.group.load_info
 
     @functools.cached_property
-    def grammar_check(self) -> GrammarCheck | None:
-        """Structured-output constraints checked against the model's tokenizer; None without tokenizer.json."""
+    def grammars(self) -> Grammars | None:
+        """Structured output: constraints compiled against the model's tokenizer, then built on the last
+        stage (orchestrator.grammars); None without tokenizer.json."""
         tokenizer = Path(self.config.model) / "tokenizer.json"
         if not tokenizer.is_file():
             return None
-        return GrammarCheck(tokenizer, self.load_info.vocab_size, list(self.load_info.eos_token_ids))
+        config, info = self.config, self.load_info
+        compiler = GrammarCompiler(tokenizer, info.vocab_size, list(info.eos_token_ids), added_tokens(tokenizer),
+                                   processes=config.grammar_compilers, timeout_s=config.grammar_timeout,
+                                   memory_bytes=config.grammar_memory, mask_budget_s=config.grammar_budget / 4)
+        return Grammars(compiler, self.group.call_last_stage)
 
     @property
     def draft_tokens(self) -> int:
@@ -158,6 +163,8 @@ class Engine:
                 self.loop_task.cancel()
             with contextlib.suppress(TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(self.loop_task, 30)
+        if (grammars := self.__dict__.get("grammars")) is not None:
+            await grammars.compiler.close()
         for request in self.scheduler.take_all():
             request.fail(EngineError("the engine was closed"))
         await self.group.close()
@@ -203,12 +210,12 @@ class Engine:
         request.min_tokens = _in_wire_range("min_tokens", min_tokens, int, PrefillSpec, "min_tokens")
         if min_tokens > max_tokens:
             raise ValueError(f"min_tokens ({min_tokens}) cannot exceed max_tokens ({max_tokens})")
-        if structured_output is not None:
-            request.grammar = await asyncio.to_thread(self._grammar, structured_output)
         request.sampling = _penalties(request.sampling, presence_penalty, frequency_penalty, repetition_penalty)
         request.logprobs = self._logprobs("logprobs", logprobs)
         request.prompt_logprobs = self._logprobs("prompt_logprobs", prompt_logprobs)
         detok = Detokenizer(self.tokenizer, skip_special_tokens) if self.tokenizer else None
+        if structured_output is not None:  # (last: the key it holds is released below)
+            request.grammar = await self._grammar(structured_output)
         self.scheduler.add(request)
         self.wakeup.set()
         try:
@@ -225,6 +232,8 @@ class Engine:
             if not request.finished:
                 request.cancelled = True
                 self.wakeup.set()
+            if request.grammar:
+                self.grammars.release(request.grammar)
 
     async def stats(self, timeline: bool = False) -> list[Any]:
         """Every worker's StatsReply, in rank order; `timeline`: with its last steps' events
@@ -265,15 +274,12 @@ class Engine:
                 raise ValueError(f"logit_bias values lie in [-100, 100]; token {token} has {bias!r:.40}")
         return [TokenBias(token, float(bias)) for token, bias in biases.items()]
 
-    def _grammar(self, constraint: dict[str, Any]) -> str:
-        """A structured-output constraint's grammar, checked against the model's tokenizer."""
-        if self.grammar_check is None:
+    async def _grammar(self, constraint: dict[str, Any]) -> str:
+        """The key of a structured-output constraint's grammar, compiled and built on the last stage
+        (the caller releases it); ValueError (ConstraintError) when the constraint is refused."""
+        if self.grammars is None:
             raise ValueError("structured output needs the model folder's tokenizer.json")
-        try:
-            key = json.dumps(constraint)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"a structured output constraint must be JSON: {exc}") from None
-        return self.grammar_check.grammar(key)
+        return await self.grammars.acquire(constraint, self.group.loads)
 
     @staticmethod
     def _logprobs(name: str, top: int | None) -> int:

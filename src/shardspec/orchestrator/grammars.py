@@ -1,107 +1,267 @@
-"""Structured output, the orchestrator's part: a request's constraint (a JSON schema, any JSON object,
-a regular expression, a choice of strings, a Lark or GBNF grammar) as one llguidance grammar,
-checked against the model's tokenizer before the request is queued, so that a bad one is the
-caller's error (ValueError, a 400) and never a worker's. The workers mask with it
-(shard_worker.grammar)."""
+"""Structured output, the orchestrator's part: a request's constraint becomes a grammar once, in a
+bounded place, before the request is queued; then the last stage's ranks build it, off their steps.
+
+- **Compile** (`GrammarCompiler`): llguidance is native code that a hostile grammar can crash, or
+  keep busy for minutes and gigabytes. Each constraint is compiled and checked in one of a few
+  compile processes (`python -m shardspec.constraints`), at the lowest CPU priority, under an
+  address-space limit, killed past a time limit and started again; its first mask is computed and
+  timed there too. A crash, a time-out or a constraint that cannot start (an error at its first
+  token, no token allowed, only the end of text, a first mask over the step budget) is the caller's
+  error (ConstraintError, a 400 naming it). Results, refusals included, are remembered by the
+  constraint's text.
+- **Install** (`Grammars`): the checked grammar goes to the last stage's ranks once per key
+  (GrammarRequest), which build it on a thread of their own and answer when it is built; only then
+  is the request queued, its prefill naming the key. Requests hold the key they use; keys no request
+  holds stay built for the next request, the least recently used dropped past KEEP_UNUSED.
+"""
 
 from __future__ import annotations
 
-import functools
+import asyncio
+import contextlib
+import ctypes
+import hashlib
 import json
-import re
+import logging
+import os
+import resource
+import signal
+import sys
+from collections import OrderedDict
 from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llguidance import LLMatcher, LLTokenizer
-from llguidance.gbnf_to_lark import gbnf_to_lark
+from shardspec.constraints import ConstraintError
+from shardspec.protocol.errors import ErrorCode, RemoteError
+from shardspec.protocol.messages import GrammarRequest
 
-from shardspec.layers.grammar import llg_tokenizer
-from shardspec.protocol.messages import MAX_GRAMMAR_CHARS
+log = logging.getLogger("shardspec.orchestrator")
 
-# the constraints a request may give (vLLM's structured_outputs names), one at a time
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
-MAX_MARKER_CHARS = 64
+REMEMBERED = 64  # compile results kept, by constraint
+KEEP_UNUSED = 32  # grammars the workers keep built that no request holds
+START_TIMEOUT_S = 120.0  # a compile process reads the tokenizer before its first answer
+# a compile's time limit is CPU time (a compile process runs at the lowest priority, so its wall time
+# follows the host's load); past this many times the limit in wall time, it is stopped all the same
+WALL_TIME_FACTOR = 10
+ANSWER_LIMIT = 8 << 20  # bytes of one answer line (a grammar is at most 1 MiB of text)
 
 
-def grammar_of(constraint: dict[str, Any], tokens: Collection[str] = ()) -> str:
-    """The llguidance grammar of a constraint {kind: value}, optionally with "after": a marker text
-    (such as "</think>") before which the output is free and after which the constraint holds;
-    ValueError naming what is wrong. `tokens`: the texts of the tokenizer's added tokens, which
-    llguidance sees as tokens, not text (a grammar names them as <text>)."""
-    if isinstance(constraint, dict) and "after" in constraint:
-        constraint = dict(constraint)
-        marker = constraint.pop("after")
-        return _after(marker, grammar_of(constraint), marker in tokens)
-    if not isinstance(constraint, dict) or len(constraint) != 1 or next(iter(constraint)) not in KINDS:
-        raise ValueError(f"a structured output constraint is one of {', '.join(KINDS)}, got {constraint!r:.200}")
-    ((kind, value),) = constraint.items()
-    if kind == "json":
-        if isinstance(value, str):
+@dataclass(frozen=True)
+class Compiled:
+    """A constraint's checked grammar: `key` names it on the workers (a hash of its text)."""
+
+    key: str
+    grammar: str
+    build_s: float  # building its matcher, in the compile process
+    mask_s: float  # its first mask there
+
+
+def _limits(memory_bytes: int) -> None:
+    """In a compile process before it runs: an address-space limit, the lowest CPU priority (the
+    workers on this host come first), and SIGTERM when the orchestrator dies."""
+    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    os.nice(19)
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class CompileProcess:
+    """One compile process: a JSON line in, a JSON line out."""
+
+    def __init__(self, proc: asyncio.subprocess.Process):
+        self.proc = proc
+
+    @classmethod
+    async def start(cls, tokenizer_file: Path, vocab_size: int, eos_ids: list[int],
+                    memory_bytes: int) -> CompileProcess:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "shardspec.constraints", str(tokenizer_file), str(vocab_size), json.dumps(eos_ids),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+            limit=ANSWER_LIMIT, preexec_fn=lambda: _limits(memory_bytes))
+        process = cls(proc)
+        try:
+            ready = await asyncio.wait_for(proc.stdout.readline(), START_TIMEOUT_S)
+        except TimeoutError:
+            ready = b""
+        if not ready:
+            process.kill()
+            raise RuntimeError(f"a grammar compile process did not start (exit {await proc.wait()}; its memory "
+                               f"limit is {memory_bytes >> 20} MiB)")
+        return process
+
+    async def ask(self, request: dict[str, Any], timeout: float) -> dict[str, Any] | None:
+        """The answer, or None when the process died (crashed, or ran out of memory) first.
+        TimeoutError past `timeout` (the process is killed)."""
+        try:
+            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+            await self.proc.stdin.drain()
+            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+        except (TimeoutError, asyncio.CancelledError):
+            await self.close()
+            raise
+        except (ConnectionError, ValueError):  # (a pipe closed by a dead process; an answer over the limit)
+            line = b""
+        if not line:
+            await self.close()
+            return None
+        return json.loads(line)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.returncode is None
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+
+    async def close(self) -> None:
+        self.kill()
+        with contextlib.suppress(ProcessLookupError):
+            await self.proc.wait()
+
+
+class GrammarCompiler:
+    """Constraints compiled and checked in up to `processes` compile processes, each answer within
+    `timeout_s`, each process within `memory_bytes`; a first mask over `mask_budget_s` is refused."""
+
+    def __init__(self, tokenizer_file: Path, vocab_size: int, eos_ids: list[int], added_tokens: Collection[str],
+                 processes: int, timeout_s: float, memory_bytes: int, mask_budget_s: float):
+        self.start_args = (tokenizer_file, vocab_size, list(eos_ids), memory_bytes)
+        self.added_tokens = sorted(added_tokens)
+        self.timeout_s, self.memory_bytes, self.mask_budget_s = timeout_s, memory_bytes, mask_budget_s
+        self.idle: list[CompileProcess] = []
+        self.slots = asyncio.Semaphore(processes)
+        self.results: OrderedDict[str, Compiled | str] = OrderedDict()  # by constraint hash: a grammar, or why not
+        self.running: dict[str, asyncio.Future] = {}
+        self.compiles = self.crashes = 0  # constraints sent to a compile process; those that ended it
+
+    async def compile(self, constraint: Any) -> Compiled:
+        """The checked grammar of a constraint; ConstraintError naming what is wrong."""
+        try:
+            text = json.dumps(constraint, sort_keys=True)
+        except (TypeError, ValueError) as exc:
+            raise ConstraintError(f"a structured output constraint must be JSON: {exc}") from None
+        digest = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+        if digest not in self.results:
+            if digest not in self.running:  # (one compile for all who ask at once; a caller who leaves stops none)
+                self.running[digest] = _quiet(asyncio.ensure_future(self._compile(digest, constraint)))
+            await asyncio.shield(self.running[digest])
+        self.results.move_to_end(digest)
+        result = self.results[digest]
+        if isinstance(result, str):
+            raise ConstraintError(result)
+        return result
+
+    async def _compile(self, digest: str, constraint: Any) -> None:
+        try:
+            result = await self._in_a_process(constraint)
+        except Exception as exc:  # (no process would start: the constraint is not at fault; not remembered)
+            log.error("grammar compile failed: %s", exc)
+            self.running.pop(digest, None)
+            raise ConstraintError(f"structured output is unavailable: {exc}") from None
+        self.results[digest] = result
+        while len(self.results) > REMEMBERED:
+            self.results.popitem(last=False)
+        self.running.pop(digest, None)
+
+    async def _in_a_process(self, constraint: Any) -> Compiled | str:
+        async with self.slots:
+            self.compiles += 1
+            process = self.idle.pop() if self.idle else await CompileProcess.start(*self.start_args)
             try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"the JSON schema is not JSON: {exc}") from None
-        if not isinstance(value, (dict, bool)):
-            raise ValueError("a JSON schema is an object")
-        grammar = LLMatcher.grammar_from_json_schema(json.dumps(value), defaults={"whitespace_flexible": False})
-    elif kind == "json_object":
-        grammar = LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults={"whitespace_flexible": False})
-    elif kind == "regex":
-        if not isinstance(value, str) or not value:
-            raise ValueError("a regex constraint is a non-empty string")
-        grammar = LLMatcher.grammar_from_regex(value)
-    elif kind == "choice":
-        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
-            raise ValueError("a choice constraint is a non-empty list of non-empty strings")
-        grammar = "start: " + " | ".join(json.dumps(c) for c in value)
-    else:
-        if not isinstance(value, str) or not value.strip():
-            raise ValueError("a grammar constraint is a non-empty Lark or GBNF text")
-        grammar = gbnf_to_lark(value) if "::=" in value and not value.startswith("%llguidance") else value
-    if len(grammar) > MAX_GRAMMAR_CHARS:
-        raise ValueError(f"the constraint makes a grammar of {len(grammar):,} characters; at most "
-                         f"{MAX_GRAMMAR_CHARS:,}")
-    return grammar
+                request = {"constraint": constraint, "tokens": self.added_tokens, "cpu_s": self.timeout_s}
+                answer = await process.ask(request, self.timeout_s * WALL_TIME_FACTOR)
+            except TimeoutError:
+                return (f"compiling the constraint took over {self.timeout_s * WALL_TIME_FACTOR:g} s on this "
+                        "busy host: simplify it, or retry")
+            finally:
+                if process.alive:
+                    self.idle.append(process)
+        if answer is None:
+            code = process.proc.returncode
+            if code == -signal.SIGXCPU:
+                return (f"compiling the constraint took over {self.timeout_s:g} s of CPU time (the grammar compile "
+                        "time limit): simplify it")
+            self.crashes += 1
+            how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit {code}"
+            return (f"the constraint crashed the grammar compiler or ran it out of memory ({how}; its limit is "
+                    f"{self.memory_bytes >> 20} MiB): simplify it")
+        if "error" in answer:
+            return str(answer["error"])
+        if answer["mask_s"] > self.mask_budget_s:
+            return (f"the constraint's first mask took {answer['mask_s'] * 1e3:.0f} ms, over the budget of "
+                    f"{self.mask_budget_s * 1e3:.0f} ms a step: simplify it")
+        key = hashlib.blake2b(answer["grammar"].encode(), digest_size=16).hexdigest()
+        return Compiled(key, answer["grammar"], answer["build_s"], answer["mask_s"])
+
+    async def close(self) -> None:
+        idle, self.idle = self.idle, []
+        await asyncio.gather(*(process.close() for process in idle))
+        for task in self.running.values():
+            task.cancel()
 
 
-def _after(marker: Any, grammar: str, is_token: bool) -> str:
-    """`grammar` after the first `marker` (and up to two newlines), any text before it; a marker
-    that is a token of its own ends the free text only as that token."""
-    if not isinstance(marker, str) or not 0 < len(marker) <= MAX_MARKER_CHARS or "\n" in marker:
-        raise ValueError(f"a constraint's \"after\" is a line of 1 to {MAX_MARKER_CHARS} characters")
-    body = json.loads(grammar)["grammars"][0] if grammar.lstrip().startswith("{") else {"lark_grammar": grammar}
-    pattern = re.escape(marker).replace("/", "\\/")
-    if is_token:  # the free text cannot spell the marker out either: it would not end there
-        free = f"start: FREE {marker} SEP @body\nFREE: /(?s:.*)/ & ~/(?s:.*){pattern}(?s:.*)/\n"
-    else:
-        free = f"start: free SEP @body\nfree[lazy]: /(?s:.*){pattern}/\n"
-    free += "SEP: /\\n{0,2}/\n"
-    return json.dumps({"grammars": [{"lark_grammar": free}, {**body, "name": "body"}]})
+def _quiet(task: asyncio.Future) -> asyncio.Future:
+    """A task shared by its callers, whose error is theirs: not logged again if all have left."""
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return task
 
 
-class GrammarCheck:
-    """Grammars checked against one model's tokenizer (built on first use), the last few remembered."""
+class Grammars:
+    """The grammars the last stage's ranks hold: `acquire` compiles a constraint and has every rank
+    of the last stage build it (once per key; `call(request)` sends a GrammarRequest to them and
+    waits), `release` when the request that acquired it is done."""
 
-    def __init__(self, tokenizer_file: Path, vocab_size: int, eos_ids: list[int]):
-        self.tokenizer_file, self.vocab_size, self.eos_ids = tokenizer_file, vocab_size, eos_ids
+    def __init__(self, compiler: GrammarCompiler, call: Any, keep: int = KEEP_UNUSED):
+        self.compiler, self.call, self.keep = compiler, call, keep
+        self.users: dict[str, int] = {}  # key -> requests holding it
+        self.built: OrderedDict[str, None] = OrderedDict()  # keys built on the workers, least recently used first
+        self.building: dict[str, asyncio.Future] = {}
+        self.drop: list[str] = []  # keys to drop with the next request
+        self.loads = -1  # the group's load these keys were built in
+        self.builds = 0  # grammars sent to the workers to build
 
-    @functools.cached_property
-    def tokenizer(self) -> LLTokenizer:
-        return llg_tokenizer(self.tokenizer_file, self.vocab_size, self.eos_ids)
+    async def acquire(self, constraint: Any, loads: int) -> str:
+        """The key of the constraint's grammar, built on the last stage (ConstraintError: the caller's
+        fault); the caller holds it until `release`. `loads`: the group's load count (a new load
+        builds on fresh workers)."""
+        compiled = await self.compiler.compile(constraint)
+        if loads != self.loads:
+            self.users, self.built, self.building, self.drop, self.loads = {}, OrderedDict(), {}, [], loads
+        key = compiled.key
+        self.users[key] = self.users.get(key, 0) + 1
+        try:
+            if key not in self.built:
+                if key not in self.building:
+                    self.building[key] = _quiet(asyncio.ensure_future(self._build(compiled)))
+                await asyncio.shield(self.building[key])
+            self.built.move_to_end(key)
+        except BaseException:
+            self.release(key)
+            raise
+        return key
 
-    @functools.cached_property
-    def added_tokens(self) -> frozenset[str]:
-        """The texts of the tokenizer's added tokens (llguidance makes them all special)."""
-        added = json.loads(self.tokenizer_file.read_text()).get("added_tokens") or []
-        return frozenset(t["content"] for t in added if isinstance(t, dict) and isinstance(t.get("content"), str))
+    async def _build(self, compiled: Compiled) -> None:
+        drop, self.drop = self.drop, []
+        self.builds += 1
+        try:
+            await self.call(GrammarRequest(key=compiled.key, grammar=compiled.grammar, drop=drop))
+        except RemoteError as exc:
+            if exc.code == ErrorCode.BAD_REQUEST:  # (it built in the compile process: not expected)
+                raise ConstraintError(f"the workers could not build the grammar: {exc.message}") from None
+            raise
+        finally:
+            self.building.pop(compiled.key, None)
+        self.built[compiled.key] = None
 
-    @functools.lru_cache(maxsize=64)  # noqa: B019 (one per engine, as long-lived as it)
-    def grammar(self, constraint_json: str) -> str:
-        """The checked grammar of a constraint given as canonical JSON; ValueError naming the problem."""
-        grammar = grammar_of(json.loads(constraint_json), self.added_tokens)
-        matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"the structured output constraint does not compile: {matcher.get_error()}")
-        return grammar
-
+    def release(self, key: str) -> None:
+        left = self.users.get(key, 0) - 1
+        if left > 0:
+            self.users[key] = left
+            return
+        self.users.pop(key, None)
+        unused = [k for k in self.built if k not in self.users]
+        for old in unused[: max(0, len(unused) - self.keep)]:
+            del self.built[old]
+            self.drop.append(old)

@@ -84,6 +84,7 @@ class WorkerGroup:
         self.devices: list[str] = []
         self.load_replies: list[LoadReply] = []  # each rank's, from the last load
         self.on_progress: Callable[[list[LoadProgress | None]], None] | None = None  # told as loads go
+        self.loads = 0  # loads done (a new one leaves the workers with no grammar built)
 
     @property
     def workers(self) -> list[WorkerClient]:
@@ -195,6 +196,7 @@ class WorkerGroup:
                      ", ".join(self.workers[rank].address for rank in ranks))
         self.load_request, self.load_info = request, replies[0][0]
         self.load_replies = [reply for reply, _ in replies]
+        self.loads += 1
         self.paging = Paging.of([reply for reply, _ in replies])
         self.watchdog.loaded(sum(reply.weight_bytes for reply, _ in replies), self.load_info.draft_tokens)
         return self.load_info
@@ -261,6 +263,10 @@ class WorkerGroup:
     def submit_all(self, request: Any, tensors: dict[str, torch.Tensor] | None = None) -> list[asyncio.Future]:
         """Send one request to every rank now; one future per rank, in rank order."""
         return [w.submit(request, tensors) for w in self.workers]
+
+    async def call_last_stage(self, request: Any) -> list[tuple]:
+        """Send one request to the last stage's ranks (those that decode) and wait for all."""
+        return await self.gather([w.submit(request) for w in self.stages[-1]])
 
     async def call_all(self, request: Any, tensors: dict[str, torch.Tensor] | None = None,
                        timeout: float | None = None) -> list[tuple]:

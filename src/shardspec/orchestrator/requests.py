@@ -169,6 +169,11 @@ class SamplingError(ValueError):
     """A request's own values made its numbers unusable on the workers; it failed alone."""
 
 
+class GrammarError(ValueError):
+    """A request's constraint failed on the workers (an error of llguidance's, or masks over the step
+    budget); it failed alone, without a text that breaks the constraint."""
+
+
 def deliver(reply: StepReply, running: dict[int, Request],
             tensors: dict[str, torch.Tensor] | None = None) -> list[Request]:
     """Put each sequence's new tokens (and log-probabilities) on its request's queue; returns the
@@ -176,6 +181,7 @@ def deliver(reply: StepReply, running: dict[int, Request],
     now = time.perf_counter()
     finished = []
     table = LogprobTable(reply, tensors or {})
+    errors = {error.seq: error.message for error in reply.errors}
     steps = zip(reply.seqs, reply.tokens, reply.accepted, reply.drafts, reply.finished, strict=True)
     for index, (seq, tokens, accepted, drafts, finish) in enumerate(steps):
         request = running.get(seq)
@@ -184,7 +190,9 @@ def deliver(reply: StepReply, running: dict[int, Request],
         if finish == FAILED:
             request.finished = request.failed = True
             finished.append(request)
-            request.queue.put_nowait(SamplingError(SAMPLING_FAILED))
+            why = errors.get(seq)
+            request.queue.put_nowait(SamplingError(SAMPLING_FAILED) if why is None else GrammarError(
+                f"the structured output constraint failed after {request.generated} tokens: {why}"))
             continue
         prompt_rows, token_rows = request.logprob_rows(len(tokens), prefill=request.generated == 0)
         table.check(index, prompt_rows + token_rows, max(request.logprobs, request.prompt_logprobs))

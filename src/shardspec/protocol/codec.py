@@ -21,7 +21,7 @@ import torch
 from shardspec.protocol.errors import ErrorCode, ProtocolError
 from shardspec.protocol.messages import OPS
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,

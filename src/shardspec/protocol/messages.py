@@ -20,8 +20,12 @@ MAX_LOGPROBS = 20  # top log-probabilities per token a sequence may ask for (vLL
 MIN_TEMPERATURE = 1e-4  # below it, logits / temperature overflow float32: use 0 (greedy)
 MIN_TOP_P = 1e-6  # below it, top_p rounds to 0 in float32 (denormals flushed) and would keep no token
 MAX_PROMPT_TOKENS = 1 << 22  # one sequence's prompt
-MAX_GRAMMAR_CHARS = 1 << 20  # a structured-output grammar (PrefillSpec.grammar)
-FAILED = "error"  # StepReply.finished of a sequence whose numbers went bad (layers.sampling.unusable): it fails alone
+MAX_GRAMMAR_CHARS = 1 << 20  # a structured-output grammar (GrammarRequest.grammar; = constraints.MAX_GRAMMAR_CHARS)
+GRAMMAR_KEY_CHARS = 32  # a grammar's key: the hex of a 128-bit hash of its text
+MAX_GRAMMARS = 1024  # grammars a worker holds at once (GrammarRequest)
+# StepReply.finished of a sequence that fails alone: its numbers went bad (layers.sampling.unusable), or its
+# grammar failed (StepReply.errors says how)
+FAILED = "error"
 MAX_PREFIX_STATES = 1 << 16  # saved recurrent states of a worker's prefix cache
 MAX_STEP_PROMPT_TOKENS = 2 * MAX_PROMPT_TOKENS  # a step's prompts together, by default (a worker's --max-message-mb)
 
@@ -220,6 +224,8 @@ class LoadRequest:
     cache_bytes: int = bounded(0, 1 << 50, 0)  # K/V blocks and recurrent states; 0: the device's default
     prefix_cache: bool = True  # room for saved recurrent states (LoadReply.prefix_states), for prefix caching
     progress: bool = False  # send the owner LoadProgress messages while the weights are read
+    # structured output: the time a sequence's grammar masks may take in one step; over it, it fails alone
+    grammar_budget_s: float = bounded(1e-3, 3600.0, 0.2)
 
     def __post_init__(self) -> None:
         if self.mtp not in ("auto", "on", "off"):
@@ -277,9 +283,9 @@ class PrefillSpec:
     # the last `output` tokens of the prompt are output it streamed before (a preempted request's
     # prefill again): the penalties count them as output
     output: int = bounded(0, MAX_PROMPT_TOKENS - 1, 0)
-    # structured output: an llguidance grammar (JSON or Lark) its tokens must match, the output's
+    # structured output: the key of the grammar (GrammarRequest) its tokens must match, the output's
     # tokens so far included; "": none
-    grammar: str = text(MAX_GRAMMAR_CHARS)
+    grammar: str = text(GRAMMAR_KEY_CHARS)
     logit_bias: list[TokenBias] = field(default_factory=list)  # added to the target's and the drafts' logits
     min_tokens: int = bounded(0, 1 << 22, 0)  # its stop ids cannot end it before it has emitted this many
 
@@ -349,6 +355,35 @@ class StepReply:
     finished: list[str]
     step_s: float
     logprob_rows: list[int] = field(default_factory=list)
+    errors: list[SequenceError] = field(default_factory=list)  # why sequences whose grammar failed did (FAILED)
+
+
+@dataclass(frozen=True)
+class SequenceError:
+    """Why sequence `seq` failed alone (its grammar met an error or took too long)."""
+
+    seq: int = bounded(0, 2**63 - 1)
+    message: str = text(1000)
+
+
+@dataclass(frozen=True)
+class GrammarRequest:
+    """Build the grammar `grammar` (an llguidance grammar the orchestrator checked) under `key`, for
+    the sequences whose PrefillSpec.grammar names it, and forget the grammars `drop` names. The last
+    stage's ranks build it on a thread of their own, so no step waits for it, and answer once it is
+    built (other requests are answered meanwhile); holding it already, at once."""
+
+    OP: ClassVar[str] = "grammar"
+    key: str = text(GRAMMAR_KEY_CHARS)
+    grammar: str = text(MAX_GRAMMAR_CHARS)
+    drop: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class GrammarReply:
+    OP: ClassVar[str] = "grammar"
+    key: str
+    build_s: float  # what building it took (0: it was built before)
 
 
 @dataclass(frozen=True)
@@ -540,12 +575,12 @@ class ErrorReply:
 REQUESTS: dict[str, type] = {
     cls.OP: cls
     for cls in (HelloRequest, InitRequest, LoadRequest, StepRequest, ReleaseRequest, StatsRequest, StatusRequest,
-                ShutdownRequest)
+                ShutdownRequest, GrammarRequest)
 }
 REPLIES: dict[str, type] = {
     cls.OP: cls
     for cls in (HelloReply, InitReply, LoadReply, StepReply, ReleaseReply, StatsReply, StatusReply, LoadProgress,
-                ShutdownReply, ErrorReply)
+                ShutdownReply, GrammarReply, ErrorReply)
 }
 LINKS: dict[str, type] = {cls.OP: cls for cls in (HiddenStates, AcceptRecord, Guesses)}
 OPS = frozenset(REQUESTS) | frozenset(REPLIES) | frozenset(LINKS)

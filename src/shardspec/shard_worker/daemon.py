@@ -33,6 +33,8 @@ from shardspec.protocol.messages import (
     LINKS,
     REQUESTS,
     ErrorReply,
+    GrammarReply,
+    GrammarRequest,
     HelloReply,
     InitReply,
     InitRequest,
@@ -63,6 +65,7 @@ from shardspec.utils import memory_stats, parse_device
 log = logging.getLogger("shardspec.worker")
 
 LOAD_REPORT_S = 0.25  # while loading: how often the owner is told how far (LoadProgress), and status answered
+GRAMMAR_POLL_S = 0.005  # while grammars are being built: how often the worker looks whether one is done
 # launch ahead: while the device runs a step's pass, how often the worker looks for the next request
 PEEK_POLL_S = 50e-6
 
@@ -156,10 +159,11 @@ class ShardWorker:
             poller.register(sock, zmq.POLLIN)
             poller.register(monitor, zmq.POLLIN)
             while not self.stopping:
+                self._answer_grammars()
                 if self.deferred:
                     self._serve_one(sock, monitor, self.deferred.popleft())
                     continue
-                events = dict(poller.poll(200))
+                events = dict(poller.poll(GRAMMAR_POLL_S * 1000 if self._building() else 200))
                 if monitor in events:
                     self._drain_monitor(monitor)
                 if sock in events:
@@ -226,6 +230,8 @@ class ShardWorker:
                 self.gap_count, self.gap_total = self.gap_count + 1, self.gap_total + received - self.last_step_sent
             self.last_step_sent = None
             reply = self._dispatch(peer.bytes, _source_fd(frames), request, _peer_address(frames))
+            if reply is None:  # answered later (a grammar being built: _answer_grammars)
+                return
         except ProtocolError as exc:
             self.errors += 1
             self._log_rejected(exc)
@@ -336,7 +342,7 @@ class ShardWorker:
         if why_not == transport.PEER_GONE and self.state == "idle":  # its hello was queued before it left
             self._reset("the orchestrator left before its hello was answered")
 
-    def _dispatch(self, peer: bytes, fd: int | None, request: Message, address: str = "") -> Message:
+    def _dispatch(self, peer: bytes, fd: int | None, request: Message, address: str = "") -> Message | None:
         if request.op not in REQUESTS:
             raise ProtocolError(ErrorCode.BAD_MESSAGE, f"{request.op!r} is not a request op")
         body = parse(REQUESTS[request.op], request.meta)
@@ -354,8 +360,38 @@ class ShardWorker:
         elif peer != self.owner:
             raise ProtocolError(ErrorCode.BUSY, "this worker serves another orchestrator")
         self.owner_seen = time.monotonic()
+        if request.op == GrammarRequest.OP:
+            return self._grammar(body, request.id)
         meta, tensors = self.handlers[request.op](body, request.tensors)
         return Message(op=request.op, id=request.id, meta=to_meta(meta), tensors=tensors or {})
+
+    # --- grammars: built off the steps, answered when built ----------------------------------------
+
+    def _grammar(self, body: GrammarRequest, request_id: int) -> Message | None:
+        """Start building a grammar on the last stage (None: answered when built); a stage before
+        the last holds none and answers at once."""
+        store = getattr(self._loaded(), "grammars", None)
+        if store is not None and not store.build(request_id, body.key, body.grammar, body.drop):
+            return None
+        return Message(op=GrammarRequest.OP, id=request_id, meta=to_meta(GrammarReply(body.key, 0.0)))
+
+    def _building(self) -> bool:
+        store = getattr(self.runner, "grammars", None)
+        return store is not None and bool(store.waiting)
+
+    def _answer_grammars(self, error: str = "") -> None:
+        """Answer the grammar requests whose build is done (`error`: every one still waiting, with it)."""
+        store = getattr(self.runner, "grammars", None)
+        if store is None or not store.waiting:
+            return
+        for built in store.abandon(error) if error else store.done():
+            if built.error:
+                reply = _error(built.request_id, ErrorCode.BAD_REQUEST, built.error)
+            else:
+                reply = Message(op=GrammarRequest.OP, id=built.request_id,
+                                meta=to_meta(GrammarReply(built.key, built.seconds)))
+            if self.owner is not None:
+                self._reply(self.sock, self.owner, reply)
 
     # --- ops ----------------------------------------------------------------------------------
 
@@ -496,6 +532,7 @@ class ShardWorker:
 
     def _drop_runner(self) -> None:
         self.profiler.close()
+        self._answer_grammars(error="the model was unloaded before the grammar was built")
         runner, self.runner = self.runner, None
         if runner is not None:
             runner.close()

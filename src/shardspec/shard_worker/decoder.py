@@ -24,21 +24,18 @@ the stages before run that step's pass before this step's record reaches them
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-from llguidance import LLMatcher
 
 from shardspec.layers.batch import Batch
-from shardspec.layers.grammar import advance, llg_tokenizer, masked
+from shardspec.layers.grammar import Constraint, masked
 from shardspec.layers.sampling import accept_greedy, accept_sampled, resample, sample, target_probs, unusable
-from shardspec.protocol.errors import ErrorCode, ProtocolError
-from shardspec.protocol.messages import FAILED, PrefillSpec, StepRequest, WorkerOptions
+from shardspec.protocol.messages import FAILED, LoadRequest, PrefillSpec, StepRequest, WorkerOptions
+from shardspec.shard_worker.grammars import GrammarStore
 from shardspec.shard_worker.graphs import HostRows
 from shardspec.shard_worker.logprobs import prompt_rows, token_rows
 from shardspec.shard_worker.penalties import TokenCounts
@@ -118,14 +115,18 @@ class Decoder(ModelRunner):
     record. `launch_ahead` ("auto": on a GPU; "on"; "off") takes effect on a single stage given `peek`."""
 
     def __init__(self, *args, launch_ahead: str = WorkerOptions.launch_ahead, peek: Peek | None = None,
-                 tokenizer_file: Path | None = None, **kwargs):
+                 tokenizer_file: Path | None = None, grammar_budget_s: float = LoadRequest.grammar_budget_s,
+                 **kwargs):
         # before the runner's set-up: it captures the passes (which draft through _chain) on a GPU,
-        # and close() drops `ahead` if that fails
-        self.tokenizer_file = tokenizer_file  # structured output's tokens (llguidance's view, built on first use)
+        # and close() drops `ahead` and `grammars` if that fails
         self.chain_rows: list[Sequence] = []  # while drafting with some rows shaped: the sequence of each row
-        self.new_matchers: dict[int, Any] = {}  # a step's new sequences' matchers, until they prefill
+        self.new_grammars: dict[int, Constraint] = {}  # a step's new sequences' grammars, until they prefill
         self.ahead: LaunchAhead | NoLaunchAhead = NoLaunchAhead()
+        self.grammars: GrammarStore | None = None
+        self.grammar_budget_s = grammar_budget_s  # the most a sequence's masks may take in one step
         super().__init__(*args, **kwargs)
+        config = self.model.config
+        self.grammars = GrammarStore(tokenizer_file, config.vocab_size, list(config.eos_token_ids))
         whole = self.model.stage.first
         wanted = launch_ahead == "on" or (launch_ahead == "auto" and self.graphed)
         self.ahead = LaunchAhead(peek) if whole and wanted and peek is not None else NoLaunchAhead()
@@ -136,38 +137,45 @@ class Decoder(ModelRunner):
 
     def close(self) -> None:
         self.ahead.drop()
+        if self.grammars is not None:
+            self.grammars.close()
         super().close()
 
     # --- structured output ----------------------------------------------------------------------
-
-    @functools.cached_property
-    def llg_tokenizer(self) -> Any:
-        if self.tokenizer_file is None:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "structured output needs the model folder's tokenizer.json")
-        config = self.model.config
-        return llg_tokenizer(self.tokenizer_file, config.vocab_size, list(config.eos_token_ids))
 
     @contextlib.contextmanager
     def _drafting_under(self, seqs: list[Sequence]):
         """The MTP chain (_chain) drafts each row from its sequence's biased and masked logits while this
         lasts (an error included)."""
-        self.chain_rows = seqs if any(s.matcher is not None or s.bias is not None for s in seqs) else []
+        self.chain_rows = seqs if any(s.grammar is not None or s.bias is not None for s in seqs) else []
         try:
             yield
         finally:
             self.chain_rows = []
 
-    def _matchers(self, request: StepRequest) -> dict[int, Any]:
-        """A matcher for each new sequence with a grammar (PrefillSpec.grammar)."""
-        matchers = {}
-        for spec in request.prefill:
-            if spec.grammar:
-                matcher = LLMatcher(self.llg_tokenizer, spec.grammar, log_level=0)
-                if matcher.is_error():
-                    raise ProtocolError(ErrorCode.BAD_REQUEST, f"sequence {spec.seq}: its grammar does not compile: "
-                                        f"{matcher.get_error()}"[:500])
-                matchers[spec.seq] = matcher
-        return matchers
+    def _new_grammars(self, request: StepRequest) -> dict[int, Constraint]:
+        """The grammar of each new sequence that names one (PrefillSpec.grammar), built before
+        (GrammarRequest): a copy of its matcher."""
+        return {spec.seq: self.grammars.constraint(spec.grammar) for spec in request.prefill if spec.grammar}
+
+    def _check_grammar_time(self, result: StepResult) -> None:
+        """Fail the sequences of this step whose grammar work took over the budget, alone. Each rank
+        times its own, so the ranks agree first (one all-reduce, in steps with a grammar only: the
+        same steps on every rank)."""
+        seqs = [s for s in map(self.sequences.get, result.seqs) if s is not None and s.grammar is not None
+                and s.finished != FAILED]
+        if not seqs:
+            return
+        over = torch.tensor([float(s.grammar.spent > self.grammar_budget_s) for s in seqs], device=self.device)
+        spent = [s.grammar.spent for s in seqs]
+        over = self.model.lm_head.tp.all_reduce(over).tolist()
+        for s, flag, seconds in zip(seqs, over, spent):
+            s.grammar.spent = 0.0
+            if flag:
+                s.grammar.failure = (f"its grammar's masks took {seconds * 1e3:.0f} ms in one step (on some rank), "
+                                     f"over the budget of {self.grammar_budget_s * 1e3:.0f} ms")
+                s.finished, s.drafts = FAILED, []
+                result.fail(s)
 
     def stats(self) -> RunnerStats:
         stats = super().stats()
@@ -176,9 +184,9 @@ class Decoder(ModelRunner):
 
     @torch.inference_mode()
     def step(self, request: StepRequest, prompt_ids: torch.Tensor) -> StepResult:
-        matchers = self._matchers(request)  # (a grammar that does not compile refuses the step before it runs)
+        grammars = self._new_grammars(request)  # (a grammar not built here refuses the step before it runs)
         prompts = self._begin(request, prompt_ids)
-        self.new_matchers = matchers
+        self.new_grammars = grammars
         result = StepResult()
         launched = self.ahead.take(request)
         self._prefill_all(request, prompts, result)
@@ -187,6 +195,7 @@ class Decoder(ModelRunner):
             self._verify(running, result, request.return_logits, launched)
         else:
             self.ahead.drop()  # (all its rows' sequences have finished)
+        self._check_grammar_time(result)
         if self.links is not None and result.seqs:  # a step of finished sequences only has no record
             due, self.guess_due = self.guess_due, None
             self.links.send_record(self.steps, result.reply(), guessed=due is not None)
@@ -227,19 +236,18 @@ class Decoder(ModelRunner):
             if spec.sampling.penalised:
                 seq.counts = TokenCounts(prompts[b, : prompts.shape[1] - spec.output], self.model.config.vocab_size)
                 seq.counts.add(output)
-            seq.matcher = self.new_matchers.pop(spec.seq, None)
-            if seq.matcher is not None:
-                advance(seq.matcher, output)  # (a preempted request's output so far)
+            seq.grammar = self.new_grammars.pop(spec.seq, None)
+            if seq.grammar is not None:
+                seq.grammar.accept(output)  # (a preempted request's output so far)
             shaped = seq.constrain(seq.penalise(logits[None], []), [])
-            if unusable(shaped):
+            if not unusable(shaped):
+                if seq.grammar is not None:
+                    self.counters.constrained(shaped)
+                seq.next_token = sample(shaped[0], spec.sampling, seq.generator)
+            if unusable(shaped) or (seq.grammar is not None and not seq.grammar.accept([seq.next_token])):
                 seq.next_token, seq.finished = 0, FAILED  # (the token is a placeholder: nothing is emitted)
                 result.add(seq, [], -1)
                 continue
-            if seq.matcher is not None:
-                self.counters.constrained(shaped)
-            seq.next_token = sample(shaped[0], spec.sampling, seq.generator)
-            if seq.matcher is not None:
-                advance(seq.matcher, [seq.next_token])
             seq.seen(seq.emit([seq.next_token]))
             if seq.logprobs >= 0:
                 token = torch.tensor([seq.next_token])
@@ -308,7 +316,7 @@ class Decoder(ModelRunner):
         context = self._context(seqs, chain=self.chain if ahead else k)
         wants_logprobs = any(s.logprobs >= 0 for s in seqs)
         plain = all(s.sampling.greedy and not s.sampling.penalised and not s.shaped for s in seqs)
-        constrained = any(s.matcher is not None or s.bias is not None for s in seqs)  # (its drafts: on the host)
+        constrained = any(s.grammar is not None or s.bias is not None for s in seqs)  # (its drafts: on the host)
         if not want_logits and not wants_logprobs and plain:
             # greedy (or forced) acceptance needs no host decision: the whole step is one pass
             out = self._greedy(seqs, context, x, with_guess, launched)
@@ -318,8 +326,8 @@ class Decoder(ModelRunner):
             accepted, tokens, logits = self._accept(seqs, hidden, argmax, result if want_logits else None,
                                                     wants_logprobs or not plain)
             for s, n, token in zip(seqs, accepted, tokens):  # (the drafts after them are masked from there)
-                if s.matcher is not None and s.finished != FAILED:
-                    advance(s.matcher, [*s.drafts[:n], token])
+                if s.grammar is not None and s.finished != FAILED and not s.grammar.accept([*s.drafts[:n], token]):
+                    s.finished = FAILED
             if k:
                 with self._drafting_under(seqs if constrained else []):
                     drafts = draft([[n, token] for n, token in zip(accepted, tokens)]).tolist()
@@ -416,7 +424,7 @@ class Decoder(ModelRunner):
                 token = argmax[i][n]
             else:
                 token = resample(probs, s.drafts, n, s.generator)
-            if s.matcher is not None:
+            if s.grammar is not None:
                 self.counters.constrained(target[: n + 1])
             accepted.append(n)
             tokens.append(token)
@@ -477,7 +485,7 @@ class Decoder(ModelRunner):
         drafts `kept` gives; its output and draft i feed draft i+1 ([B, length])."""
         length = length or self.draft_len
         rows = self.chain_rows or None
-        matchers = [s.matcher for s in rows] if rows else None
+        grammars = [s.grammar for s in rows] if rows else None
         drafts, consumed = [], [0] * len(rows or [])
         for i in range(length):
             if kept is not None and i < kept.shape[1]:
@@ -489,19 +497,19 @@ class Decoder(ModelRunner):
                 for b, s in enumerate(rows):
                     if s.bias is not None:
                         logits[b] += s.bias
-                    if s.matcher is not None:
-                        logits[b] = masked(logits[b : b + 1], s.matcher, [])[0]
+                    if s.grammar is not None:
+                        logits[b] = masked(logits[b : b + 1], s.grammar, [])[0]
                 token = logits.argmax(-1)
-            if matchers is not None:
-                for b, (matcher, t) in enumerate(zip(matchers, token.tolist())):
-                    if matcher is not None and consumed[b] == i:  # (past a refused token: nothing more)
-                        consumed[b] += advance(matcher, [t])
+            if grammars is not None:
+                for b, (grammar, t) in enumerate(zip(grammars, token.tolist())):
+                    if grammar is not None and consumed[b] == i:  # (past a refused token: nothing more)
+                        consumed[b] += grammar.advance([t])
             drafts.append(token)
             if i + 1 < length:
                 head = self._mtp(token[:, None], head[:, None], slots, (lengths + i)[:, None], context)[:, 0]
         if self.lookahead:  # (eager passes only)
             self.chain_end = (head, token, slots, lengths + length - 1, context)
-        for matcher, n in zip(matchers or [], consumed):
-            if matcher is not None and n:
-                matcher.rollback(n)
+        for grammar, n in zip(grammars or [], consumed):
+            if grammar is not None:
+                grammar.rollback(n)
         return torch.stack(drafts, 1)

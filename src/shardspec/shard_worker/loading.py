@@ -125,7 +125,8 @@ def make_runner(model: CausalLM, device: torch.device, body: LoadRequest, draft_
             tokenizer = Path(body.model) / "tokenizer.json"
             return Decoder(model, device, body.max_seqs, max_seq_len, body.prefill_chunk, draft_len, peek=peek,
                            launch_ahead=kernels.settings.launch_ahead,
-                           tokenizer_file=tokenizer if tokenizer.is_file() else None, **common)
+                           tokenizer_file=tokenizer if tokenizer.is_file() else None,
+                           grammar_budget_s=body.grammar_budget_s, **common)
         return ForwardingStage(model, device, body.max_seqs, max_seq_len, body.prefill_chunk, draft_len, **common)
     except ValueError as exc:  # the cache cannot hold one sequence
         raise ProtocolError(ErrorCode.CAPACITY, str(exc)) from None

@@ -25,7 +25,15 @@ from shardspec import kernels
 from shardspec.layers.batch import BLOCK_TOKENS, Batch, CacheShape
 from shardspec.models.base import CausalLM
 from shardspec.protocol.errors import ErrorCode, ProtocolError
-from shardspec.protocol.messages import PrefillSpec, SaveFinished, StepReply, StepRequest, WorkerOptions
+from shardspec.protocol.messages import (
+    FAILED,
+    PrefillSpec,
+    SaveFinished,
+    SequenceError,
+    StepReply,
+    StepRequest,
+    WorkerOptions,
+)
 from shardspec.shard_worker.graphs import StepPasses
 from shardspec.shard_worker.links import StageLinks
 from shardspec.shard_worker.logprobs import LogprobRows, reply_tensors
@@ -97,11 +105,12 @@ class StepResult:
     logprob_rows: list[int] = field(default_factory=list)  # per sequence (see StepReply)
     rows: list[LogprobRows] = field(default_factory=list)
     pending_rows: dict[int, list[LogprobRows]] = field(default_factory=dict)  # by sequence, until `add`
+    errors: list[SequenceError] = field(default_factory=list)  # why sequences whose grammar failed did
 
     def reply(self, step_s: float = 0.0) -> StepReply:
         rows = self.logprob_rows if any(self.logprob_rows) else []
         return StepReply(seqs=self.seqs, tokens=self.tokens, accepted=self.accepted, drafts=self.drafts,
-                         finished=self.finished, step_s=step_s, logprob_rows=rows)
+                         finished=self.finished, step_s=step_s, logprob_rows=rows, errors=self.errors)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The reply's tensors: the logits when asked for, the log-probabilities when any sequence asked."""
@@ -117,6 +126,16 @@ class StepResult:
         rows = self.pending_rows.pop(seq.seq, [])
         self.rows.extend(rows)
         self.logprob_rows.append(sum(len(r.chosen) for r in rows))
+        if seq.finished == FAILED and seq.grammar is not None and seq.grammar.failure:
+            self.errors.append(SequenceError(seq.seq, seq.grammar.failure))
+
+    def fail(self, seq: Sequence) -> None:
+        """Turn the sequence's entry (its last) into a failure: no tokens (its log-probability rows stay,
+        for the offsets of the others'; the orchestrator reads none of a failed sequence's)."""
+        i = len(self.seqs) - 1 - self.seqs[::-1].index(seq.seq)
+        self.tokens[i], self.drafts[i], self.finished[i] = [], [], FAILED
+        if seq.grammar is not None and seq.grammar.failure:
+            self.errors.append(SequenceError(seq.seq, seq.grammar.failure))
 
 
 @dataclass

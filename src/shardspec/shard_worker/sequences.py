@@ -7,11 +7,10 @@ outcome on every rank and the collectives inside the model always line up.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from shardspec.layers.grammar import masked
+from shardspec.layers.grammar import Constraint, masked
 from shardspec.layers.sampling import forced_accepts
 from shardspec.protocol.errors import ErrorCode, ProtocolError
 from shardspec.protocol.messages import PrefillSpec, SamplingParams, SaveFinished, StepRequest
@@ -39,7 +38,7 @@ class Sequence:
     guess_held: bool = False  # the last stage: its last step proved the guess the next step's lookahead ran on
     draws: torch.Generator | None = None  # on the host: benchmark-only forced acceptance (drawn with no device sync)
     blocks: int = 0  # K/V blocks in its block table (granted by the orchestrator)
-    matcher: Any = None  # structured output: its llguidance matcher, at its emitted tokens (the last stage)
+    grammar: Constraint | None = None  # structured output: its grammar, at its emitted tokens (the last stage)
     bias: torch.Tensor | None = None  # logit_bias: [V], added to the target's and the drafts' logits
     early: int = 0  # tokens it must still emit before a stop id may end it (min_tokens)
 
@@ -50,7 +49,7 @@ class Sequence:
     @property
     def shaped(self) -> bool:
         """Its request shapes the logits it samples from (constrain), so its steps decide on the host."""
-        return self.matcher is not None or self.bias is not None or self.early > 0
+        return self.grammar is not None or self.bias is not None or self.early > 0
 
     def constrain(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
         """logits [P, V] as its request shapes them, row j after drafts[:j]: its logit_bias added, its
@@ -61,7 +60,7 @@ class Sequence:
             barred = torch.zeros_like(logits, dtype=torch.bool)
             barred[: self.early, list(self.stop_ids)] = True
             logits = logits.float().masked_fill(barred, float("-inf"))
-        return logits if self.matcher is None else masked(logits, self.matcher, drafts)
+        return logits if self.grammar is None else masked(logits, self.grammar, drafts)
 
     def seen(self, tokens: list[int]) -> None:
         if self.counts is not None:
