@@ -97,6 +97,7 @@ def test_a_constraint_that_runs_the_compiler_out_of_memory_is_refused_and_the_ne
     asyncio.run(run())
 
 
+@pytest.mark.slow  # (a chat server of its own, or seconds of CPU time)
 def test_a_constraint_past_its_cpu_time_limit_is_refused():
     async def run():
         grammars = compiler(timeout_s=1.0)
@@ -232,6 +233,7 @@ def test_64_requests_of_one_large_schema_build_it_once_on_the_workers_and_all_va
     asyncio.run(run())
 
 
+@pytest.mark.slow  # (a chat server of its own, or seconds of CPU time)
 def test_a_forced_tool_call_whose_schema_cannot_be_met_is_a_400_never_empty_arguments(chat_server):
     """With tool_choice "required" and a parameter whose pattern fails at its first mask, the server
     returned a call with arguments {} (its required field missing) as a success."""
@@ -249,6 +251,7 @@ def test_a_forced_tool_call_whose_schema_cannot_be_met_is_a_400_never_empty_argu
     assert ok.status_code == 200
 
 
+@pytest.mark.slow  # (a chat server of its own, or seconds of CPU time)
 def test_a_regex_naming_the_model_s_own_tag_never_streams_the_tag_again_and_again(chat_server):
     """regex "hello </think> world" on the chat model emitted "hello </think></think>..." to
     max_tokens: now the request fails (no token the grammar can take) instead of a 200."""
