@@ -35,7 +35,7 @@ from shardspec.orchestrator.requests import GrammarError, Request, deliver
 from shardspec.protocol import messages
 from shardspec.protocol.messages import FAILED, SamplingParams, SequenceError, StepReply
 from shardspec.shard_worker.decoder import Decoder
-from shardspec.shard_worker.runner import StepResult
+from shardspec.shard_worker.runner import SpecCounters, StepResult
 
 TOKENIZER = Path(BUNDLED_MODEL) / "tokenizer.json"
 ALL_OF_20 = {"json": {"allOf": [{"type": "string", "pattern": f".*{chr(97 + i)}.*"} for i in range(20)]}}
@@ -171,11 +171,13 @@ def test_a_sequence_over_the_grammar_budget_in_a_step_fails_alone_with_its_reaso
         result.add(s, [7, 8], 1)
     tp = types.SimpleNamespace(all_reduce=lambda x: x)  # (one rank)
     decoder = types.SimpleNamespace(sequences=seqs, device=torch.device("cpu"), grammar_budget_s=0.2,
-                                    model=types.SimpleNamespace(lm_head=types.SimpleNamespace(tp=tp)))
+                                    model=types.SimpleNamespace(lm_head=types.SimpleNamespace(tp=tp)),
+                                    counters=SpecCounters())
     Decoder._check_grammar_time(decoder, result)
     assert result.finished == [FAILED, "", ""] and result.tokens == [[], [7, 8], [7, 8]]
     assert [e.seq for e in result.errors] == [1] and "over the budget of 200 ms" in result.errors[0].message
     assert seqs[1].grammar.spent == seqs[2].grammar.spent == 0.0
+    assert decoder.counters.grammar_s == pytest.approx(0.31) and decoder.counters.grammar_steps == 1
 
 
 def test_a_grammar_failure_on_the_workers_reaches_its_request_as_a_grammar_error_with_its_reason():

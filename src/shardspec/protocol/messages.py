@@ -498,6 +498,8 @@ class StatsReply:
     collectives: str = ""  # how its TP group's collectives go (InitReply.collectives)
     grammar_tokens: int = 0  # the last stage: tokens sampled under a grammar (structured output)
     forced_tokens: int = 0  # of them, those the grammar allowed alone (jump-forward: no choice to sample)
+    grammar_s: float = 0.0  # the last stage: host time in grammar work (masks, advances), over grammar_steps steps
+    grammar_steps: int = 0
     options: WorkerOptions = field(default_factory=WorkerOptions)  # in effect: the last init's
     timeline: list[TimelineEvent] = field(default_factory=list)  # when asked: the last steps' events, oldest first
 

@@ -168,6 +168,8 @@ class Decoder(ModelRunner):
             return
         over = torch.tensor([float(s.grammar.spent > self.grammar_budget_s) for s in seqs], device=self.device)
         spent = [s.grammar.spent for s in seqs]
+        self.counters.grammar_s += sum(spent)
+        self.counters.grammar_steps += 1
         over = self.model.lm_head.tp.all_reduce(over).tolist()
         for s, flag, seconds in zip(seqs, over, spent):
             s.grammar.spent = 0.0

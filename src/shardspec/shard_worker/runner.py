@@ -147,6 +147,8 @@ class SpecCounters:
 
     grammar_tokens: int = 0  # tokens sampled under a grammar (structured output)
     forced_tokens: int = 0  # of them, those the grammar allowed alone (no choice: jump-forward)
+    grammar_s: float = 0.0  # the host's time in grammar work (masks, advances, rollbacks)
+    grammar_steps: int = 0  # steps with grammar work
 
     def constrained(self, logits: torch.Tensor) -> None:
         """Count the masked rows [P, V] of P tokens sampled under a grammar."""
@@ -181,6 +183,8 @@ class RunnerStats:
     launched_ahead: int = 0  # passes queued behind the step before (decoder.LaunchAhead)
     grammar_tokens: int = 0
     forced_tokens: int = 0
+    grammar_s: float = 0.0
+    grammar_steps: int = 0
 
 
 class ModelRunner:
@@ -292,7 +296,8 @@ class ModelRunner:
                            slots_free=len(self.table.slots.free), live_sequences=sorted(self.sequences),
                            draft_len=self.draft_len, drafts=c.drafts, draft_tokens=c.draft_tokens,
                            accepted_tokens=c.accepted_tokens, accepted_per_position=list(c.accepted_per_position),
-                           grammar_tokens=c.grammar_tokens, forced_tokens=c.forced_tokens)
+                           grammar_tokens=c.grammar_tokens, forced_tokens=c.forced_tokens, grammar_s=c.grammar_s,
+                           grammar_steps=c.grammar_steps)
 
     # --- the step (the role's) ------------------------------------------------------------------
 
