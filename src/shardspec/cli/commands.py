@@ -354,7 +354,8 @@ def _serve_options(args: argparse.Namespace) -> Any:
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
     try:
-        limits = HttpLimits(args.max_body_bytes, args.read_timeout, args.max_connections)
+        limits = HttpLimits(args.max_body_bytes, args.read_timeout, args.max_connections,
+                            args.max_logprob_entries)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     return ServeOptions(

@@ -290,7 +290,12 @@ def _add_serve_parser(commands: Any) -> None:
 
 
 def _add_http_limit_options(serve: Any) -> None:
-    from shardspec.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S
+    from shardspec.server.limits import (
+        DEFAULT_MAX_BODY_BYTES,
+        DEFAULT_MAX_CONNECTIONS,
+        DEFAULT_MAX_LOGPROB_ENTRIES,
+        DEFAULT_READ_TIMEOUT_S,
+    )
 
     serve.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                        help=f"largest request body accepted (default {DEFAULT_MAX_BODY_BYTES}); a larger one gets 413")
@@ -299,4 +304,9 @@ def _add_http_limit_options(serve: Any) -> None:
                             f"{DEFAULT_READ_TIMEOUT_S:g}); a slower client's connection is closed")
     serve.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
                        help=f"open connections at most (default {DEFAULT_MAX_CONNECTIONS}); beyond it requests get 503")
+    serve.add_argument("--max-logprob-entries", type=int, default=DEFAULT_MAX_LOGPROB_ENTRIES, metavar="N",
+                       help=f"log-probabilities one response may hold: choices (n x prompts) x tokens (an echoed "
+                       f"prompt's, then max_tokens, or the rest of the context when it is not given) x (logprobs or "
+                       f"top_logprobs + 1) (default {DEFAULT_MAX_LOGPROB_ENTRIES:,}); a request that could get more "
+                       "is refused with 400 before any work")
 

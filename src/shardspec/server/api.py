@@ -111,10 +111,11 @@ class GenerationBody(BaseModel):
         """logit_bias with integer token ids; 400 naming an entry that is not {"id": number}."""
         biases = {}
         for key, value in (self.logit_bias or {}).items():
-            if not key.strip().isdigit() or isinstance(value, bool) or not isinstance(value, (int, float)):
+            token = key.strip()  # ASCII digits alone: int() reads "٣" too, and "²".isdigit() is true
+            if not (token.isascii() and token.isdecimal() and len(token) <= 18) or type(value) not in (int, float):
                 raise ApiError(400, f"logit_bias maps token ids to numbers in [-100, 100]; got {key!r:.40}: "
                                f"{value!r:.40}", "logit_bias")
-            biases[int(key)] = float(value)
+            biases[int(token)] = float(value)
         return biases
 
     def stop_strings(self) -> list[str]:

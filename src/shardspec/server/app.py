@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -18,16 +20,18 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException
+from tokenizers import Tokenizer as HFTokenizer
 
 from shardspec.orchestrator.engine import ENGINE_ERRORS, Engine
 from shardspec.orchestrator.metrics import CONTENT_TYPE, ServingMetrics
 from shardspec.orchestrator.tokenizer import Tokenizer
 from shardspec.server import status
 from shardspec.server.api import ApiError, ChatBody, ChatShape, CompletionBody, GenerationBody, Shape, parse_body
-from shardspec.server.chat import ChatTemplate, ChatTemplateError
+from shardspec.server.chat import ChatPrompt, ChatTemplate, ChatTemplateError
 from shardspec.server.chat_output import THINK_CLOSE, THINK_OPEN, ChatOutput
 from shardspec.server.generation import Choices, Event, Generation
-from shardspec.server.jobs import Job, request_jobs
+from shardspec.server.jobs import Job, check_logprob_entries, request_jobs
+from shardspec.server.limits import HttpLimits
 from shardspec.server.streaming import ClientGone, EventStream, sse, until_disconnected
 from shardspec.server.tools import Tool, calls_grammar, chosen_tools, parse_tools
 
@@ -59,6 +63,33 @@ def encode_within(tokenizer: Tokenizer, text: str, limit: int) -> list[int] | No
     return ids if len(ids) <= limit else None
 
 
+def encode_chat(tokenizer: Tokenizer, prompt: ChatPrompt, limit: int) -> list[int] | None:
+    """A chat prompt's ids, or None once there are more than `limit`: as `encode_within` gives them
+    when no text of the request holds an added token's text; else the prompt is split at the
+    template's own added tokens and the text between them tokenized as if there were none."""
+    if not prompt.literals:
+        return encode_within(tokenizer, prompt.marked, limit)
+    ids: list[int] = []
+    for piece in prompt.pieces(_added_ids(tokenizer)):
+        part = [piece] if isinstance(piece, int) else encode_within(_text_only(tokenizer), piece, limit - len(ids))
+        if part is None or len(ids) + len(part) > limit:
+            return None
+        ids += part
+    return ids
+
+
+def _added_ids(tokenizer: Tokenizer) -> dict[str, int]:
+    return {token.content: i for i, token in tokenizer.inner.get_added_tokens_decoder().items()}
+
+
+@functools.lru_cache(maxsize=2)
+def _text_only(tokenizer: Tokenizer) -> Tokenizer:
+    """The tokenizer without its added tokens: their texts are tokenized as any text."""
+    config = json.loads(tokenizer.inner.to_str())
+    config["added_tokens"] = []
+    return Tokenizer(HFTokenizer.from_str(json.dumps(config)))
+
+
 def _short_reason(text: str, limit: int = 200) -> str:
     """A failure's first line, bounded: what an HTTP client is told (no log tails, no tracebacks)."""
     line = text.strip().split("\n", 1)[0].rstrip(":").strip()
@@ -68,10 +99,12 @@ def _short_reason(text: str, limit: int = 200) -> str:
 class Service:
     """The served model: the engine, its name, chat template and metrics, and the route logic."""
 
-    def __init__(self, engine: Engine, name: str, chat: ChatTemplate | None):
+    def __init__(self, engine: Engine, name: str, chat: ChatTemplate | None,
+                 limits: HttpLimits | None = None):
         self.engine = engine
         self.name = name
         self.chat = chat
+        self.limits = limits or HttpLimits()
         self.created = int(time.time())
         self.metrics = ServingMetrics(engine.draft_tokens)
         self.logged_failure: str | None = None
@@ -120,15 +153,16 @@ class Service:
         return self.token_text_or_none()
 
     def token_text_or_none(self):
-        tokenizer = self.engine.tokenizer
-        return None if tokenizer is None else (lambda token: tokenizer.decode([token]))
+        tokenizer = self.engine.tokenizer  # (each token spelled once a request: logprobs name many)
+        return None if tokenizer is None else functools.cache(lambda token: tokenizer.decode([token]))
 
-    async def encode(self, text: str, param: str) -> list[int]:
+    async def encode(self, text: str | ChatPrompt, param: str) -> list[int]:
         """The text's token ids, tokenized in a thread (a long prompt must not stall other requests)
         and counted against the context as they come."""
         if self.engine.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer.json: send the prompt as token ids", param)
-        ids = await asyncio.to_thread(encode_within, self.engine.tokenizer, text, self.context)
+        encode = encode_within if isinstance(text, str) else encode_chat
+        ids = await asyncio.to_thread(encode, self.engine.tokenizer, text, self.context)
         if ids is None:
             raise ApiError(400, f"the prompt (over {self.context} tokens) does not fit the context of "
                            f"{self.context} tokens", param)
@@ -150,6 +184,7 @@ class Service:
             if body.echo:
                 text = texts[job.prompt_index]
                 job.echo = text if isinstance(text, str) else self.engine.tokenizer.decode(text)
+        check_logprob_entries(jobs, self.limits.max_logprob_entries, "logprobs")
         return await self.respond(request, jobs, Shape(self.name, self.token_text_or_none()), body)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -165,19 +200,22 @@ class Service:
                            "parses (Qwen3.5's <tool_call><function=...> blocks)", "tools")
         messages = [m.for_template(i) for i, m in enumerate(body.messages)]
         try:  # in a thread, like tokenizing: a template may take long over many messages
-            prompt = await asyncio.to_thread(self.chat.render, messages, True, body.tools, body.chat_template_kwargs)
+            prompt = await asyncio.to_thread(self.chat.render_request, messages, body.tools, body.chat_template_kwargs,
+                                             self.added_tokens)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), "messages") from None
-        reasoning = self.thinks and prompt.rfind(THINK_OPEN) > prompt.rfind(THINK_CLOSE)
+        reasoning = self.thinks and prompt.marked.rfind(THINK_OPEN) > prompt.marked.rfind(THINK_CLOSE)
         constraint = self._chat_constraint(body, mode, callable_tools, reasoning)
         jobs = request_jobs(request.url.path, body, [await self.encode(prompt, "messages")], "messages",
                             body.max_completion_tokens or body.max_tokens, self.context)
         for job in jobs:
             job.logprobs = (body.top_logprobs or 0) if body.logprobs else None
             job.sampling["structured_output"] = constraint
-        parsed = tools if mode != "none" else None
-        shape = ChatShape(self.name, lambda: ChatOutput(reasoning, self.thinks, parsed), self.token_text_or_none(),
-                          reasons=self.thinks)
+        check_logprob_entries(jobs, self.limits.max_logprob_entries, "top_logprobs" if body.top_logprobs else
+                              "logprobs")
+        parsed, parallel = (tools if mode != "none" else None), body.parallel_tool_calls is not False
+        shape = ChatShape(self.name, lambda: ChatOutput(reasoning, self.thinks, parsed, parallel),
+                          self.token_text_or_none(), reasons=self.thinks)
         return await self.respond(request, jobs, shape, body)
 
     def _chat_constraint(self, body: ChatBody, mode: str, tools: list[Tool], reasoning: bool) -> dict[str, Any] | None:
@@ -198,9 +236,7 @@ class Service:
         try:
             if not body.stream:
                 events = await until_disconnected(request, choices.collect())
-                return JSONResponse(shape.response([
-                    shape.choice(g.job.index, e.text, e.finish_reason, shape.logprobs(g.job.index, e.logprobs))
-                    for g, e in zip(choices.generations, events)], choices.usage()))
+                return await asyncio.to_thread(_whole_response, shape, choices, events)  # (off the loop: logprobs)
             first = await until_disconnected(request, choices.first())  # errors before any token: a status
         except ClientGone:
             await choices.aclose()
@@ -214,10 +250,8 @@ class Service:
     async def _stream(self, shape: Shape, first: list[Event], choices: Choices,
                       include_usage: bool) -> AsyncIterator[bytes]:
         try:
-            for generation, event in zip(choices.generations, first):
-                index = generation.job.index
-                logprobs = shape.logprobs(index, event.logprobs)
-                yield sse(shape.chunk(index, event.text, event.finish_reason, True, logprobs))
+            for chunk in await asyncio.to_thread(_first_chunks, shape, choices, first):  # (an echo's logprobs)
+                yield chunk
             async with aclosing(choices.rest()) as rest:  # closed with this stream: its pumps stop first
                 async for index, event in rest:
                     if event.text or event.finish_reason is not None or event.logprobs:
@@ -266,9 +300,29 @@ class Service:
                 "workers": [dataclasses.asdict(stats) for stats in workers]}
 
 
-def create_app(engine: Engine, name: str, chat: ChatTemplate | None) -> FastAPI:
+def _whole_response(shape: Shape, choices: Choices, events: list[Event]) -> Response:
+    """The response, each choice encoded apart: json.dumps holds the GIL, and the event loop waits
+    for one choice's at most (a choice of 21,000 log-probabilities takes ~10 ms)."""
+    encoded = [_json(shape.choice(g.job.index, e.text, e.finish_reason, shape.logprobs(g.job.index, e.logprobs)))
+               for g, e in zip(choices.generations, events)]
+    envelope = _json(shape.response([], choices.usage()))  # (its strings cannot hold "choices":[] unescaped)
+    return Response(envelope.replace('"choices":[]', f'"choices":[{",".join(encoded)}]', 1),
+                    media_type="application/json")
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))  # (as JSONResponse)
+
+
+def _first_chunks(shape: Shape, choices: Choices, first: list[Event]) -> list[bytes]:
+    return [sse(shape.chunk(g.job.index, e.text, e.finish_reason, True, shape.logprobs(g.job.index, e.logprobs)))
+            for g, e in zip(choices.generations, first)]
+
+
+def create_app(engine: Engine, name: str, chat: ChatTemplate | None,
+               limits: HttpLimits | None = None) -> FastAPI:
     """The FastAPI application serving `engine` under the model id `name`."""
-    service = Service(engine, name, chat)
+    service = Service(engine, name, chat, limits=limits)
     app = FastAPI(title="shardspec", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
     _add_error_handlers(app, service)

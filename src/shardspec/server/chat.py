@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import functools
 import json
+import re
+import secrets
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -28,6 +32,64 @@ PROBE_TOOLS = [{"type": "function", "function": {"name": "probe_function", "para
 PROBE_MESSAGES = [{"role": "user", "content": "probe"}, {"role": "assistant", "content": "", "tool_calls": [
     {"id": "call_probe", "type": "function", "function": {"name": "probe_function",
                                                           "arguments": {"probe_key": "probe_value"}}}]}]
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A request's rendered conversation. The added tokens' texts (<|im_start|>, <think>, ...) that came
+    with the request stand as placeholders in `marked`, so that only the template's own text is split
+    into those tokens: a message cannot forge a turn, a tool result or a call."""
+
+    marked: str
+    literals: dict[str, str]  # placeholder -> the added token's text it stands for
+
+    @property
+    def text(self) -> str:
+        """The prompt as the template rendered it from the request."""
+        return self.unmark(self.marked)
+
+    def unmark(self, text: str) -> str:
+        for placeholder, literal in self.literals.items():
+            text = text.replace(placeholder, literal)
+        return text
+
+    def pieces(self, tokens: dict[str, int]) -> Iterator[str | int]:
+        """The prompt split at the template's added tokens (`tokens`: text -> id; the leftmost, then
+        the longest, as `tokenizers` splits): their ids, and the text between them as text."""
+        pattern = re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)) or "(?!)")
+        at = 0
+        for match in pattern.finditer(self.marked):
+            if match.start() > at:
+                yield self.unmark(self.marked[at : match.start()])
+            yield tokens[match.group()]
+            at = match.end()
+        if at < len(self.marked):
+            yield self.unmark(self.marked[at:])
+
+
+class _Marker:
+    """Replaces the added tokens' texts in a request's strings with placeholders: ASCII that JSON and
+    trim leave as it is, with a fresh nonce (no text holds one by chance)."""
+
+    def __init__(self, tokens: Collection[str]):
+        nonce = secrets.token_hex(8)
+        self.placeholders = {t: f"[{nonce}:{i}]" for i, t in enumerate(sorted(tokens, key=len, reverse=True))}
+        self.pattern = re.compile("|".join(map(re.escape, self.placeholders)) or "(?!)")
+        self.used: dict[str, str] = {}
+
+    def mark(self, value: Any) -> Any:
+        if isinstance(value, str):
+            return self.pattern.sub(self._placeholder, value)
+        if isinstance(value, dict):
+            return {key: self.mark(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [self.mark(item) for item in value]
+        return value
+
+    def _placeholder(self, match: re.Match) -> str:
+        placeholder = self.placeholders[match.group()]
+        self.used[placeholder] = match.group()
+        return placeholder
 
 
 class ChatTemplateError(ValueError):
@@ -86,6 +148,16 @@ class ChatTemplate:
             raise ChatTemplateError(f"the model's chat template rejected the messages: {exc}") from None
         except (TypeError, AttributeError, ValueError) as exc:  # a message shape the template cannot take
             raise ChatTemplateError(f"the model's chat template could not render the messages: {exc}") from None
+
+    def render_request(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                       kwargs: dict[str, Any] | None, tokens: Collection[str]) -> ChatPrompt:
+        """The prompt of a request's conversation, its text marked where it holds an added token's text
+        (`tokens`): anywhere but in an assistant's message (the model's own words, its calls and
+        reasoning), as transformers' split_special_tokens reads text, for every added token."""
+        marker = _Marker(tokens)
+        messages = [m if m.get("role") == "assistant" else marker.mark(m) for m in messages]
+        marked = self.render(messages, True, marker.mark(tools), marker.mark(kwargs))
+        return ChatPrompt(marked, marker.used)
 
     @functools.cached_property
     def writes_tool_calls(self) -> bool:

@@ -61,13 +61,16 @@ class Trimmed:
 
 class ChatOutput:
     """The split of one choice's text. `reasoning`: the prompt leaves the model inside `<think>`;
-    `thinks`: the model may open one itself at the start; `tools`: parse `<tool_call>` blocks
-    (None: they are content)."""
+    `thinks`: the model may open one itself at the start; `tools`: parse `<tool_call>` blocks of
+    these functions (None: they are content; a block of another function is text where it stands);
+    `parallel`: more than one call (else a block after the first call is text)."""
 
-    def __init__(self, reasoning: bool = False, thinks: bool = False, tools: list[Tool] | None = None):
+    def __init__(self, reasoning: bool = False, thinks: bool = False, tools: list[Tool] | None = None,
+                 parallel: bool = True):
         self.mode = "reasoning" if reasoning else "content"
         self.thinks = thinks and not reasoning
         self.tools = tools
+        self.parallel = parallel
         self.pending = ""
         self.reasoning, self.content = Trimmed(), Trimmed()
         self.calls: list[ToolCall] = []
@@ -95,7 +98,7 @@ class ChatOutput:
         if self.mode == "reasoning":
             out.reasoning += self.reasoning.feed(rest)
         elif self.mode == "call":
-            self._call_text(rest, out)
+            self._call_text(rest, out)  # (a held-back "</tool_call" has no ">" to end a function's tag)
             self._end_call(out)
         else:
             out.content += self.content.feed(rest)
@@ -108,7 +111,8 @@ class ChatOutput:
         the reasoning too (a model may call before it closes its think): it is a call all the same."""
         if self.mode == "call":
             return {CALL_CLOSE: self.after_call}
-        markers = {CALL_OPEN: "call"} if self.tools is not None else {}
+        calls = self.tools is not None and (self.parallel or not self.calls)
+        markers = {CALL_OPEN: "call"} if calls else {}
         if self.mode == "reasoning":
             markers[THINK_CLOSE] = "content"
         elif self._may_think():
@@ -120,14 +124,15 @@ class ChatOutput:
         start of one (False)."""
         markers = self._markers()
         found = [(i, m) for m in markers if (i := self.pending.find(m)) >= 0]
-        if not found:
-            keep = max((partial_match(self.pending, m) for m in markers), default=0)
-            self._emit(self.mode, self.pending[: len(self.pending) - keep], out)
-            self.pending = self.pending[len(self.pending) - keep :]
-            return False
-        at, marker = min(found)
-        self._emit(self.mode, self.pending[:at], out)
+        keep = max((partial_match(self.pending, m) for m in markers), default=0)
+        at, marker = min(found) if found else (len(self.pending) - keep, "")
+        rest = self._emit(self.mode, self.pending[:at], out)
+        if rest is not None:  # not a call after all: the rest of its block is read again as text
+            self.pending = rest + self.pending[at:]
+            return True
         self.pending = self.pending[at + len(marker) :]
+        if not marker:
+            return False
         if self.mode == "call":
             self._end_call(out)
         elif markers[marker] == "call":
@@ -141,25 +146,32 @@ class ChatOutput:
             self.thinks = False
         return self.thinks
 
-    def _emit(self, mode: str, text: str, out: Delta) -> None:
+    def _emit(self, mode: str, text: str, out: Delta) -> str | None:
+        """Emit `text` in `mode`; a call's text may turn out not to be one: then the text to read again."""
         if mode == "reasoning":
             out.reasoning += self.reasoning.feed(text)
         elif mode == "content":
             out.content += self.content.feed(text)
         else:
-            self._call_text(text, out)
+            return self._call_text(text, out)
+        return None
 
-    def _call_text(self, text: str, out: Delta) -> None:
+    def _call_text(self, text: str, out: Delta) -> str | None:
         parser = self.parser
         assert parser is not None
         named = parser.call is not None
         pieces = list(parser.feed(text))
+        if parser.undeclared is not None:  # text up to the function's tag where the block began, the rest again
+            self.mode, self.parser = self.after_call, None
+            self._emit(self.mode, CALL_OPEN + parser.text[: parser.undeclared], out)
+            return parser.text[parser.undeclared :]
         if parser.call is not None and not named:
             self.calls.append(parser.call)
             out.tool_calls.append({"index": len(self.calls) - 1, "id": parser.call.id, "type": "function",
                                    "function": {"name": parser.call.name, "arguments": ""}})
         for piece in pieces:
             out._add_call({"index": len(self.calls) - 1, "function": {"arguments": piece}})
+        return None
 
     def _end_call(self, out: Delta) -> None:
         parser, self.parser = self.parser, None

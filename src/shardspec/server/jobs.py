@@ -30,6 +30,14 @@ class Job:
     arrived: float = field(default_factory=time.perf_counter)
 
     @property
+    def logprob_entries(self) -> int:
+        """The log-probabilities the choice returns at most: for each token (the echoed prompt's, then up
+        to max_tokens) the chosen one and the top ones."""
+        if self.logprobs is None:
+            return 0
+        return (self.max_tokens + (len(self.prompt_ids) if self.echo is not None else 0)) * (self.logprobs + 1)
+
+    @property
     def echo_only(self) -> bool:
         """echo with max_tokens 0: the prompt (and its log-probabilities) alone; one token is generated
         (the engine always samples one) and dropped."""
@@ -53,6 +61,16 @@ def request_jobs(endpoint: str, body: GenerationBody, prompts: list[list[int]], 
             job.index, job.prompt_index = i * n + j, i
             jobs.append(job)
     return jobs
+
+
+def check_logprob_entries(jobs: list[Job], limit: int, param: str) -> None:
+    """400 naming `param` for a request whose response could hold more than `limit` log-probabilities:
+    refused before any work, as the answer would cost the server far more than the question."""
+    entries = sum(job.logprob_entries for job in jobs)
+    if entries > limit:
+        raise ApiError(400, f"the response could hold {entries:,} log-probabilities (choices x tokens, an echoed "
+                       f"prompt's included, x (top log-probabilities + 1)); this server returns at most {limit:,} "
+                       "(serve --max-logprob-entries): ask for fewer choices, tokens or top log-probabilities", param)
 
 
 def _job(endpoint: str, body: GenerationBody, prompt_ids: list[int], param: str, max_tokens: int | None,

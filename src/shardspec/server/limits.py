@@ -1,7 +1,7 @@
 """What one HTTP client may cost the server: the limits of `shardspec serve` and their defaults.
 
 Kept free of the server's dependencies, so the CLI reads the defaults without importing uvicorn;
-guard.py enforces them.
+guard.py enforces those of the transport, jobs.py the size of a response's log-probabilities.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ DEFAULT_READ_TIMEOUT_S = 30.0
 DEFAULT_MAX_CONNECTIONS = 512  # beyond it uvicorn answers 503; keeps fds below the usual limit of 1024
 MAX_HEADER_BYTES = 16 << 10  # h11's own default, stated: a request line and headers beyond it get 400
 KEEP_ALIVE_S = 5
+# choices x tokens x (top + 1): ~60 MB of chat JSON at most (a 22 KB request asked for 10.7M, 306 MB)
+DEFAULT_MAX_LOGPROB_ENTRIES = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,7 @@ class HttpLimits:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S  # for a request's headers, and again for its body
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES  # log-probabilities one response may hold
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
@@ -28,3 +31,5 @@ class HttpLimits:
             raise ValueError(f"--read-timeout must be positive, got {self.read_timeout_s}")
         if self.max_connections < 1:
             raise ValueError(f"--max-connections must be positive, got {self.max_connections}")
+        if self.max_logprob_entries < 1:
+            raise ValueError(f"--max-logprob-entries must be positive, got {self.max_logprob_entries}")

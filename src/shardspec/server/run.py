@@ -128,7 +128,7 @@ async def serve(options: ServeOptions, sock: socket.socket, ready: Callable[[str
         async with connect(config=options.engine, on_progress=progressed) as engine:
             model_dir = Path(options.engine.model)
             chat = ChatTemplate.from_folder(model_dir) if model_dir.is_dir() else None
-            gate.app = create_app(engine, options.model_name, chat)
+            gate.app = create_app(engine, options.model_name, chat, limits=options.limits)
             host, port = sock.getsockname()[:2]
             ready(f"http://{f'[{host}]' if ':' in host else host}:{port}/v1", engine)
             await asyncio.shield(serving)

@@ -19,6 +19,7 @@ the tool's schema declares, so a call's `arguments` are the JSON object the tool
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from collections.abc import Collection, Iterator
@@ -29,7 +30,7 @@ from shardspec.server.api import ApiError
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128
-TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # OpenAI's names (letters, digits, _ and -), with . and :
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule: what a name may hold wherever it is written
 SCHEMA_NOTES = ("description", "title", "examples")  # what a value's grammar leaves out of its schema
 _FUNCTION = re.compile(r"<function=([^>\n]*)>")
 _PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.S)
@@ -71,16 +72,48 @@ def _tool(entry: Any, param: str) -> Tool:
     function = entry["function"]
     name = function.get("name")
     if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-        raise ApiError(400, f"a function name is 1 to 64 letters, digits, _, -, . or :, got {name!r:.80}",
-                       f"{param}.function.name")
+        raise ApiError(400, f"a function name is 1 to 64 letters, digits, _ or - (as OpenAI's API has it), got "
+                       f"{name!r:.80}", f"{param}.function.name")
     parameters = function.get("parameters", {"type": "object", "properties": {}})
+    param = f"{param}.function.parameters"
     if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
-        raise ApiError(400, "a function's parameters are a JSON schema of an object", f"{param}.function.parameters")
-    for key in Tool(name, parameters).properties:
+        raise ApiError(400, "a function's parameters are a JSON schema of an object", param)
+    _check_parameters(parameters, param)
+    return Tool(name, parameters)
+
+
+def _check_parameters(parameters: dict[str, Any], param: str) -> None:
+    """The keywords the server reads itself (to write a forced call's grammar, to type the values it
+    parses) have their JSON Schema types; the rest of a schema is llguidance's to check."""
+    required = parameters.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(key, str) for key in required):
+        raise ApiError(400, "required is a list of parameter names", f"{param}.required")
+    properties = parameters.get("properties", {})
+    if not isinstance(properties, dict):
+        raise ApiError(400, "properties is an object of parameter schemas", f"{param}.properties")
+    for key in [*properties, *required]:
         if not key or any(c in key for c in "<>\n"):
             raise ApiError(400, f"parameter names cannot be empty or hold <, > or a newline (the tool-call format "
-                           f"writes them inside <parameter=...>), got {key!r:.80}", f"{param}.function.parameters")
-    return Tool(name, parameters)
+                           f"writes them inside <parameter=...>), got {key!r:.80}", param)
+    for key, schema in properties.items():
+        if not isinstance(schema, (dict, bool)):
+            raise ApiError(400, "a parameter's schema is an object (or a boolean)", f"{param}.properties.{key}")
+        if isinstance(schema, dict):
+            _check_keywords(schema, f"{param}.properties.{key}")
+
+
+def _check_keywords(schema: dict[str, Any], param: str) -> None:
+    kind = schema.get("type", [])
+    if not isinstance(kind, str) and not (isinstance(kind, list) and all(isinstance(k, str) for k in kind)):
+        raise ApiError(400, "type is a type's name or a list of them", f"{param}.type")
+    if not isinstance(schema.get("enum", []), list):
+        raise ApiError(400, "enum is a list of values", f"{param}.enum")
+    for keyword in ("minLength", "maxLength"):
+        value = schema.get(keyword, 0)
+        if type(value) is not int or value < 0:
+            raise ApiError(400, f"{keyword} is a non-negative integer, got {value!r:.40}", f"{param}.{keyword}")
+    if schema.get("minLength", 0) > schema.get("maxLength", float("inf")):
+        raise ApiError(400, "minLength exceeds maxLength", f"{param}.minLength")
 
 
 def chosen_tools(choice: str | dict[str, Any] | None, tools: list[Tool]) -> tuple[str, list[Tool]]:
@@ -121,7 +154,7 @@ def calls_grammar(tools: list[Tool], parallel: bool, tokens: Collection[str] = (
              "call: " + " | ".join(f"call_{i}" for i in range(len(tools)))]
     for i, tool in enumerate(tools):
         keys = _ordered_keys(tool)
-        required = set(tool.parameters.get("required") or [])
+        required = set(tool.parameters.get("required", []))
         parts = " ".join(f"p_{i}_{j}" + ("" if key in required else "?") for j, key in enumerate(keys))
         function = _lit(f"\n<function={tool.name}>\n")
         lines.append(f"call_{i}: {opening} {function} {parts} {end} {closing}")
@@ -131,7 +164,7 @@ def calls_grammar(tools: list[Tool], parallel: bool, tokens: Collection[str] = (
 
 
 def _ordered_keys(tool: Tool) -> list[str]:
-    required = [k for k in tool.parameters.get("required") or [] if isinstance(k, str)]
+    required = list(dict.fromkeys(tool.parameters.get("required", [])))  # (parse_tools checked them)
     return required + [k for k in tool.properties if k not in required]
 
 
@@ -143,8 +176,8 @@ def _parameter_rules(rule: str, key: str, schema: dict[str, Any], root: dict[str
             return [f"{rule}: {opening} ({values}) {closing}"]
         if isinstance(schema.get("const"), str):
             return [f"{rule}: {opening} {_lit(schema['const'])} {closing}"]
-        low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
-        count = f"{{{low},{'' if high is None else int(high)}}}"
+        low, high = schema.get("minLength", 0), schema.get("maxLength", "")  # (checked by parse_tools)
+        count = f"{{{low},{high}}}"
         # the text cannot hold </parameter> (the parser ends the value at the first one)
         text = f"/(?s:.){count}/ & ~/(?s:.*)<\\/parameter>(?s:.*)/"
         return [f"{rule}: {opening} {rule.upper()}", f"{rule.upper()}: ({text}) {closing}"]
@@ -196,11 +229,15 @@ class CallParser:
         self.call: ToolCall | None = None
         self.done = 0  # parameters emitted
         self.closed = False
+        self.undeclared: int | None = None  # where the tag of a function the request did not offer ends
 
     def feed(self, text: str) -> Iterator[str]:
         self.text += text
         if self.call is None:
             if (match := _FUNCTION.search(self.text)) is None:
+                return
+            if match.group(1).strip() not in self.tools:
+                self.undeclared = match.end()  # a function the request did not offer: text, not a call
                 return
             self.call = ToolCall(match.group(1).strip())
         params = list(_PARAMETER.finditer(self.text))
@@ -219,8 +256,7 @@ class CallParser:
 
     def _piece(self, key: str, raw: str) -> str:
         assert self.call is not None
-        tool = self.tools.get(self.call.name)
-        value = typed_value(raw, tool.schema_of(key) if tool else None)
+        value = typed_value(raw, self.tools[self.call.name].schema_of(key))
         self.call.arguments[key] = value
         lead = "{" if len(self.call.arguments) == 1 else ", "
         return f"{lead}{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
@@ -234,9 +270,13 @@ def typed_value(raw: str, schema: dict[str, Any] | None) -> Any:
         nullable = isinstance(schema.get("type"), list) and "null" in schema["type"]
         return None if nullable and text == "null" else text  # (the template writes null as null)
     try:
-        return json.loads(text)
-    except json.JSONDecodeError:
+        return json.loads(text, parse_constant=_not_json)
+    except (ValueError, RecursionError):  # not JSON, or beyond Python's (an integer of 5,000 digits, deep nesting)
         return _loose(text, schema)
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")  # (json.loads reads NaN and Infinity, which json.dumps writes back)
 
 
 def _loose(text: str, schema: dict[str, Any] | None) -> Any:
@@ -249,6 +289,8 @@ def _loose(text: str, schema: dict[str, Any] | None) -> Any:
         try:
             number = float(stripped)
         except ValueError:
+            return text
+        if not math.isfinite(number):  # (no JSON for it)
             return text
         return int(number) if kind == "integer" and number.is_integer() else number
     return text
