@@ -327,6 +327,25 @@ def test_a_tool_schema_keyword_of_the_wrong_type_gets_400_naming_it(chat_server,
         assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
 
 
+def schema_format(schema) -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+
+@pytest.mark.parametrize("body", [
+    schema_format({"type": "string", "minLength": "x"}), schema_format({"type": "object", "required": [{}]}),
+    schema_format({"type": "object", "required": 5}), schema_format(5),
+    schema_format({"type": "string", "maxLength": 10**30}),
+    {"structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "string", "maxLength": {}}}}}},
+    {"structured_outputs": {"json": "[" * 300}},
+    {"tools": tool({"type": "object", "properties": {"a": {"type": "array", "items": {"minLength": "x"}}}}),
+     "tool_choice": "required"},
+    {"tools": tool(string_param(maxLength=10**30)), "tool_choice": "required"},
+])
+def test_no_schema_in_a_response_format_or_a_forced_call_gets_a_500(chat_server, body):
+    reply = chat(chat_server, max_tokens=4, **body)
+    assert reply.status_code == 400 and "Traceback" not in reply.text, reply.text
+
+
 @pytest.mark.parametrize("key", ["²", "٣", "1e3", "-1", "0x10", "9" * 5000, " ", ""])
 def test_a_logit_bias_key_that_is_not_ascii_digits_gets_400_naming_it(chat_server, key):
     reply = chat(chat_server, logit_bias={key: 1}, max_tokens=1)

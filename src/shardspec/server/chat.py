@@ -43,11 +43,6 @@ class ChatPrompt:
     marked: str
     literals: dict[str, str]  # placeholder -> the added token's text it stands for
 
-    @property
-    def text(self) -> str:
-        """The prompt as the template rendered it from the request."""
-        return self.unmark(self.marked)
-
     def unmark(self, text: str) -> str:
         for placeholder, literal in self.literals.items():
             text = text.replace(placeholder, literal)
@@ -151,9 +146,10 @@ class ChatTemplate:
 
     def render_request(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                        kwargs: dict[str, Any] | None, tokens: Collection[str]) -> ChatPrompt:
-        """The prompt of a request's conversation, its text marked where it holds an added token's text
-        (`tokens`): anywhere but in an assistant's message (the model's own words, its calls and
-        reasoning), as transformers' split_special_tokens reads text, for every added token."""
+        """The prompt of a request's conversation, a placeholder standing in for each added token's
+        text (`tokens`) in the request's strings: the messages (an assistant's aside: the model's own
+        words, calls and reasoning keep their tokens), the tools and the template's kwargs. As
+        transformers' split_special_tokens treats special tokens, for every added token."""
         marker = _Marker(tokens)
         messages = [m if m.get("role") == "assistant" else marker.mark(m) for m in messages]
         marked = self.render(messages, True, marker.mark(tools), marker.mark(kwargs))
