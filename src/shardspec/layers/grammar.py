@@ -79,12 +79,16 @@ class Constraint:
         return bool(self.failure)
 
 
-def masked(logits: torch.Tensor, constraint: Constraint, tokens: list[int]) -> torch.Tensor:
-    """logits [P, V] (fp32 copies) with row j limited to what the grammar allows after `tokens[:j]`;
-    all -inf once the grammar has failed (its sequence then fails: layers.sampling.unusable)."""
+def masked(logits: torch.Tensor, constraint: Constraint, tokens: list[int],
+           words: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [P, V] (fp32 copies) with row j limited to what the grammar allows after `tokens[:j]`
+    (`words`: those masks computed before); all -inf once the grammar has failed (its sequence then
+    fails: layers.sampling.unusable). The bit masks are unpacked where the logits are."""
     rows, vocab = logits.shape
-    words = constraint.masks(tokens, rows)
+    words = constraint.masks(tokens, rows) if words is None else words
     if constraint.failure:
         return torch.full_like(logits, float("-inf"), dtype=torch.float32)
-    allowed = ((words[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten(1)[:, :vocab]
-    return logits.float().masked_fill(~allowed.to(logits.device), float("-inf"))
+    words = words.to(logits.device, non_blocking=True)
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab]
+    return logits.float().masked_fill(~allowed, float("-inf"))

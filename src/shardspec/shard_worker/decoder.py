@@ -324,9 +324,11 @@ class Decoder(ModelRunner):
             out = self._greedy(seqs, context, x, with_guess, launched)
             accepted, tokens, drafts = [r[0] for r in out], [r[1] for r in out], [r[2:] for r in out]
         else:
-            hidden, argmax, draft = self.passes.verify(self._rows(seqs, with_guess), context, x, eager=constrained)
+            rows = self._rows(seqs, with_guess)
+            hidden, argmax, draft = self.passes.verify(rows, context, x, eager_follow=constrained)
+            masks = self._grammar_masks(seqs)  # (on the host, while the device runs the pass)
             accepted, tokens, logits = self._accept(seqs, hidden, argmax, result if want_logits else None,
-                                                    wants_logprobs or not plain)
+                                                    wants_logprobs or not plain, masks)
             for s, n, token in zip(seqs, accepted, tokens):  # (the drafts after them are masked from there)
                 if s.grammar is not None and s.finished != FAILED and not s.grammar.accept([*s.drafts[:n], token]):
                     s.finished = FAILED
@@ -392,10 +394,15 @@ class Decoder(ModelRunner):
         rows = [self.sequences[seq] for seq in seqs]
         return all(not s.finished and s.length <= limit for s in rows) and self.passes.can_go_again()
 
+    def _grammar_masks(self, seqs: list[Sequence]) -> dict[int, torch.Tensor]:
+        """Each constrained sequence's k + 1 verify rows' masks (Constraint.masks), by sequence."""
+        rows = self.draft_len + 1
+        return {s.seq: s.grammar.masks(s.drafts, rows) for s in seqs if s.grammar is not None}
+
     def _accept(self, seqs: list[Sequence], hidden: torch.Tensor, argmax: torch.Tensor,
-                logits_out: StepResult | None, wants_logits: bool = False):
+                logits_out: StepResult | None, wants_logits: bool = False, masks: dict | None = None):
         """Per sequence: (drafts accepted, the token after them), and the target's logits [B, k+1, V]
-        where they were computed (None where they were not)."""
+        where they were computed (None where they were not). `masks`: the grammar rows computed before."""
         sampled = [i for i, s in enumerate(seqs) if not s.sampling.greedy or s.shaped]
         logits = None
         if logits_out is not None or sampled or wants_logits:
@@ -405,7 +412,8 @@ class Decoder(ModelRunner):
         argmax = argmax.tolist()
         accepted, tokens = [], []
         for i, s in enumerate(seqs):
-            target = None if logits is None else s.constrain(s.penalise(logits[i], s.drafts), s.drafts)
+            target = None if logits is None else s.constrain(s.penalise(logits[i], s.drafts), s.drafts,
+                                                             (masks or {}).get(s.seq))
             if target is not None and (s.shaped or not s.sampling.greedy or s.counts is not None) and unusable(target):
                 s.finished = FAILED  # its request fails alone; the step goes on for the others
                 accepted.append(0)

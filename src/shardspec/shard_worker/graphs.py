@@ -206,23 +206,27 @@ class StepPasses:
         return out
 
     def verify(self, rows: list[list[int]], context: int, x: torch.Tensor | None = None,
-               eager: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, Follow]:
+               eager_follow: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, Follow]:
         """(hidden, argmax, the follow pass of this verify: draft, or commit before the last stage);
-        `eager`: no graph (a follow pass that drafts under a grammar's masks, on the host)."""
+        `eager_follow`: the follow runs eagerly (it drafts under a grammar's masks, on the host), after
+        the verify pass's graph where there is one."""
         B = len(rows)
-        bucket = None if eager else self._upload(rows, context, x)
+        bucket = self._upload(rows, context, x)
         if bucket is None:
             packed, context = upload(rows, self.device), min(context, self.max_context)
             hidden, argmax, saved = self.verify_fn(packed, context, self._to_device(x))
             return hidden, argmax, lambda accepts: self.draft_fn(packed, upload(accepts, self.device), hidden, saved,
                                                                  context)
-        hidden, argmax, _ = self._replay(bucket, "verify")
+        hidden, argmax, saved = self._replay(bucket, "verify")
         self.held[bucket.copy] = self.draft_len > 0
 
         def follow(accepts: list[list[int]]) -> torch.Tensor | None:
             bucket.upload("accepts", accepts + [[0, 0]] * (len(bucket.packed) - B))
             self.held[bucket.copy] = False
-            out = self._replay(bucket, "draft")
+            if eager_follow:
+                out = self.draft_fn(bucket.packed, bucket.accepts, hidden, saved, bucket.context)
+            else:
+                out = self._replay(bucket, "draft")
             return None if out is None else out[:B]
 
         return hidden[:B], None if argmax is None else argmax[:B], follow

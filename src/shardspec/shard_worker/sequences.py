@@ -51,16 +51,17 @@ class Sequence:
         """Its request shapes the logits it samples from (constrain), so its steps decide on the host."""
         return self.grammar is not None or self.bias is not None or self.early > 0
 
-    def constrain(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
+    def constrain(self, logits: torch.Tensor, drafts: list[int], masks: torch.Tensor | None = None) -> torch.Tensor:
         """logits [P, V] as its request shapes them, row j after drafts[:j]: its logit_bias added, its
-        stop ids barred while it is short of min_tokens, limited to what its grammar allows."""
+        stop ids barred while it is short of min_tokens, limited to what its grammar allows (`masks`:
+        its grammar's rows computed before, Constraint.masks)."""
         if self.bias is not None:
             logits = logits.float() + self.bias
         if self.early > 0 and self.stop_ids:
             barred = torch.zeros_like(logits, dtype=torch.bool)
             barred[: self.early, list(self.stop_ids)] = True
             logits = logits.float().masked_fill(barred, float("-inf"))
-        return logits if self.grammar is None else masked(logits, self.grammar, drafts)
+        return logits if self.grammar is None else masked(logits, self.grammar, drafts, masks)
 
     def seen(self, tokens: list[int]) -> None:
         if self.counts is not None:
