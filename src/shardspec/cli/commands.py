@@ -361,7 +361,7 @@ def _serve_options(args: argparse.Namespace) -> Any:
     return ServeOptions(
         engine=engine_config(args, max_seqs=args.max_seqs), host=args.host, port=args.port,
         model_name=args.served_model_name or default_model_name(args.model, BUNDLED_MODEL),
-        log_level=args.log_level.lower(), limits=limits,
+        log_level=args.log_level.lower(), limits=limits, cache_salt=args.cache_salt,
     )
 
 

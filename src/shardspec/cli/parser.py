@@ -286,7 +286,23 @@ def _add_serve_parser(commands: Any) -> None:
                        help="the model id clients send (default: the model folder's name)")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                        help="what the server and orchestrator log (default INFO)")
+    _add_cache_salt_option(serve)
     _add_http_limit_options(serve)
+
+
+def _add_cache_salt_option(serve: Any) -> None:
+    from shardspec.server.cache_salts import CACHE_SALT_MODES
+
+    serve.add_argument("--cache-salt", choices=CACHE_SALT_MODES, default="optional",
+                       help="which requests share the prefix cache (a request that finds another's prompt cached "
+                       "learns it was sent, from cached_tokens and its time to first token). optional: requests "
+                       "with the same cache_salt share, and those without one share the common pool; required: a "
+                       "request without cache_salt gets 400; from-key: the salt is a keyed hash of the request's "
+                       "Authorization: Bearer key (never the key itself): requests share only with those of the "
+                       "same key, one without a key gets 401, one that sends cache_salt 400 (the server does not "
+                       "check keys: an authenticating proxy in front does). Cached blocks are evicted first from "
+                       "the salt that holds the most, so a client flooding the cache evicts its own "
+                       "(default: optional)")
 
 
 def _add_http_limit_options(serve: Any) -> None:

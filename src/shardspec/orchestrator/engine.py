@@ -32,7 +32,7 @@ from shardspec.orchestrator.blocks import BlockPool
 from shardspec.orchestrator.config import EngineConfig, message_range
 from shardspec.orchestrator.grammars import GrammarCompiler, Grammars
 from shardspec.orchestrator.group import WorkerGroup
-from shardspec.orchestrator.prefix import PrefixCache
+from shardspec.orchestrator.prefix import MAX_CACHE_SALT, PrefixCache
 from shardspec.orchestrator.requests import Chunk, EngineError, Request, StepObserver, deliver
 from shardspec.orchestrator.scheduler import ScheduledStep, Scheduler
 from shardspec.orchestrator.tokenizer import Detokenizer, Tokenizer
@@ -190,6 +190,7 @@ class Engine:
         skip_special_tokens: bool = True,
         logit_bias: dict[int, float] | None = None,
         min_tokens: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[Chunk]:
         """Stream the completion of `prompt` (text, or token ids) as Chunks. `logprobs=N` adds each
         token's log-probability under the target model (raw logits: before temperature, top-k and
@@ -203,8 +204,11 @@ class Engine:
         `stop_token_ids` end the output as the end-of-text ids do; `skip_special_tokens` (default)
         leaves special tokens' text out of the chunks' text. `logit_bias` {token id: bias in [-100, 100]}
         is added to the target's (and the drafts') logits before sampling; `min_tokens` keeps the stop
-        ids from ending the output before it has that many tokens."""
+        ids from ending the output before it has that many tokens. `cache_salt` (vLLM's) isolates the
+        prefix cache: the request shares cached blocks and saved states only with requests of the same
+        salt (None: with every request without one), so no other tenant can tell its prompt was seen."""
         request = self._new_request(prompt, max_tokens, temperature, top_k, top_p, seed, stop_at_eos)
+        request.cache_salt = _cache_salt(cache_salt)
         request.stop_ids += self._stop_token_ids(stop_token_ids or [])
         request.logit_bias = self._logit_bias(logit_bias or {})
         request.min_tokens = _in_wire_range("min_tokens", min_tokens, int, PrefillSpec, "min_tokens")
@@ -494,6 +498,14 @@ def _in_wire_range(name: str, value: Any, kind: type, message: type, field: str,
     if not lo <= value <= hi:
         raise ValueError(f"{what or name} must be in [{lo}, {hi}], got {value!r}")
     return kind(value)
+
+
+def _cache_salt(salt: Any) -> str | None:
+    """`salt` when it is None or a string the prefix cache takes; ValueError naming cache_salt otherwise."""
+    if salt is not None and (not isinstance(salt, str) or not 1 <= len(salt) <= MAX_CACHE_SALT):
+        raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters, "
+                         f"got {salt!r:.60}")
+    return salt
 
 
 def _agreed(replies: list[tuple]) -> StepReply:

@@ -22,9 +22,16 @@ Only committed tokens enter a cached block or a saved state, and cached blocks a
 again: a step writes past its sequences' committed positions, drafts included. The orchestrator
 alone decides (hits, saves, evictions) and tells every rank of every stage the same, so they agree.
 
-Eviction (least recently used first) takes blocks that no sequence holds, a chain's deepest first,
-with the saved states that depend on them. Every sequence holds the cached blocks of its chain, so a
-block no sequence holds has none below it that one does.
+Tenants: requests share blocks and states only with requests of the same cache salt (vLLM's
+`cache_salt`; None: the shared pool), each salt a tree of its own under its own root, so a prompt of
+one salt is never a hit for another (nor its `cached_tokens`, nor its time to first token).
+
+Eviction takes blocks that no sequence holds, a chain's deepest first, with the saved states that
+depend on them: the least recently used of the tenant that holds the most such blocks (of equals, the
+one admitted last, then the one used least recently), and a saved state likewise. A tenant thus takes
+from another only what that one holds beyond its own: one flooding the cache evicts its own first,
+and one alone may fill it (without salts, plain LRU). Every sequence holds the cached blocks of its
+chain, so a block no sequence holds has none below it that one does.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ from shardspec.orchestrator.blocks import BlockPool
 from shardspec.orchestrator.requests import Request
 from shardspec.protocol.messages import SaveAt, SaveFinished
 
+MAX_CACHE_SALT = 256  # characters of a request's cache_salt (each salt the cache holds is a key of its own)
+
 
 @dataclass(eq=False)
 class Node:
@@ -48,6 +57,7 @@ class Node:
     block: int
     parent: Node | None
     depth: int  # blocks from the root to it, it included
+    tenant: Tenant = field(repr=False)
     children: dict[bytes, Node] = field(default_factory=dict)
     points: dict[tuple[int, ...], StatePoint] = field(default_factory=dict)
     users: int = 0  # sequences whose chain holds it
@@ -66,6 +76,32 @@ class StatePoint:
 
     def length(self, block_tokens: int) -> int:
         return self.node.depth * block_tokens + len(self.tail)
+
+    @property
+    def tenant(self) -> Tenant:
+        return self.node.tenant
+
+
+@dataclass(eq=False)
+class Tenant:
+    """The cache of the requests of one salt (None: those without one), shared with no other: its tree,
+    the blocks that only the cache holds (`unused`; `idle`: those evictable now, oldest first) and its
+    saved states, least recently used first."""
+
+    salt: str | None
+    root: Node = field(init=False)
+    idle: OrderedDict[Node | StatePoint, None] = field(default_factory=OrderedDict)
+    points: OrderedDict[StatePoint, None] = field(default_factory=OrderedDict)
+    unused: int = 0
+    requests: int = 0  # admitted and not yet released: while any is, it is kept even when empty
+    used_at: int = 0  # when its last request was admitted (PrefixCache.admissions)
+
+    def __post_init__(self) -> None:
+        self.root = Node(b"", -1, None, 0, self, users=1)  # (never evicted)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.root.children or self.root.points or self.requests)
 
 
 @dataclass
@@ -87,6 +123,7 @@ class CacheUse:
     of its table and any more its prompt matched), the saved state its prefill starts from and the
     states it saves on the way (both until its first reply)."""
 
+    tenant: Tenant
     chain: list[Node] = field(default_factory=list)
     point: StatePoint | None = None
     saves: list[SaveAt] = field(default_factory=list)
@@ -102,13 +139,18 @@ class PrefixCache:
         self.mtp = mtp
         self.enabled = enabled and states > 0
         self.finish_states = keeps_finished_state
-        self.root = Node(b"", -1, None, 0, users=1)  # (never evicted)
+        self.shared = Tenant(None)
+        self.tenants: dict[str | None, Tenant] = {None: self.shared}
         self.free_states = list(range(states - 1, -1, -1))
-        self.points: OrderedDict[StatePoint, None] = OrderedDict()  # every saved state, least recently used first
-        self.idle: OrderedDict[Node | StatePoint, None] = OrderedDict()  # what can be evicted now, oldest first
-        self.unused = 0  # blocks held by the cache alone: what evictions can free
+        self.unused = 0  # blocks held by the cache alone, of every tenant: what evictions can free
         self.queries = self.hits = 0  # prompt tokens looked up, found
+        self.admissions = 0
         pool.evict, pool.evictable = self._evict, lambda: self.unused
+
+    @property
+    def root(self) -> Node:
+        """The tree of the requests without a salt."""
+        return self.shared.root
 
     # --- admission ----------------------------------------------------------------------------------
 
@@ -116,9 +158,9 @@ class PrefixCache:
         """Give a request about to prefill `needed` blocks in all: the cached ones its longest hit
         shares and fresh ones, and plan the states its prefill saves. False (nothing held) when the
         pool cannot."""
-        use = CacheUse()
+        use = CacheUse(self._enter(request.cache_salt if self.enabled else None))
         tokens = request.prefill_ids()
-        hit = self._lookup(request, tokens) if self.enabled and request.prompt_logprobs < 0 else Hit()
+        hit = self._lookup(use.tenant, request, tokens) if self.enabled and request.prompt_logprobs < 0 else Hit()
         for node in hit.nodes:
             self._use(node)
         if hit.point is not None:
@@ -126,6 +168,7 @@ class PrefixCache:
         fresh = self.pool.take(needed - hit.shared)
         if fresh is None:
             self._drop_use(hit.nodes, hit.point)
+            self._leave(use.tenant)
             return False
         for node in hit.nodes[: hit.shared]:
             self.pool.hold(node.block)
@@ -142,12 +185,28 @@ class PrefixCache:
             self.hits += hit.length
         return True
 
-    def _lookup(self, request: Request, tokens: list[int]) -> Hit:
-        """The longest hit of a prompt: the deepest saved state its cached blocks reach, short of its
-        last token (which must prefill)."""
+    def _enter(self, salt: str | None) -> Tenant:
+        """The tenant of a request being admitted, held until its release (eviction may empty it meanwhile)."""
+        tenant = self.tenants.get(salt) or self.tenants.setdefault(salt, Tenant(salt))
+        tenant.requests += 1
+        self.admissions += 1
+        tenant.used_at = self.admissions
+        return tenant
+
+    def _leave(self, tenant: Tenant) -> None:
+        tenant.requests -= 1
+        self._forget_if_empty(tenant)
+
+    def _forget_if_empty(self, tenant: Tenant) -> None:
+        if tenant.salt is not None and tenant.empty:  # (a salt used once must not stay forever)
+            del self.tenants[tenant.salt]
+
+    def _lookup(self, tenant: Tenant, request: Request, tokens: list[int]) -> Hit:
+        """The longest hit of a prompt in its tenant's tree: the deepest saved state its cached blocks
+        reach, short of its last token (which must prefill)."""
         bt, limit = self.block_tokens, len(tokens) - 1
-        best = self._best_point(self.root, tokens, limit, None)
-        node, nodes = self.root, []
+        best = self._best_point(tenant.root, tokens, limit, None)
+        node, nodes = tenant.root, []
         for key in self._hashes(request, tokens, len(tokens) // bt):
             node = node.children.get(key)
             if node is None:
@@ -223,15 +282,15 @@ class PrefixCache:
         tokens = request.prompt + request.output if tokens is None else tokens
         while (len(use.chain) + 1) * bt <= length:  # (its chain is held: never evicted)
             depth = len(use.chain)
-            parent = use.chain[-1] if use.chain else self.root
+            parent = use.chain[-1] if use.chain else use.tenant.root
             key = self._hashes(request, tokens, depth + 1)[depth]
             node = parent.children.get(key)
             if node is None:
-                node = Node(key, request.blocks[depth], parent, depth + 1)
+                node = Node(key, request.blocks[depth], parent, depth + 1, use.tenant)
                 self.pool.hold(node.block)
-                self.idle.pop(parent, None)  # (no longer a leaf)
+                use.tenant.idle.pop(parent, None)  # (no longer a leaf)
                 parent.children[key] = node
-                self.unused += 1  # (until _use below)
+                self._count_unused(use.tenant, 1)  # (until _use below)
             self._use(node)
             use.chain.append(node)
 
@@ -246,7 +305,7 @@ class PrefixCache:
         depth = len(tokens) // bt
         if not self.finish_states:
             return None
-        node = use.chain[depth - 1] if depth else self.root
+        node = use.chain[depth - 1] if depth else use.tenant.root
         tail = tuple(tokens[depth * bt :])
         if tail in node.points:
             return None
@@ -268,34 +327,41 @@ class PrefixCache:
         if use is not None:
             self.free_states.extend(save.state for save in use.saves)
             self._drop_use(use.chain, use.point)
+            self._leave(use.tenant)
 
     def forget(self, states: list[int]) -> None:
         """Drop the saved states `states` (their save failed); a prefill already starting from one
         keeps it until its first reply."""
-        for point in [p for p in self.points if p.state in states and p.users == 0]:
+        points = [p for t in self.tenants.values() for p in t.points if p.state in states and p.users == 0]
+        for point in points:
             self._drop_point(point)
 
     # --- holding and evicting -----------------------------------------------------------------------
 
     def _use(self, item: Node | StatePoint) -> None:
+        tenant = item.tenant
         if item.users == 0 and (isinstance(item, Node) or item.tail_block >= 0):
-            self.unused -= 1
+            self._count_unused(tenant, -1)
         item.users += 1
-        self.idle.pop(item, None)
+        tenant.idle.pop(item, None)
         if isinstance(item, StatePoint):
-            self.points.move_to_end(item)
+            tenant.points.move_to_end(item)
 
     def _release_item(self, item: Node | StatePoint) -> None:
         item.users -= 1
         if item.users:
             return
         if isinstance(item, Node):
-            self.unused += 1
+            self._count_unused(item.tenant, 1)
             if not item.children:
-                self.idle[item] = None
+                item.tenant.idle[item] = None
         elif item.tail_block >= 0:
-            self.unused += 1
-            self.idle[item] = None
+            self._count_unused(item.tenant, 1)
+            item.tenant.idle[item] = None
+
+    def _count_unused(self, tenant: Tenant, n: int) -> None:
+        tenant.unused += n
+        self.unused += n
 
     def _drop_use(self, nodes: list[Node], point: StatePoint | None) -> None:
         for node in reversed(nodes):  # (the deepest first: idle in eviction order)
@@ -305,52 +371,66 @@ class PrefixCache:
 
     def _add_point(self, point: StatePoint) -> None:
         point.node.points[point.tail] = point
-        self.points[point] = None
+        point.tenant.points[point] = None
         if point.tail_block >= 0:
-            self.unused += 1
-            self.idle[point] = None
+            self._count_unused(point.tenant, 1)
+            point.tenant.idle[point] = None
 
     def _take_state(self) -> int | None:
-        """A saved state's id: a free one, or the least recently used one's that no prefill starts from."""
+        """A saved state's id: a free one, or that of the least recently used one no prefill starts
+        from, of the tenant that holds the most saved states (of equals, as _evict picks)."""
         if not self.free_states:
-            victim = next((p for p in self.points if p.users == 0), None)
+            tenants = sorted(self.tenants.values(), key=lambda t: self._precedence(t, len(t.points)), reverse=True)
+            victim = next((p for t in tenants for p in t.points if p.users == 0), None)
             if victim is None:
                 return None
             self._drop_point(victim)
         return self.free_states.pop()
 
     def _evict(self) -> bool:
-        """Free the least recently used block that only the cache holds; False when there is none."""
-        if not self.idle:
+        """Free one block that only the cache holds: the least recently used of the tenant that holds
+        the most such blocks; False when there is none."""
+        tenant = max(self.tenants.values(), key=lambda t: self._precedence(t, t.unused))
+        if not tenant.unused:
             return False
-        item = next(iter(self.idle))
+        item = next(iter(tenant.idle))
         if isinstance(item, StatePoint):
             self._drop_point(item)
         else:
             self._drop_node(item)
         return True
 
+    def _precedence(self, tenant: Tenant, held: int) -> tuple[int, bool, int]:
+        """Which tenant gives up a block or state first: the one that holds the most; of equals, the one
+        admitted last (usually the one asking: a tenant takes from another only what that one holds
+        beyond its own), then the one used least recently."""
+        return held, tenant.used_at == self.admissions, -tenant.used_at
+
     def _drop_point(self, point: StatePoint) -> None:
+        tenant = point.tenant
         del point.node.points[point.tail]
-        del self.points[point]
+        del tenant.points[point]
         self.free_states.append(point.state)
         if point.tail_block >= 0:
             if point.users == 0:
-                self.unused -= 1
-            self.idle.pop(point, None)
+                self._count_unused(tenant, -1)
+            tenant.idle.pop(point, None)
             self.pool.give_back([point.tail_block])
+        self._forget_if_empty(tenant)
 
     def _drop_node(self, node: Node) -> None:
         """Evict a cached block no sequence holds and nothing below it, with the states at its end."""
+        tenant = node.tenant
         for point in list(node.points.values()):
             self._drop_point(point)
-        self.idle.pop(node, None)
-        self.unused -= 1
+        tenant.idle.pop(node, None)
+        self._count_unused(tenant, -1)
         parent = node.parent
         del parent.children[node.key]
         self.pool.give_back([node.block])
-        if parent is not self.root and parent.users == 0 and not parent.children:
-            self.idle[parent] = None
+        if parent.depth and parent.users == 0 and not parent.children:
+            tenant.idle[parent] = None
+        self._forget_if_empty(tenant)
 
     # --- hashing --------------------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from shardspec.orchestrator.prefix import MAX_CACHE_SALT
 from shardspec.orchestrator.requests import TokenLogprob
 from shardspec.protocol.messages import MAX_LOGPROBS
 from shardspec.server.chat import RESERVED
@@ -71,6 +72,8 @@ class GenerationBody(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
+    # not OpenAI's; vLLM's: the prefix cache is shared only with requests of the same salt (serve --cache-salt)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT)
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, why) for a feature this server does not have, asked for with a non-default value, or

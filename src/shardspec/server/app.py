@@ -27,6 +27,7 @@ from shardspec.orchestrator.metrics import CONTENT_TYPE, ServingMetrics
 from shardspec.orchestrator.tokenizer import Tokenizer
 from shardspec.server import status
 from shardspec.server.api import ApiError, ChatBody, ChatShape, CompletionBody, GenerationBody, Shape, parse_body
+from shardspec.server.cache_salts import CacheSalts
 from shardspec.server.chat import ChatPrompt, ChatTemplate, ChatTemplateError
 from shardspec.server.chat_output import THINK_CLOSE, THINK_OPEN, ChatOutput
 from shardspec.server.generation import Choices, Event, Generation
@@ -100,11 +101,12 @@ class Service:
     """The served model: the engine, its name, chat template and metrics, and the route logic."""
 
     def __init__(self, engine: Engine, name: str, chat: ChatTemplate | None,
-                 limits: HttpLimits | None = None):
+                 limits: HttpLimits | None = None, salts: CacheSalts | None = None):
         self.engine = engine
         self.name = name
         self.chat = chat
         self.limits = limits or HttpLimits()
+        self.salts = salts or CacheSalts()
         self.created = int(time.time())
         self.metrics = ServingMetrics(engine.draft_tokens)
         self.logged_failure: str | None = None
@@ -173,6 +175,7 @@ class Service:
     async def completions(self, request: Request) -> Response:
         body = parse_body(await request.body(), CompletionBody)
         self.check(body)
+        salt = self.salts.salt(request.headers.get("authorization"), body.cache_salt)
         texts = body.prompts()
         prompts = [await self.encode(p, "prompt") if isinstance(p, str) else p for p in texts]
         max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
@@ -181,6 +184,7 @@ class Service:
             self.token_text("logprobs" if body.logprobs is not None else "echo")  # a tokenizer spells tokens
         for job in jobs:
             job.logprobs = body.logprobs
+            job.sampling["cache_salt"] = salt
             if body.echo:
                 text = texts[job.prompt_index]
                 job.echo = text if isinstance(text, str) else self.engine.tokenizer.decode(text)
@@ -190,6 +194,7 @@ class Service:
     async def chat_completions(self, request: Request) -> Response:
         body = parse_body(await request.body(), ChatBody)
         self.check(body)
+        salt = self.salts.salt(request.headers.get("authorization"), body.cache_salt)
         if self.chat is None:
             raise ApiError(400, "this model has no chat template (tokenizer_config.json): use /v1/completions",
                            "messages")
@@ -211,6 +216,7 @@ class Service:
         for job in jobs:
             job.logprobs = (body.top_logprobs or 0) if body.logprobs else None
             job.sampling["structured_output"] = constraint
+            job.sampling["cache_salt"] = salt
         check_logprob_entries(jobs, self.limits.max_logprob_entries, "top_logprobs" if body.top_logprobs else
                               "logprobs")
         parsed, parallel = (tools if mode != "none" else None), body.parallel_tool_calls is not False
@@ -320,9 +326,10 @@ def _first_chunks(shape: Shape, choices: Choices, first: list[Event]) -> list[by
 
 
 def create_app(engine: Engine, name: str, chat: ChatTemplate | None,
-               limits: HttpLimits | None = None) -> FastAPI:
-    """The FastAPI application serving `engine` under the model id `name`."""
-    service = Service(engine, name, chat, limits=limits)
+               limits: HttpLimits | None = None, cache_salt: str = "optional") -> FastAPI:
+    """The FastAPI application serving `engine` under the model id `name`; `cache_salt`: which requests
+    share the prefix cache (server.cache_salts)."""
+    service = Service(engine, name, chat, limits=limits, salts=CacheSalts(cache_salt))
     app = FastAPI(title="shardspec", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
     _add_error_handlers(app, service)

@@ -44,6 +44,7 @@ class ServeOptions:
     model_name: str  # the model id clients send
     log_level: str = "info"
     limits: HttpLimits = field(default_factory=HttpLimits)
+    cache_salt: str = "optional"  # which requests share the prefix cache (server.cache_salts)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -128,7 +129,8 @@ async def serve(options: ServeOptions, sock: socket.socket, ready: Callable[[str
         async with connect(config=options.engine, on_progress=progressed) as engine:
             model_dir = Path(options.engine.model)
             chat = ChatTemplate.from_folder(model_dir) if model_dir.is_dir() else None
-            gate.app = create_app(engine, options.model_name, chat, limits=options.limits)
+            gate.app = create_app(engine, options.model_name, chat, limits=options.limits,
+                                  cache_salt=options.cache_salt)
             host, port = sock.getsockname()[:2]
             ready(f"http://{f'[{host}]' if ':' in host else host}:{port}/v1", engine)
             await asyncio.shield(serving)
