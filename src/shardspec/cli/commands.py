@@ -181,7 +181,7 @@ async def run_status(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from shardspec import security
-    from shardspec.orchestrator.workers import worker_status
+    from shardspec.orchestrator.workers import printable, worker_status
     from shardspec.protocol.errors import RemoteError
     from shardspec.protocol.transport import check_range
 
@@ -209,9 +209,11 @@ async def run_status(args: argparse.Namespace) -> int:
         if isinstance(answer, Exception):
             failed += 1
             reason = answer.message if isinstance(answer, RemoteError) else str(answer)
-            print(json.dumps({"address": address, "error": reason}) if args.json else f"{address}: error: {reason}")
+            print(json.dumps({"address": address, "error": reason}) if args.json
+                  else printable(f"{address}: error: {reason}"))  # (the worker's text: no escape codes)
         else:
-            print(json.dumps({"address": address, **asdict(answer)}) if args.json else status_line(address, answer))
+            print(json.dumps({"address": address, **asdict(answer)}) if args.json
+                  else printable(status_line(address, answer)))
     return 1 if failed else 0
 
 
@@ -223,7 +225,8 @@ def status_line(address: str, s: Any) -> str:
     if s.loading is not None and s.loading.bytes_total:
         parts.append(f"{s.loading.bytes_done / s.loading.bytes_total:.0%} of {s.loading.bytes_total / 1e9:.2f} GB read")
     if s.model:
-        where = f"stage {s.stage} of {s.stages}" + (f", layers {s.layers[0]}-{s.layers[1] - 1}" if s.layers else "")
+        where = f"stage {s.stage} of {s.stages}" + (f", layers {s.layers[0]}-{s.layers[1] - 1}"
+                                                    if len(s.layers) == 2 else "")
         parts.append(f"{s.model} ({where}, rank {s.rank} of {s.world_size})")
     memory = f"{s.rss_bytes / 1e9:.2f} GB resident" + (f", {s.device_bytes / 1e9:.2f} GB on the device"
                                                        if s.device_bytes else "")
@@ -355,7 +358,7 @@ def _serve_options(args: argparse.Namespace) -> Any:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
     try:
         limits = HttpLimits(args.max_body_bytes, args.read_timeout, args.max_connections,
-                            args.max_logprob_entries)
+                            args.max_logprob_entries, write_timeout_s=args.write_timeout)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     return ServeOptions(

@@ -311,6 +311,7 @@ def _add_http_limit_options(serve: Any) -> None:
         DEFAULT_MAX_CONNECTIONS,
         DEFAULT_MAX_LOGPROB_ENTRIES,
         DEFAULT_READ_TIMEOUT_S,
+        DEFAULT_WRITE_TIMEOUT_S,
     )
 
     serve.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
@@ -318,6 +319,9 @@ def _add_http_limit_options(serve: Any) -> None:
     serve.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S, metavar="SECONDS",
                        help=f"a request's headers, and then its body, must arrive within this time (default "
                             f"{DEFAULT_READ_TIMEOUT_S:g}); a slower client's connection is closed")
+    serve.add_argument("--write-timeout", type=float, default=DEFAULT_WRITE_TIMEOUT_S, metavar="SECONDS",
+                       help=f"a client that stops reading its response for this long (default "
+                            f"{DEFAULT_WRITE_TIMEOUT_S:g}) is disconnected and its generation cancelled")
     serve.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
                        help=f"open connections at most (default {DEFAULT_MAX_CONNECTIONS}); beyond it requests get 503")
     serve.add_argument("--max-logprob-entries", type=int, default=DEFAULT_MAX_LOGPROB_ENTRIES, metavar="N",

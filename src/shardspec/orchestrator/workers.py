@@ -50,6 +50,7 @@ class WorkerLost(ConnectionError):
 
 
 HANDSHAKE_S = 10.0  # a connection whose peer has not completed the ZeroMQ handshake by then is dropped
+PEER_LOG_S = 1.0  # at most one log line per connection this often about what its peer sent
 
 
 class WorkerClient:
@@ -59,7 +60,8 @@ class WorkerClient:
                  server_key: bytes | None = None, heartbeat_timeout: float = transport.DEFAULT_HEARTBEAT_TIMEOUT_S,
                  on_failure: Callable[[], None] | None = None,
                  on_link: Callable[[WorkerClient, str, list], None] | None = None,
-                 on_progress: Callable[[WorkerClient, LoadProgress], None] | None = None, lease: bool = True):
+                 on_progress: Callable[[WorkerClient, LoadProgress], None] | None = None, lease: bool = True,
+                 max_reply_bytes: int | None = None):
         self.address = address
         self.on_progress = on_progress  # given the worker's load progress as it comes
         self.loading: LoadProgress | None = None  # the last progress of its load
@@ -70,12 +72,15 @@ class WorkerClient:
         self.sock = ctx.socket(zmq.DEALER)
         transport.configure(self.sock, heartbeat_timeout)
         self.sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
+        self.max_reply_bytes = max_reply_bytes
+        if max_reply_bytes is not None:  # a larger frame drops the connection before it is read into memory
+            self.sock.setsockopt(zmq.MAXMSGSIZE, max_reply_bytes)
         self.curve = keys is not None and server_key is not None
         if self.curve:
             security.make_client(self.sock, keys, server_key)
         self.monitor = self.sock.get_monitor_socket(
             zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_SUCCEEDED
         )
         self.sock.connect(address)
         self.pending: dict[int, asyncio.Future] = {}
@@ -83,6 +88,8 @@ class WorkerClient:
         self.connected = False
         self.refused_since: float | None = None  # loop time of the first refused attempt since the last connection
         self.answered = False  # a reply came: the connection (and any CURVE handshake) works
+        self.handshaken = False  # the connection's ZeroMQ handshake (CURVE's too) completed
+        self.peer_logged_at, self.peer_unlogged = -PEER_LOG_S, 0  # _log_peer's rate limit
         self.last_sent = 0.0  # loop time of the last request: the worker's lease runs from its last one
         self.failure: Exception | None = None
         self.closed = False
@@ -126,7 +133,7 @@ class WorkerClient:
             frames = await self.sock.recv_multipart(copy=False)
             if (op := _link_op(frames)) is not None:
                 if self.on_link is None:
-                    log.warning("dropped a stage-link message from %s: this engine relays none", self.address)
+                    self._log_peer(f"dropped a stage-link message from {self.address}: this engine relays none")
                 else:
                     self.on_link(self, op, frames)
                 continue
@@ -134,7 +141,7 @@ class WorkerClient:
                 reply = codec.decode(frames)
                 body = parse(REPLIES[reply.op], reply.meta)
             except Exception as exc:  # e.g. a worker of another protocol version: fail that request
-                log.error("undecodable reply from %s: %s", self.address, exc)
+                self._log_peer(f"undecodable reply from {self.address}: {exc}", logging.ERROR)
                 future = self.pending.pop(codec.peek_id(frames), None)
                 if future is not None and not future.done():
                     future.set_exception(WorkerLost(f"worker {self.address}: {exc}"))
@@ -148,7 +155,7 @@ class WorkerClient:
                 continue
             future = self.pending.pop(reply.id, None)
             if future is None:
-                log.warning("reply %d from %s matches no request", reply.id, self.address)
+                self._log_peer(f"reply {reply.id} from {self.address} matches no request")
             elif future.done():  # the caller gave up waiting (cancelled)
                 continue
             elif reply.op == "error":
@@ -160,7 +167,9 @@ class WorkerClient:
         while True:
             event = parse_monitor_message(await self.monitor.recv_multipart())
             if event["event"] == zmq.EVENT_CONNECTED:
-                self.connected, self.refused_since = True, None
+                self.connected, self.refused_since, self.handshaken = True, None, False
+            elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.handshaken = True
             elif event["event"] == zmq.EVENT_CONNECT_RETRIED and self.refused_since is None:
                 self.refused_since = asyncio.get_running_loop().time()
             elif event["event"] == zmq.EVENT_DISCONNECTED and self.connected:
@@ -168,6 +177,11 @@ class WorkerClient:
                 if self.answered:
                     self.fail(WorkerLost(f"lost the connection to worker {self.address}: it exited, or stopped "
                                          f"answering heartbeats for {self.heartbeat_timeout:g}s"))
+                elif self.handshaken:  # (its keys were taken: not a security mismatch)
+                    bound = (f", or sent a reply over {self.max_reply_bytes} bytes (is it a shardspec worker?)"
+                             if self.max_reply_bytes is not None else "")
+                    self.fail(WorkerLost(f"the connection to {self.address} dropped before it answered: the worker "
+                                         f"exited{bound}"))
                 else:  # dropped before any reply: a security mismatch
                     self.fail(WorkerLost(self._handshake_dropped()))
             elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
@@ -191,6 +205,17 @@ class WorkerClient:
                     "--server-keys does not hold the worker's public key")
         return (f"worker {self.address} closed the connection during the handshake: the worker may require "
                 "CURVE keys (give --keys and --server-keys)")
+
+    def _log_peer(self, message: str, level: int = logging.WARNING) -> None:
+        """A line about what the peer sent, at most one each PEER_LOG_S (a peer that floods bogus
+        replies must not fill the log), its control characters escaped (the text may be the peer's)."""
+        now = time.monotonic()
+        if now - self.peer_logged_at < PEER_LOG_S:
+            self.peer_unlogged += 1
+            return
+        more = f" ({self.peer_unlogged} more such lines left out)" if self.peer_unlogged else ""
+        log.log(level, "%s%s", printable(message), more)
+        self.peer_logged_at, self.peer_unlogged = now, 0
 
     async def _keep_lease(self) -> None:
         """Once the worker has answered, say hello whenever nothing else went out for KEEPALIVE_S and
@@ -225,6 +250,8 @@ class WorkerClient:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         if self.failure is None:
             self.fail(WorkerLost(f"connection to {self.address} closed"))
+        if self.peer_unlogged:
+            log.warning("%d more lines about what %s sent were left out", self.peer_unlogged, self.address)
         self.sock.disable_monitor()
         self.monitor.close(linger=0)
         self.sock.close(linger=0)
@@ -379,7 +406,7 @@ async def worker_status(address: str, keys: KeyPair | None = None, server_key: b
     """What the worker at `address` is doing (its StatusReply), without taking it over; WorkerLost
     when nothing answers (refused, a peer that is not a worker, keys refused) within `timeout`."""
     ctx = zmq.asyncio.Context()
-    client = WorkerClient(ctx, address, keys, server_key, lease=False)
+    client = WorkerClient(ctx, address, keys, server_key, lease=False, max_reply_bytes=codec.MAX_HEADER_BYTES)
     try:
         reply, _ = await _answer(client, StatusRequest(), None, asyncio.get_running_loop().time() + timeout, timeout,
                                  "status")
@@ -387,6 +414,14 @@ async def worker_status(address: str, keys: KeyPair | None = None, server_key: b
     finally:
         await client.close()
         ctx.term()
+
+
+def printable(text: str) -> str:
+    """`text` with its control and format characters escaped (`\\x1b`, `\\r`, `\\u202e`): a peer's
+    text printed to a terminal cannot move the cursor, recolour, or hide what follows it."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 async def wait_ready(client: WorkerClient, local: LocalWorkers | None, timeout: float) -> Any:

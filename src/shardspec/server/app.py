@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -35,12 +36,14 @@ from shardspec.server.jobs import Job, check_logprob_entries, request_jobs
 from shardspec.server.limits import HttpLimits
 from shardspec.server.streaming import ClientGone, EventStream, sse, until_disconnected
 from shardspec.server.tools import Tool, calls_grammar, chosen_tools, parse_tools
+from shardspec.utils import public
 
 log = logging.getLogger("shardspec.server")
 
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 PREFIX_MARGIN = 64  # tokens a cut text's prefix may have beyond the whole text's over the same words
+FILE_PATH = re.compile(r"(?<![\w.:/~-])/(?:[^\s/'\"]+/)*")  # an absolute path's folders (not a URL's)
 
 
 def _encode_without_the_gil(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -92,8 +95,9 @@ def _text_only(tokenizer: Tokenizer) -> Tokenizer:
 
 
 def _short_reason(text: str, limit: int = 200) -> str:
-    """A failure's first line, bounded: what an HTTP client is told (no log tails, no tracebacks)."""
-    line = text.strip().split("\n", 1)[0].rstrip(":").strip()
+    """A failure's first line, bounded, with no folder of this machine (an ipc:// address or a file
+    shows its name only): what an HTTP client is told (no log tails, no tracebacks, no paths)."""
+    line = FILE_PATH.sub("", public(text.strip().split("\n", 1)[0])).rstrip(":").strip()
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 

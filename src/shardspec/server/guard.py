@@ -4,7 +4,9 @@
 at most `max_body_bytes` (413, from Content-Length or while the body streams in), within
 `read_timeout_s` (408). `DeadlineH11Protocol` (uvicorn's h11 protocol) closes a connection whose
 request headers have not all arrived `read_timeout_s` after its first byte (or after the connection
-opened), which uvicorn alone never does: any byte resets its keep-alive timer.
+opened), which uvicorn alone never does: any byte resets its keep-alive timer; and one whose
+response the client has not read for `write_timeout_s` (its send buffer full all that time), which
+cancels the generation behind it: a stream nobody reads frees its sequence.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
+import socket
 from typing import Any
 
 import h11
@@ -19,7 +23,9 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from shardspec.server.api import ApiError
-from shardspec.server.limits import KEEP_ALIVE_S, MAX_HEADER_BYTES, HttpLimits
+from shardspec.server.limits import KEEP_ALIVE_S, MAX_HEADER_BYTES, SEND_BUFFER_BYTES, HttpLimits
+
+log = logging.getLogger("shardspec.server")
 
 BODILESS_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 JSON = b"application/json"
@@ -27,21 +33,27 @@ JSON = b"application/json"
 
 def uvicorn_config(app: Any, limits: HttpLimits, **options: Any) -> uvicorn.Config:
     """uvicorn's config for `app` behind the guard, with the connection limits of `limits`."""
-    return uvicorn.Config(RequestGuard(app, limits), http=functools.partial(DeadlineH11Protocol, limits.read_timeout_s),
+    http = functools.partial(DeadlineH11Protocol, limits.read_timeout_s, limits.write_timeout_s)
+    return uvicorn.Config(RequestGuard(app, limits), http=http,
                           timeout_keep_alive=KEEP_ALIVE_S, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
                           limit_concurrency=limits.max_connections, **options)
 
 
 class DeadlineH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, closing a connection whose request headers arrive too slowly (slowloris)."""
+    """uvicorn's h11 protocol, closing a connection whose request headers arrive too slowly (slowloris)
+    or whose response is not read (its writes paused: the transport's buffer over its high-water mark)."""
 
-    def __init__(self, read_timeout_s: float, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, read_timeout_s: float, write_timeout_s: float, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.read_timeout_s = read_timeout_s
+        self.write_timeout_s = write_timeout_s
         self.headers_deadline: asyncio.TimerHandle | None = None
+        self.write_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if (sock := transport.get_extra_info("socket")) is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         self._arm()
 
     def data_received(self, data: bytes) -> None:
@@ -53,7 +65,26 @@ class DeadlineH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._disarm_write()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.write_deadline is None:
+            self.write_deadline = self.loop.call_later(self.write_timeout_s, self._unread)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._disarm_write()
+
+    def _unread(self) -> None:
+        """Drop the connection (abort: close would wait for a flush that never comes); the response's
+        app sees the disconnect, and a stream's generation is cancelled."""
+        self.write_deadline = None
+        client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+        log.warning("closed the connection of %s: it did not read its response for %g s (--write-timeout)", client,
+                    self.write_timeout_s)
+        self.transport.abort()
 
     def _arm(self) -> None:
         self._disarm()
@@ -63,6 +94,11 @@ class DeadlineH11Protocol(H11Protocol):
         if self.headers_deadline is not None:
             self.headers_deadline.cancel()
             self.headers_deadline = None
+
+    def _disarm_write(self) -> None:
+        if self.write_deadline is not None:
+            self.write_deadline.cancel()
+            self.write_deadline = None
 
     def _expired(self) -> None:
         self.headers_deadline = None

@@ -10,9 +10,14 @@ from dataclasses import dataclass
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # ~4 MB of prompt text, or ~600k token ids as JSON
 DEFAULT_READ_TIMEOUT_S = 30.0
+DEFAULT_WRITE_TIMEOUT_S = 30.0
 DEFAULT_MAX_CONNECTIONS = 512  # beyond it uvicorn answers 503; keeps fds below the usual limit of 1024
 MAX_HEADER_BYTES = 16 << 10  # h11's own default, stated: a request line and headers beyond it get 400
 KEEP_ALIVE_S = 5
+# a connection's kernel send buffer (Linux doubles it): fixed, so that a client that does not read holds
+# this and the transport's 64 KiB at most (autotuning grows it to megabytes), and its writes pause soon
+# enough for --write-timeout to tell; 128 KiB in flight still streams ~1 MB/s at 100 ms round trips
+SEND_BUFFER_BYTES = 64 << 10
 # choices x tokens x (top + 1): ~60 MB of chat JSON at most (a 22 KB request asked for 10.7M, 306 MB)
 DEFAULT_MAX_LOGPROB_ENTRIES = 1_000_000
 
@@ -23,6 +28,7 @@ class HttpLimits:
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S  # for a request's headers, and again for its body
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES  # log-probabilities one response may hold
+    write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S  # a response the client does not read: how long it may stall
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
@@ -33,3 +39,5 @@ class HttpLimits:
             raise ValueError(f"--max-connections must be positive, got {self.max_connections}")
         if self.max_logprob_entries < 1:
             raise ValueError(f"--max-logprob-entries must be positive, got {self.max_logprob_entries}")
+        if not self.write_timeout_s > 0:
+            raise ValueError(f"--write-timeout must be positive, got {self.write_timeout_s}")
