@@ -215,6 +215,8 @@ def compile_checked(tokenizer: LLTokenizer, special: list[int], eos_ids: list[in
         grammar = grammar_of(constraint, tokens)
     except ConstraintError as exc:
         return {"error": str(exc)}
+    except Exception as exc:  # (llguidance's converters raise on some bad schemas and regexes)
+        return {"error": f"the constraint does not compile: {_first_line(str(exc))}"}
     started = time.process_time()
     matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
     built = time.process_time()

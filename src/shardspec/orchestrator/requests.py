@@ -86,7 +86,7 @@ class Request:
     cached_tokens: int = 0  # prompt tokens its first prefill found cached
     block_hashes: list[bytes] = field(default_factory=list)
     cache_salt: str | None = None  # it shares cached blocks and states only with requests of the same salt
-    grammar: str = ""  # structured output: the llguidance grammar its tokens match (orchestrator.grammars)
+    grammar: str = ""  # structured output: the key of the grammar its tokens match (orchestrator.grammars)
     logit_bias: list[TokenBias] = field(default_factory=list)
     min_tokens: int = 0  # its stop ids cannot end it before it has this many tokens
 

@@ -220,6 +220,8 @@ class Service:
         for job in jobs:
             job.logprobs = (body.top_logprobs or 0) if body.logprobs else None
             job.sampling["structured_output"] = constraint
+            if mode == "required":
+                job.constraint_param = "tool_choice"
             job.sampling["cache_salt"] = salt
         check_logprob_entries(jobs, self.limits.max_logprob_entries, "top_logprobs" if body.top_logprobs else
                               "logprobs")

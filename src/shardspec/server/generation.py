@@ -12,7 +12,8 @@ from typing import Protocol, TypeVar
 
 from shardspec.orchestrator.engine import ENGINE_ERRORS, Engine
 from shardspec.orchestrator.metrics import ServingMetrics
-from shardspec.orchestrator.requests import Chunk, TokenLogprob
+from shardspec.constraints import ConstraintError
+from shardspec.orchestrator.requests import Chunk, GrammarError, TokenLogprob
 from shardspec.server.api import ApiError, usage
 from shardspec.server.chat_output import partial_match
 from shardspec.server.jobs import Job
@@ -103,6 +104,9 @@ class Generation:
                         break  # a stop string: leaving the stream cancels the sequence
             self.outcome = "finished"
             metrics.request_seconds.observe(time.perf_counter() - job.arrived)
+        except (ConstraintError, GrammarError) as exc:  # (the request's constraint, refused or failed)
+            self.outcome = "error"
+            raise ApiError(400, str(exc), job.constraint_param) from None
         except ValueError as exc:
             self.outcome = "error"  # counted where the error reaches the client
             raise ApiError(400, str(exc), _param_named_in(str(exc))) from None

@@ -27,6 +27,7 @@ class Job:
     logprobs: int | None = None  # top log-probabilities per token; None: none
     echo: str | None = None  # the prompt's text, to start the choice with (completions' echo)
     include_stop: bool = False  # a matched stop string ends the text (vLLM's include_stop_str_in_output)
+    constraint_param: str = "response_format"  # the body field its structured output came from (errors name it)
     arrived: float = field(default_factory=time.perf_counter)
 
     @property
@@ -95,4 +96,5 @@ def _job(endpoint: str, body: GenerationBody, prompt_ids: list[int], param: str,
                 "skip_special_tokens": body.skip_special_tokens is not False, "logit_bias": body.token_biases(),
                 "min_tokens": body.min_tokens or 0}
     return Job(endpoint, prompt_ids, max_tokens, sampling, body.stop_strings(),
-               include_stop=bool(body.include_stop_str_in_output))
+               include_stop=bool(body.include_stop_str_in_output),
+               constraint_param="structured_outputs" if body.structured_outputs else "response_format")
