@@ -81,8 +81,9 @@ async def run(url: str, runs: int, max_tokens: int) -> None:
         await victim(http, url, model, max_tokens)  # (warm-up)
         alone = [await victim(http, url, model, max_tokens) for _ in range(runs)]
         base_first, base_gap = min(a[0] for a in alone), min(a[1] for a in alone)
-        print(f"{'case':12} {'first token (s)':>18} {'x alone':>8} {'largest gap (s)':>18} {'x alone':>8}  attack codes")
-        print(f"{'alone':12} {_span([a[0] for a in alone]):>18} {'1.0':>8} {_span([a[1] for a in alone]):>18} {'1.0':>8}")
+        print(f"{'case':12} {'first token (s)':>18} {'x alone':>8} {'largest gap (s)':>18} {'x alone':>8}  codes")
+        firsts, gaps = _span([a[0] for a in alone]), _span([a[1] for a in alone])
+        print(f"{'alone':12} {firsts:>18} {'1.0':>8} {gaps:>18} {'1.0':>8}")
         for name, bodies in attacks(model).items():
             seen, codes = [], []
             for _ in range(runs):

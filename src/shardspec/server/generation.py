@@ -10,9 +10,9 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from shardspec.constraints import ConstraintError
 from shardspec.orchestrator.engine import ENGINE_ERRORS, Engine
 from shardspec.orchestrator.metrics import ServingMetrics
-from shardspec.constraints import ConstraintError
 from shardspec.orchestrator.requests import Chunk, GrammarError, TokenLogprob
 from shardspec.server.api import ApiError, usage
 from shardspec.server.chat_output import partial_match
