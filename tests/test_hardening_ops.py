@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
@@ -72,7 +73,8 @@ def test_a_stranger_at_the_rendezvous_port_reads_no_key_of_a_tcp_group_which_sti
     secrets: list[str] = []
     token_hex = orchestrator_group.secrets.token_hex
     monkeypatch.setattr(orchestrator_group.secrets, "token_hex", lambda n: secrets.append(token_hex(n)) or secrets[-1])
-    workers = [Worker(tmp_path, f"worker{i}") for i in range(2)]
+    with ThreadPoolExecutor(2) as pool:  # (each waits for its worker to listen)
+        workers = list(pool.map(lambda i: Worker(tmp_path, f"worker{i}"), range(2)))
     dist_port = free_port()
 
     async def run() -> tuple[list[int], list[int], list[str], list[bytes]]:
