@@ -84,7 +84,7 @@ def test_a_stranger_at_the_rendezvous_port_reads_no_key_of_a_tcp_group_which_sti
             stranger = dist.TCPStore("127.0.0.1", dist_port, is_master=False, timeout=timedelta(seconds=10))
             names = stranger.list_keys()
             values = [stranger.get(name) for name in names]
-            for name in names:  # overwritten, deleted, added to: the group formed needs none of them
+            for name in names:  # overwritten, and one added under torch's own name: the group formed needs none
                 stranger.set(name, b"127.0.0.1:1")
             stranger.set("default_pg/0//cpu//rank_1", b"127.0.0.1:1")
             return before, await _tokens(engine), names, values
@@ -137,6 +137,7 @@ def test_the_503_bodies_of_health_and_completions_name_no_private_folder(server)
         deadline = time.monotonic() + 60
         while (health := httpx.get(f"{server.root}/health", timeout=30)).status_code == 200:
             assert time.monotonic() < deadline, "the server did not notice the stopped worker"
+            time.sleep(0.05)
         refused = httpx.post(f"{server.url}/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
     finally:
         os.kill(worker, signal.SIGCONT)
