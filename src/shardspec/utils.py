@@ -13,6 +13,11 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 _ADDRESS = re.compile(r"^(tcp://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):\d{1,5}|ipc://.+)$")
 
 
+def default_device() -> str:
+    """Where spawned workers run unless told: "cuda" (a GPU each) where torch sees a GPU, else "cpu"."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def parse_device(spec: str) -> torch.device:
     """'cpu', 'cuda' or 'cuda:N', checked against what this machine has."""
     if not re.fullmatch(r"cpu|cuda(:\d+)?", spec):
@@ -87,9 +92,17 @@ def parse_size(text: str) -> int:
 
 
 IPC_PATH = re.compile(r"ipc://(?:\S*/)?([^/\s]+)")
+FILE_PATH = re.compile(r"(?<![\w.:/~-])/(?:[^\s/'\"]+/)*")  # an absolute path's folders (not a URL's)
 
 
 def public(text: str) -> str:
     """`text` with each ipc:// address cut to its socket's file name: what an operator's view shows
     (no folder of this machine)."""
     return IPC_PATH.sub(r"ipc:\1", text)
+
+
+def public_reason(text: str, limit: int = 200) -> str:
+    """A failure's first line, bounded, with no folder of this machine (an ipc:// address or a file
+    shows its name only): what a client is told (no log tails, no tracebacks, no paths)."""
+    line = FILE_PATH.sub("", public(text.strip().split("\n", 1)[0])).rstrip(":").strip()
+    return line if len(line) <= limit else line[: limit - 3] + "..."

@@ -153,8 +153,8 @@ class InitRequest:
     relay: bool = False  # stage links through the orchestrator instead of worker to worker
     link_keys: list[str] = field(default_factory=list)  # CURVE: every rank's public key (Z85), for its links
     host_ranks: int = bounded(1, 4096, 1)  # ranks of the group on this worker's host (hello's hostname)
-    # the group's keys in the rendezvous store lie under this prefix (random per group: a stranger who
-    # reaches the store's port cannot name them); empty: none
+    # the group's rendezvous store is sealed with this secret (shard_worker.group.SealedStore: keys under
+    # their HMAC, values encrypted and authenticated; random per group); empty: none
     dist_secret: str = ""
     # the largest frame a stage-link inbox takes (a pass's hidden states); a peer that sends a larger
     # one is disconnected before it is read into memory. 0: no bound

@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import json
 import logging
-import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -36,14 +35,13 @@ from shardspec.server.jobs import Job, check_logprob_entries, request_jobs
 from shardspec.server.limits import HttpLimits
 from shardspec.server.streaming import ClientGone, EventStream, sse, until_disconnected
 from shardspec.server.tools import Tool, calls_grammar, chosen_tools, parse_tools
-from shardspec.utils import public
+from shardspec.utils import public_reason
 
 log = logging.getLogger("shardspec.server")
 
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 PREFIX_MARGIN = 64  # tokens a cut text's prefix may have beyond the whole text's over the same words
-FILE_PATH = re.compile(r"(?<![\w.:/~-])/(?:[^\s/'\"]+/)*")  # an absolute path's folders (not a URL's)
 
 
 def _encode_without_the_gil(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -94,13 +92,6 @@ def _text_only(tokenizer: Tokenizer) -> Tokenizer:
     return Tokenizer(HFTokenizer.from_str(json.dumps(config)))
 
 
-def _short_reason(text: str, limit: int = 200) -> str:
-    """A failure's first line, bounded, with no folder of this machine (an ipc:// address or a file
-    shows its name only): what an HTTP client is told (no log tails, no tracebacks, no paths)."""
-    line = FILE_PATH.sub("", public(text.strip().split("\n", 1)[0])).rstrip(":").strip()
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
 class Service:
     """The served model: the engine, its name, chat template and metrics, and the route logic."""
 
@@ -133,14 +124,14 @@ class Service:
         if failure is not None:
             return self.unavailable(failure)
         log.error("generation failed: %s", exc)
-        return ApiError(500, f"generation failed: {_short_reason(str(exc))}", kind="server_error")
+        return ApiError(500, f"generation failed: {public_reason(str(exc))}", kind="server_error")
 
     def unavailable(self, failure: str) -> ApiError:
         """503 with the failure's first line; its details (a worker's log tail) go to the server's log."""
         if failure != self.logged_failure:
             log.error("the model's workers are unavailable: %s", failure)
             self.logged_failure = failure
-        return ApiError(503, f"the model's workers are unavailable: {_short_reason(failure)}",
+        return ApiError(503, f"the model's workers are unavailable: {public_reason(failure)}",
                         code="workers_unavailable", kind="service_unavailable")
 
     def check(self, body: GenerationBody) -> None:

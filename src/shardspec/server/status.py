@@ -15,7 +15,7 @@ import time
 from importlib import resources
 from typing import Any
 
-from shardspec.utils import public
+from shardspec.utils import public, public_reason
 
 
 def page() -> str:
@@ -58,7 +58,7 @@ async def report(service: Any, started: float) -> dict[str, Any]:
     return {
         "model": service.name,
         "healthy": failure is None,
-        "failure": public(failure) if failure is not None else None,
+        "failure": public_reason(failure) if failure is not None else None,
         "uptime_s": round(time.monotonic() - started, 1),
         "world_size": len(ranks),
         "stages": len({r["stage"] for r in ranks}),
