@@ -134,6 +134,20 @@ def test_saved_states_are_reused_least_recently_used_first_and_never_one_a_prefi
     assert c._take_state() is not None  # now it may go
 
 
+def test_a_prefix_point_makes_the_next_prompt_that_parts_there_start_at_its_block():
+    """Two conversations share a system prompt of 300 tokens: with the point at 300 the first saves a
+    state at 288 (its block boundary) and the second starts there; without it the second finds no state
+    (the first's saves lie past where they part)."""
+    system = list(range(1000, 1300))
+    for point, hit in (([300], 288), ([], 0)):
+        c = cache()
+        first = request(system + list(range(40)))
+        first.prefix_points = point
+        run(c, first, [1, 2], 12)
+        second = request(system + list(range(50, 90)), 1)
+        assert c.admit(second, 12) and second.cached == hit
+
+
 def test_off_it_neither_hits_nor_saves():
     c = PrefixCache(BlockPool(Paging(64, BT, 4, 1 << 20, 4, True)), 4, False, True, enabled=False)
     for seq in range(2):

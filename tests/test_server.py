@@ -212,6 +212,20 @@ def test_a_repeated_chat_reports_its_cached_prompt_tokens_in_usage_and_metrics(s
     assert value["shardspec_prefix_cache_queries_total"] >= first.usage.prompt_tokens + second.prompt_tokens
 
 
+def test_a_second_conversation_with_the_same_system_prompt_starts_where_it_ends(server):
+    """The server tells the prefix cache where the system prompt's turn ends, so the first conversation
+    saves a state there: the second, which parts from the first right after it, finds at least 95 % of
+    the shared turn cached (all but what follows its last full block)."""
+    system = {"role": "system", "content": "You review Python code for a team that ships a parser. " * 17}
+    client = server.client()
+    shared = client.chat.completions.create(model=MODEL, messages=[system], max_tokens=1).usage.prompt_tokens
+    for i, question in enumerate(["def f(x): return x", "class A: pass"]):
+        usage = client.chat.completions.create(model=MODEL, messages=[system, {"role": "user", "content": question}],
+                                               max_tokens=2, temperature=0).usage
+        if i == 1:
+            assert usage.prompt_tokens_details.cached_tokens >= 0.95 * (shared - 3)  # (less the generation prompt)
+
+
 def test_response_format_json_schema_streamed_and_not_gives_json_of_the_schema_and_a_bad_one_a_400(server):
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
                                                "ok": {"type": "boolean"}},

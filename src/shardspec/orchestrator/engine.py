@@ -63,6 +63,7 @@ ENGINE_ERRORS = (EngineError, WorkerLost, RemoteError)
 
 MAX_STOP_TOKEN_IDS = 256  # a request's stop_token_ids
 MAX_LOGIT_BIAS = 1024  # a request's logit_bias entries
+MAX_PREFIX_POINTS = 8  # a request's prefix_points (each may cost a saved recurrent state)
 
 
 @dataclass
@@ -191,6 +192,7 @@ class Engine:
         logit_bias: dict[int, float] | None = None,
         min_tokens: int = 0,
         cache_salt: str | None = None,
+        prefix_points: list[int] | None = None,
     ) -> AsyncIterator[Chunk]:
         """Stream the completion of `prompt` (text, or token ids) as Chunks. `logprobs=N` adds each
         token's log-probability under the target model (raw logits: before temperature, top-k and
@@ -206,9 +208,13 @@ class Engine:
         is added to the target's (and the drafts') logits before sampling; `min_tokens` keeps the stop
         ids from ending the output before it has that many tokens. `cache_salt` (vLLM's) isolates the
         prefix cache: the request shares cached blocks and saved states only with requests of the same
-        salt (None: with every request without one), so no other tenant can tell its prompt was seen."""
+        salt (None: with every request without one), so no other tenant can tell its prompt was seen.
+        `prefix_points`: positions in the prompt where other prompts are likely to part from it (the end
+        of a system prompt, of a message): the prefix cache saves a recurrent state at the block boundary
+        at or before each, so the next prompt that shares that prefix starts there."""
         request = self._new_request(prompt, max_tokens, temperature, top_k, top_p, seed, stop_at_eos)
         request.cache_salt = _cache_salt(cache_salt)
+        request.prefix_points = _prefix_points(prefix_points or [], len(request.prompt))
         request.stop_ids += self._stop_token_ids(stop_token_ids or [])
         request.logit_bias = self._logit_bias(logit_bias or {})
         request.min_tokens = _in_wire_range("min_tokens", min_tokens, int, PrefillSpec, "min_tokens")
@@ -498,6 +504,12 @@ def _in_wire_range(name: str, value: Any, kind: type, message: type, field: str,
     if not lo <= value <= hi:
         raise ValueError(f"{what or name} must be in [{lo}, {hi}], got {value!r}")
     return kind(value)
+
+
+def _prefix_points(points: list[int], length: int) -> list[int]:
+    if len(points) > MAX_PREFIX_POINTS or not all(type(p) is int and 0 < p < length for p in points):
+        raise ValueError(f"prefix_points are at most {MAX_PREFIX_POINTS} positions inside the prompt (0, {length})")
+    return sorted(set(points))
 
 
 def _cache_salt(salt: Any) -> str | None:

@@ -180,7 +180,7 @@ class PrefixCache:
         if not request.preemptions:
             request.cached_tokens = hit.length
         if self.enabled:
-            use.saves = self._plan_saves(len(tokens), hit)
+            use.saves = self._plan_saves(len(tokens), hit, request.prefix_points)
             self.queries += len(tokens)
             self.hits += hit.length
         return True
@@ -232,13 +232,15 @@ class PrefixCache:
                 best = point
         return best
 
-    def _plan_saves(self, length: int, hit: Hit) -> list[SaveAt]:
+    def _plan_saves(self, length: int, hit: Hit, points: list[int] = ()) -> list[SaveAt]:
         """The states a prefill of `length` tokens starting at the hit saves: after the last full block
-        before its last token, and where its prompt leaves the cached blocks, when that is deeper
-        than the hit; none that are saved already, or that no saved state can be freed for."""
+        before its last token, where its prompt leaves the cached blocks, and at the block boundary at
+        or before each of the request's prefix points (where other prompts may part from it: a system
+        prompt's end), when deeper than the hit; none that are saved already, or that no saved state
+        can be freed for."""
         bt = self.block_tokens
         last = (length - 1) // bt * bt
-        positions = {last, min(len(hit.nodes) * bt, last)}
+        positions = {last, min(len(hit.nodes) * bt, last), *(min(p // bt * bt, last) for p in points)}
         saves = []
         for position in sorted(p for p in positions if p > hit.length):
             depth = position // bt

@@ -86,6 +86,7 @@ class Request:
     cached_tokens: int = 0  # prompt tokens its first prefill found cached
     block_hashes: list[bytes] = field(default_factory=list)
     cache_salt: str | None = None  # it shares cached blocks and states only with requests of the same salt
+    prefix_points: list[int] = field(default_factory=list)  # where other prompts may part from it (prefix cache)
     grammar: str = ""  # structured output: the key of the grammar its tokens match (orchestrator.grammars)
     logit_bias: list[TokenBias] = field(default_factory=list)
     min_tokens: int = 0  # its stop ids cannot end it before it has this many tokens

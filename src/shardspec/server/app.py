@@ -42,6 +42,7 @@ log = logging.getLogger("shardspec.server")
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 PREFIX_MARGIN = 64  # tokens a cut text's prefix may have beyond the whole text's over the same words
+SYSTEM_PROMPTS_KEPT = 32  # system prompts' token ids remembered (a shared one is tokenized once)
 
 
 def _encode_without_the_gil(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -103,6 +104,7 @@ class Service:
         self.limits = limits or HttpLimits()
         self.salts = salts or CacheSalts()
         self.created = int(time.time())
+        self.system_prompts: dict[str, list[int]] = {}  # a system prompt's turn, rendered -> its token ids
         self.metrics = ServingMetrics(engine.draft_tokens)
         self.logged_failure: str | None = None
         engine.observer = self.metrics
@@ -206,10 +208,13 @@ class Service:
             raise ApiError(400, str(exc), "messages") from None
         reasoning = self.thinks and prompt.marked.rfind(THINK_OPEN) > prompt.marked.rfind(THINK_CLOSE)
         constraint = self._chat_constraint(body, mode, callable_tools, reasoning)
-        jobs = request_jobs(request.url.path, body, [await self.encode(prompt, "messages")], "messages",
-                            body.max_completion_tokens or body.max_tokens, self.context)
+        ids = await self.encode(prompt, "messages")
+        jobs = request_jobs(request.url.path, body, [ids], "messages", body.max_completion_tokens or body.max_tokens,
+                            self.context)
+        points = await self._system_prompt_end(messages, body, ids)
         for job in jobs:
             job.logprobs = (body.top_logprobs or 0) if body.logprobs else None
+            job.sampling["prefix_points"] = points
             job.sampling["structured_output"] = constraint
             if mode == "required":
                 job.constraint_param = "tool_choice"
@@ -220,6 +225,24 @@ class Service:
         shape = ChatShape(self.name, lambda: ChatOutput(reasoning, self.thinks, parsed, parallel),
                           self.token_text_or_none(), reasons=self.thinks)
         return await self.respond(request, jobs, shape, body)
+
+    async def _system_prompt_end(self, messages: list[dict[str, Any]], body: ChatBody, ids: list[int]) -> list[int]:
+        """[where the system prompt's turn ends in the prompt `ids`] when the conversation has one and
+        goes on after it, else []: other conversations with the same system prompt part from this one
+        there, so the prefix cache saves a state there (Engine.generate's prefix_points)."""
+        if len(messages) < 2 or messages[0].get("role") not in ("system", "developer"):
+            return []
+        head = await asyncio.to_thread(self.chat.render_request, messages[:1], body.tools, body.chat_template_kwargs,
+                                       self.added_tokens, False)
+        text = head.unmark(head.marked)
+        head_ids = self.system_prompts.get(text)
+        if head_ids is None:
+            head_ids = await self.encode(head, "messages")
+            self.system_prompts[text] = head_ids
+            while len(self.system_prompts) > SYSTEM_PROMPTS_KEPT:
+                self.system_prompts.pop(next(iter(self.system_prompts)))
+        n = len(head_ids)
+        return [n] if 0 < n < len(ids) and ids[:n] == head_ids else []
 
     def _chat_constraint(self, body: ChatBody, mode: str, tools: list[Tool], reasoning: bool) -> dict[str, Any] | None:
         """The request's grammar: its response format, or a call of its tools when one is required;

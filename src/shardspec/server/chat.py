@@ -145,14 +145,15 @@ class ChatTemplate:
             raise ChatTemplateError(f"the model's chat template could not render the messages: {exc}") from None
 
     def render_request(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                       kwargs: dict[str, Any] | None, tokens: Collection[str]) -> ChatPrompt:
+                       kwargs: dict[str, Any] | None, tokens: Collection[str],
+                       add_generation_prompt: bool = True) -> ChatPrompt:
         """The prompt of a request's conversation, a placeholder standing in for each added token's
         text (`tokens`) in the request's strings: the messages (an assistant's aside: the model's own
         words, calls and reasoning keep their tokens), the tools and the template's kwargs. As
         transformers' split_special_tokens treats special tokens, for every added token."""
         marker = _Marker(tokens)
         messages = [m if m.get("role") == "assistant" else marker.mark(m) for m in messages]
-        marked = self.render(messages, True, marker.mark(tools), marker.mark(kwargs))
+        marked = self.render(messages, add_generation_prompt, marker.mark(tools), marker.mark(kwargs))
         return ChatPrompt(marked, marker.used)
 
     @functools.cached_property
