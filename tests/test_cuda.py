@@ -266,6 +266,45 @@ def test_greedy_at_pp_2_with_graphs_on_both_stages_of_one_gpu_equals_pp_1(dtype)
     assert staged == greedy("cuda:0", dtype, 1, mtp=True, prompts=prompts)
 
 
+@pytest.fixture(scope="module")
+def nine_b_widths_model(tmp_path_factory) -> Path:
+    """The 9B's widths (hidden 4096, MLP 12288, its attention and Gated DeltaNet heads) in 8 layers, a
+    full-attention layer in each stage's half, over a 4096-token vocabulary: 3.7 GB in bf16 with MTP."""
+    path = tmp_path_factory.mktemp("9b-widths")
+    config = nine_b_config() | {"num_hidden_layers": 8, "layer_types": tiny_config(num_hidden_layers=8)["layer_types"],
+                                "vocab_size": 4096, "eos_token_id": None}
+    write_random_checkpoint(path, config, seed=9, dtype=torch.bfloat16, keep=False)
+    return path
+
+
+GENERATE_BOUND_S = 120  # one generation of at most 64 tokens, its prefill's first kernel compiles included
+
+
+def warm_up_then_time(model: Path, pp: int, prompt: list[int]) -> list[list[int]]:
+    """bench/decode.py's batch-1 row on cuda:0: one sequence at a time (max_seqs 1: a pool of one
+    sequence's blocks and one saved state), a warm-up of 4 tokens, then 64 of the same prompt."""
+    async def run():
+        async with shardspec.connect(model=str(model), local=pp, pp=pp, device="cuda:0", mtp=True, max_seqs=1,
+                                     max_seq_len=200, cache_memory=CACHE, worker_options=kernels.settings) as e:
+            async def one(max_tokens: int) -> list[int]:
+                return [t async for chunk in e.generate(prompt, max_tokens=max_tokens, stop_at_eos=False)
+                        for t in chunk.token_ids]
+
+            return [await asyncio.wait_for(one(n), GENERATE_BOUND_S) for n in (4, 64)]
+
+    return asyncio.run(run())
+
+
+def test_pp_2_at_the_9b_widths_on_one_gpu_generates_the_pp_1_tokens_within_a_bound(nine_b_widths_model):
+    """Two stages on one GPU at the 9B's widths (bf16, CUDA graphs on both, MTP on), driven as
+    bench/decode.py drives them: each generation ends within its bound (the timed one waited forever
+    for the blocks its own prompt's cached blocks held: prefix.PrefixCache.admit) with one worker's tokens."""
+    prompt = random.Random(1).choices(range(4096), k=128)
+    staged = warm_up_then_time(nine_b_widths_model, 2, prompt)
+    assert staged[1][:4] == staged[0]
+    assert staged == warm_up_then_time(nine_b_widths_model, 1, prompt)
+
+
 def test_the_all_reduce_fused_with_the_norm_equals_all_reduce_then_norm():
     """Two GPUs, the fused kernel against NCCL's all-reduce then the add + norm kernel, bit for bit:
     eagerly at a decode's and a verify's row counts, then from a CUDA graph of 48 back-to-back calls

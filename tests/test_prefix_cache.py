@@ -134,6 +134,18 @@ def test_saved_states_are_reused_least_recently_used_first_and_never_one_a_prefi
     assert c._take_state() is not None  # now it may go
 
 
+def test_a_prompt_whose_cached_blocks_the_pool_needs_is_admitted_cold_rather_than_never():
+    """bench/decode.py at batch 1: a pool of one sequence's blocks and one saved state. A finished
+    sequence's end takes the one state from the state its prompt saved, so the same prompt again
+    reaches its cached blocks but no state; holding them, it could not get its blocks, and with
+    nothing running nothing would ever free any. It starts cold, taking them back."""
+    c, prompt = cache(blocks=7, states=1), list(range(128))
+    run(c, request(prompt), [1, 2, 3, 4], 5)
+    again = request(prompt, 1)
+    assert c.admit(again, 5)
+    assert again.cached == 0 and len(again.blocks) == 5 and c.pool.free == []
+
+
 def test_a_prefix_point_makes_the_next_prompt_that_parts_there_start_at_its_block():
     """Two conversations share a system prompt of 300 tokens: with the point at 300 the first saves a
     state at 288 (its block boundary) and the second starts there; without it the second finds no state

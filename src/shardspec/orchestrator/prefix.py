@@ -166,6 +166,11 @@ class PrefixCache:
         if hit.point is not None:
             self._use(hit.point)
         fresh = self.pool.take(needed - hit.shared)
+        if fresh is None and (hit.nodes or hit.point is not None):
+            # the hit may hold the only blocks the pool could evict for it (nothing running): start cold
+            self._drop_use(hit.nodes, hit.point)
+            hit = Hit()
+            fresh = self.pool.take(needed)
         if fresh is None:
             self._drop_use(hit.nodes, hit.point)
             self._leave(use.tenant)
