@@ -33,8 +33,8 @@ from shardspec.testing.agreement import CONFIDENT_SIGMAS, top1_agreement
 PROMPT = 16
 
 
-def load(folder: Path, dtype: torch.dtype = torch.bfloat16):
-    return load_model(folder, TPGroup(), dtype, torch.device("cuda"), with_mtp=False)
+def load(folder: Path, device: torch.device, dtype: torch.dtype = torch.bfloat16):
+    return load_model(folder, TPGroup(), dtype, device, with_mtp=False)
 
 
 def decode_logits(model, ids: torch.Tensor, span: slice, dtype: torch.dtype) -> torch.Tensor:
@@ -61,10 +61,10 @@ def report(name: str, result: dict) -> None:
           f"noise σ = {result['noise_over_logit_std']:.3f} of the logits' std", flush=True)
 
 
-def continuation(model, prompts: int, tokens: int) -> torch.Tensor:
+def continuation(model, prompts: int, tokens: int, device: torch.device) -> torch.Tensor:
     """16 random tokens per prompt and the model's greedy continuation of `tokens` tokens."""
     vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (prompts, PROMPT), generator=torch.Generator().manual_seed(0)).cuda()
+    ids = torch.randint(0, vocab, (prompts, PROMPT), generator=torch.Generator().manual_seed(0)).to(device)
     for _ in range(tokens):
         ids = torch.cat([ids, prefill_logits(model, ids, slice(-1, None)).argmax(-1)], 1)
     return ids
@@ -83,22 +83,25 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, default=Path("fp8-agreement.json"))
+    parser.add_argument("--device", default="cuda", help="the GPU to run on: cuda or cuda:N (default cuda)")
     args = parser.parse_args()
+    device = torch.device(args.device)
+    torch.cuda.set_device(device)  # (Triton launches on the current device)
     span = slice(PROMPT - 1, PROMPT - 1 + args.tokens)  # the predictions of the continuation's tokens
 
-    model = load(args.bf16)
-    ids = continuation(model, args.prompts, args.tokens)
+    model = load(args.bf16, device)
+    ids = continuation(model, args.prompts, args.tokens, device)
     bf16 = {"prefill": prefill_logits(model, ids, span), "decode": decode_logits(model, ids, span, torch.bfloat16)}
     free(model)
-    model = load(args.fp8, torch.float32)
+    model = load(args.fp8, device, torch.float32)
     exact = prefill_logits(model, ids, span)
     free(model)
-    model = load(args.fp8)
+    model = load(args.fp8, device)
     fp8 = {"prefill": prefill_logits(model, ids, span), "decode": decode_logits(model, ids, span, torch.bfloat16)}
     free(model)
 
     result = {"bf16": str(args.bf16), "fp8": str(args.fp8), "prompts": args.prompts, "tokens": args.tokens,
-              "device": torch.cuda.get_device_name(), "confident_sigmas": CONFIDENT_SIGMAS}
+              "device": torch.cuda.get_device_name(device), "confident_sigmas": CONFIDENT_SIGMAS}
     for path in ("prefill", "decode"):
         for reference_name, reference in (("exact", exact), ("bf16", bf16[path])):
             result[f"{path}_vs_{reference_name}"] = top1_agreement(fp8[path], reference)

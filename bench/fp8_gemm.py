@@ -1,6 +1,7 @@
 """The FP8 GEMMs at the 9B-class projection shapes on one GPU, against their floor and against bf16.
 
     python bench/fp8_gemm.py [--rows 1 8 32] [--prefill 2048] [--out fp8-gemm.json] [--sweep read stages]
+        [--device cuda:N]
 
 Per shape and row count, timed inside a CUDA graph: the decode kernel at the plan its rule picks
 (kernels.fp8.plan) in both modes, weight-only (bf16 activations) and W8A8 (activations rounded to
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-from gpu_timing import graph_time, row, start
+from gpu_timing import add_device, graph_time, row, start
 
 from shardspec.kernels import fp8
 from shardspec.layers.fp8 import dequantize
@@ -193,8 +194,10 @@ def main() -> None:
     parser.add_argument("--sweep", nargs="+", choices=["read", "stages"], default=[],
                         help="instead of the tables: time launch shapes of reading the weight alone (read), or "
                              "of the weight-only kernel around its rule (stages) (default: neither)")
+    add_device(parser)
     args = parser.parse_args()
-    device, bandwidth, out = start("fp8_gemm.py", ["shape", "N × K", "rows", "kernel"], after=("plan, error",))
+    device, bandwidth, out = start("fp8_gemm.py", ["shape", "N × K", "rows", "kernel"], after=("plan, error",),
+                                   device=args.device)
     fp8.prepare(device)
     out["prefill"] = []
     if args.sweep:

@@ -1,7 +1,7 @@
 """The gated delta rule kernel of a decode/verify step on one GPU, at several tile shapes, against
 its floor: the recurrent state's bytes ÷ the copy bandwidth measured in the same run.
 
-    python bench/gdn_tiles.py [--batch 1 8 32] [--out kernels.json]
+    python bench/gdn_tiles.py [--batch 1 8 32] [--out kernels.json] [--device cuda:N]
 
 The 9B-class Gated DeltaNet shape (16 key heads, 32 value heads, head dims 128), per batch size:
 a decode step (1 token; reads and writes the state), a verify pass of 4 tokens (k = 3; reads it)
@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 import torch
-from gpu_timing import graph_time, start
+from gpu_timing import add_device, graph_time, start
 
 from shardspec.kernels import gdn
 
@@ -28,8 +28,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--out", type=Path, default=Path("kernels.json"))
+    add_device(parser)
     args = parser.parse_args()
-    device, bandwidth, out = start("gdn_tiles.py", ["batch", "pass", "block_v × warps"])
+    device, bandwidth, out = start("gdn_tiles.py", ["batch", "pass", "block_v × warps"], device=args.device)
     width = 2 * HK * D + HV * D
     for batch in args.batch:
         state = torch.randn(batch + 1, HV, D, D, device=device) * 0.01

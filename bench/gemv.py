@@ -1,7 +1,7 @@
 """The bf16 decode GEMV (kernels.gemv) at the 9B-class projection shapes on one GPU, against its
 floor and against cuBLAS in the same run.
 
-    python bench/gemv.py [--rows 1 2 4 8 16 32] [--out gemv.json] [--sweep]
+    python bench/gemv.py [--rows 1 2 4 8 16 32] [--out gemv.json] [--sweep] [--device cuda:N]
 
 Per shape and row count, timed inside a CUDA graph (µs per call): cuBLAS (torch's linear) and our
 kernel at the plan its rule picks (kernels.gemv.plan), each against its floor: the weight, x and y
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import triton
 from fp8_gemm import SHAPES as FP8_SHAPES
-from gpu_timing import graph_time, row, start
+from gpu_timing import add_device, graph_time, row, start
 
 from shardspec.kernels import gemv
 
@@ -112,8 +112,10 @@ def main() -> None:
                         help="activation rows (default: 1 2 4 8 16 32)")
     parser.add_argument("--out", type=Path, default=Path("gemv.json"), help="the results as JSON (default gemv.json)")
     parser.add_argument("--sweep", action="store_true", help="instead of the table: our kernel over a grid of plans")
+    add_device(parser)
     args = parser.parse_args()
-    device, bandwidth, out = start("gemv.py", ["shape", "N × K", "rows", "kernel"], after=("plan, error",))
+    device, bandwidth, out = start("gemv.py", ["shape", "N × K", "rows", "kernel"], after=("plan, error",),
+                                   device=args.device)
     gemv.prepare(device)
     if args.sweep:
         sweep(device, bandwidth, out, args.out)

@@ -3,6 +3,7 @@ timing a function inside a CUDA graph."""
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -69,12 +70,19 @@ def graph_time(fn: Callable[[], object], calls: int = 20, samples: int = 15,
     return statistics.median(times)
 
 
-def start(script: str, columns: list[str], after: tuple[str, ...] = ()) -> tuple[torch.device, float, dict]:
-    """A GPU micro-benchmark's start: the device, its copy bandwidth (bytes/s, measured now), the
-    results dict, and the table's header printed (`after`: columns after the floor's)."""
-    if not torch.cuda.is_available():
-        sys.exit(f"bench/{script} needs a CUDA GPU")
-    device = torch.device("cuda")
+def add_device(parser: argparse.ArgumentParser) -> None:
+    """--device of a GPU micro-benchmark: the GPU it runs on."""
+    parser.add_argument("--device", default="cuda", help="the GPU to run on: cuda or cuda:N (default cuda)")
+
+
+def start(script: str, columns: list[str], after: tuple[str, ...] = (), device: str = "cuda"
+          ) -> tuple[torch.device, float, dict]:
+    """A GPU micro-benchmark's start on `device` (add_device): the device, its copy bandwidth (bytes/s,
+    measured now), the results dict, and the table's header printed (`after`: columns after the floor's)."""
+    if not torch.cuda.is_available() or torch.device(device).type != "cuda":
+        sys.exit(f"bench/{script} needs a CUDA GPU (--device cuda or cuda:N), got --device {device}")
+    device = torch.device(device)
+    torch.cuda.set_device(device)  # (Triton launches on the current device)
     bandwidth = copy_bandwidth(device)
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     header = [*columns, "µs", "floor µs", "of floor", *after]

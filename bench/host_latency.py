@@ -1,6 +1,6 @@
 """What a hand-off costs on this machine: a CUDA graph's launch, and a message between two processes.
 
-    python bench/host_latency.py [--nodes 50 200 400 800] [--bytes 16384] [--out results.json]
+    python bench/host_latency.py [--nodes 50 200 400 800] [--bytes 16384] [--out results.json] [--device cuda:N]
 
 1. Graph launch. Graphs of N small kernels, replayed: the host time of `replay()`; whether the
    device starts the graph before the call returns (a graph opening with a 1 ms sleep kernel ends
@@ -69,7 +69,7 @@ def cycles_per_ms() -> int:
 
 
 def graph_launches(nodes: list[int]) -> list[dict]:
-    x = torch.zeros(1024, device="cuda")
+    x = torch.zeros(1024, device=torch.cuda.current_device())
     per_ms = cycles_per_ms()
     rows = []
     for n in nodes:
@@ -170,9 +170,13 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, nargs="+", default=[50, 200, 400, 800])
     parser.add_argument("--bytes", type=int, default=16384)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="the GPU whose graph launches are timed, cuda or cuda:N (default cuda where there is "
+                             "one); cpu: the messages alone")
     args = parser.parse_args()
     result = {"messages": messages(args.bytes)}
-    if torch.cuda.is_available():
+    if torch.device(args.device).type == "cuda":
+        torch.cuda.set_device(torch.device(args.device))
         result["graphs"] = graph_launches(args.nodes)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

@@ -106,8 +106,12 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="victim streams per case (default 3)")
     parser.add_argument("--max-tokens", type=int, default=64, help="the victim's tokens (default 64)")
     parser.add_argument("--url", help="a running server's /v1 URL (default: start one)")
+    parser.add_argument("--device", help="the server's workers' device, cpu, cuda or cuda:N (default: serve's, the "
+                        "GPUs where there are some)")
     parser.add_argument("serve_args", nargs="*", help="after --: arguments of the `shardspec serve` started")
     args = parser.parse_args()
+    if args.device:
+        args.serve_args = ["--device", args.device, *args.serve_args]
     if args.url:
         asyncio.run(run(args.url, args.runs, args.max_tokens))
         return

@@ -1,7 +1,7 @@
 """The drafts' LM-head pass on one GPU: cuBLAS logits + argmax against the head kernel
 (shardspec.kernels.head) on the bf16 weight and on an fp8 copy, against the floor.
 
-    python bench/lm_head.py [--hidden 4096 5120] [--rows 1 2 4 8 16] [--out lm_head.json]
+    python bench/lm_head.py [--hidden 4096 5120] [--rows 1 2 4 8 16] [--out lm_head.json] [--device cuda:N]
 
 A Qwen3.5 head (vocabulary 248,320) with random weights, for each hidden size and number of rows:
 the median time of one argmax inside a CUDA graph (20 back to back per replay), and its floor, the
@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 import torch
-from gpu_timing import graph_time, start
+from gpu_timing import add_device, graph_time, start
 
 from shardspec.kernels import head
 
@@ -44,8 +44,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, nargs="+", default=[4096, 5120])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--out", type=Path, default=Path("lm_head.json"))
+    add_device(parser)
     args = parser.parse_args()
-    device, bandwidth, out = start("lm_head.py", ["hidden", "rows", "way"], ("ties", "wrong"))
+    device, bandwidth, out = start("lm_head.py", ["hidden", "rows", "way"], ("ties", "wrong"), device=args.device)
     for hidden in args.hidden:
         weight = torch.randn(VOCAB, hidden, device=device, dtype=torch.bfloat16)
         w8, scale = head.quantize_rows(weight)

@@ -1,10 +1,11 @@
 """Resident memory of each worker after `load`, at several TP degrees: a worker holds only its shard.
 
-    python bench/memory.py [--tp 1 2] [--out DIR]
+    python bench/memory.py [--tp 1 2] [--out DIR] [--device cpu]
 
 Writes a random fp32 checkpoint of about 300 MB (once), then for each TP degree spawns that many
-local CPU workers, loads it, and reads each worker's `stats`: weight bytes held, RSS and anonymous
-RSS (the part that is the process's own memory, not page cache mapped from the file).
+local workers (CPU ones unless --device says otherwise), loads it, and reads each worker's `stats`:
+weight bytes held, RSS and anonymous RSS (the part that is the process's own memory, not page cache
+mapped from the file).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ CONFIG = tiny_config(
 )
 
 
-async def measure(model: Path, tp: int) -> list:
-    async with shardspec.connect(model=str(model), local=tp, max_seqs=1, max_seq_len=64) as engine:
+async def measure(model: Path, tp: int, device: str) -> list:
+    async with shardspec.connect(model=str(model), local=tp, device=device, max_seqs=1, max_seq_len=64) as engine:
         return await engine.stats()
 
 
@@ -33,6 +34,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--out", type=Path, default=None, help="where to write the checkpoint (default: temp)")
+    parser.add_argument("--device", default="cpu",
+                        help="the workers' device, cpu, cuda or cuda:N (default cpu: resident memory of CPU workers)")
     args = parser.parse_args()
     folder = args.out or Path(tempfile.mkdtemp(prefix="shardspec-mem-"))
     if not (folder / "config.json").exists():
@@ -42,7 +45,7 @@ def main() -> None:
     print("| TP | rank | weights held (MB) | RSS (MB) | anonymous RSS (MB) |")
     print("|---|---|---|---|---|")
     for tp in args.tp:
-        for s in asyncio.run(measure(folder, tp)):
+        for s in asyncio.run(measure(folder, tp, args.device)):
             print(f"| {tp} | {s.rank} | {s.weight_bytes / 1e6:.0f} | {s.rss_bytes / 1e6:.0f} "
                   f"| {s.rss_anon_bytes / 1e6:.0f} |")
 

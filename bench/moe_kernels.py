@@ -1,6 +1,6 @@
 """The routed experts of one 35B-A3B MoE layer on one GPU: the grouped GEMM and the fused kernels.
 
-    python bench/moe_kernels.py [--tokens 1 2 4 8 16 32] [--sweep] [--out moe-kernels.json]
+    python bench/moe_kernels.py [--tokens 1 2 4 8 16 32] [--sweep] [--out moe-kernels.json] [--device cuda:N]
 
 Hidden 2048, 256 experts, top 8, width 512, bf16. For each token count, the experts' part of the
 block (layers.moe: routing excluded, the grouped backend's sorting included) timed inside a CUDA
@@ -21,7 +21,7 @@ from itertools import cycle
 from pathlib import Path
 
 import torch
-from gpu_timing import graph_time, row, start
+from gpu_timing import add_device, graph_time, row, start
 
 from shardspec.kernels import moe as kernel_moe
 from shardspec.layers.moe import EXPERT_BACKENDS, Experts, route
@@ -73,9 +73,10 @@ def main() -> None:
                         help="also the fused kernels at other tiles, warps and stages, one kernel's at a time")
     parser.add_argument("--out", type=Path, default=Path("moe-kernels.json"),
                         help="the results as JSON (default moe-kernels.json)")
+    add_device(parser)
     args = parser.parse_args()
     device, bandwidth, out = start("moe_kernels.py", ["tokens", "rows", "experts hit", "backend"],
-                                   after=("tiles, difference",))
+                                   after=("tiles, difference",), device=args.device)
     experts = Experts(EXPERTS, HIDDEN, WIDTH, TPGroup()).to(device)
     experts.gate_up_proj.data.normal_(0, HIDDEN ** -0.5)
     experts.down_proj.data.normal_(0, WIDTH ** -0.5)

@@ -1,7 +1,7 @@
 """The residual add + RMSNorm kernel (kernels.norm.rms_norm) at the 9B-class hidden size on one
 GPU, at several warp counts, against its floor and against the PyTorch ops it replaces.
 
-    python bench/norm.py [--rows 1 4 8 16 32] [--hidden 4096] [--out norm.json]
+    python bench/norm.py [--rows 1 4 8 16 32] [--hidden 4096] [--out norm.json] [--device cuda:N]
 
 Per row count, timed inside a CUDA graph (µs per call): norm(x + residual) · (1 + w) and
 x + residual, as a decoder layer calls it between two projections. The floor: x, the residual and
@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 import torch
-from gpu_timing import graph_time, row, start
+from gpu_timing import add_device, graph_time, row, start
 
 from shardspec.kernels import norm
 
@@ -37,8 +37,9 @@ def main() -> None:
                         help="rows per call (default: 1 4 8 16 32)")
     parser.add_argument("--hidden", type=int, default=4096, help="the row width (default: 4096, the 9B's)")
     parser.add_argument("--out", type=Path, default=Path("norm.json"), help="the results as JSON (default norm.json)")
+    add_device(parser)
     args = parser.parse_args()
-    device, bandwidth, out = start("norm.py", ["rows", "kernel"], after=("error",))
+    device, bandwidth, out = start("norm.py", ["rows", "kernel"], after=("error",), device=args.device)
     D, eps = args.hidden, 1e-6
     gen = torch.Generator(device=device).manual_seed(0)
     weight = torch.randn(D, device=device, generator=gen) * 0.1

@@ -1,7 +1,7 @@
 """Pipeline stages across emulated hosts: tokens/s of one worker, TP = 2 and PP = 2 over a link with
 a real one-way delay, with and without MTP, at batch 1 and 8.
 
-    sudo python bench/pipeline.py [--delay-ms 2] [--tokens 96] [--batch 1 8]
+    sudo python bench/pipeline.py [--delay-ms 2] [--tokens 96] [--batch 1 8] [--device cpu]
 
 Two hosts (tools/hosts.py: network namespaces joined by VDE wirefilter links, `--delay-ms` one way
 between them), each on a core of its own (taskset); host 0 runs the orchestrator and worker 0, host
@@ -154,6 +154,8 @@ def main() -> None:
                         help="run the rows this many times in turn (a noisy machine: compare rows of one round)")
     parser.add_argument("--mtp", nargs="+", choices=["on", "off"], default=["on", "off"],
                         help="MTP k = 3 and/or off (default both)")
+    parser.add_argument("--device", default="cpu",
+                        help="the workers' device, cpu, cuda or cuda:N (default cpu: a core per emulated host)")
     parser.add_argument("--client", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client:  # the orchestrator, run inside host 0
@@ -172,7 +174,7 @@ def main() -> None:
     with EmulatedHosts(2, args.delay_ms / 2, per_host) as hosts:  # each host's link to the switch carries half
         a, b = (f"tcp://{hosts.address(i)}:{PORT}" for i in range(2))
         workers = [hosts.popen(i, [sys.executable, "-m", "shardspec", "worker", "--listen", address, "--insecure",
-                                   "--threads", "1", "--log-level", "WARNING"])
+                                   "--device", args.device, "--threads", "1", "--log-level", "WARNING"])
                    for i, address in enumerate((a, b))]
         timelines: list[tuple[str, dict]] = []
         try:

@@ -569,9 +569,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="tokens each request generates (default 128)")
     parser.add_argument("--seed", type=int, default=0, help="the seed of the prompts' text (default 0)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write every figure to PATH as JSON")
+    parser.add_argument("--device", help="the server's workers' device, cpu, cuda or cuda:N (default: serve's, the "
+                        "GPUs where there are some)")
     parser.add_argument("serve_args", nargs="*", metavar="SERVE-ARGS",
                         help="after --: arguments for `shardspec serve`, given to every server")
     args = parser.parse_args(argv)
+    if args.device:
+        args.serve_args = ["--device", args.device, *args.serve_args]
     if NO_CACHE_FLAG in args.serve_args:
         parser.error(f"{NO_CACHE_FLAG} is not a SERVE-ARG: the trace runs with the cache on and off by itself")
     if args.sweep and any(a.startswith("--cache-memory") for a in args.serve_args):

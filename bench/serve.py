@@ -145,8 +145,12 @@ def main() -> None:
     parser.add_argument("--requests-per-client", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--url", help="a running server's base URL (.../v1); default: start one")
+    parser.add_argument("--device", help="the server's workers' device, cpu, cuda or cuda:N (default: serve's, the "
+                        "GPUs where there are some)")
     parser.add_argument("serve_args", nargs="*", help="after --: arguments for `shardspec serve`")
     args = parser.parse_args()
+    if args.device:
+        args.serve_args = ["--device", args.device, *args.serve_args]
     if args.url:
         run(args.url.rstrip("/"), args)
         return

@@ -1,9 +1,11 @@
 """Structured output's cost: tokens/s and mean acceptance length (MAL) with a JSON schema against
 without, MTP on and off, and the share of tokens the grammar forced (one token allowed).
 
-    python bench/structured.py [--model DIR] [--local 2] [--mtp both] [--requests 8] [--max-tokens 128] [--json PATH]
+    python bench/structured.py [--model DIR] [--device DEVICE] [--local N] [--mtp both] [--requests 8]
+        [--max-tokens 128] [--json PATH]
 
-One engine per MTP setting (`--local` workers, the main job's layout by default); each row runs
+One engine per MTP setting on --device (as `shardspec.connect`: the GPU where there is one), its
+`--local` workers (one GPU; on the CPU two, the main job's layout); each row runs
 --requests greedy generations one after the other (one prompt each) and reports its tokens after
 each request's first ÷ the time after the first token (decode speed: a JSON object ends sooner
 than free text, so whole-request rates would weigh prefill differently), the MAL of its MTP steps,
@@ -27,6 +29,7 @@ from llguidance import LLMatcher
 import shardspec
 from shardspec.cli import BUNDLED_MODEL
 from shardspec.constraints import grammar_of, llg_tokenizer
+from shardspec.utils import default_device
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 24}, "count": {"type": "integer", "minimum": 0},
@@ -75,7 +78,7 @@ def forced_share(model: Path, outputs: list[list[int]], vocab: int, eos: list[in
 async def main(args: argparse.Namespace) -> dict:
     results = {}
     for mtp in {"both": (True, False), "on": (True,), "off": (False,)}[args.mtp]:
-        async with shardspec.connect(model=str(args.model), local=args.local, mtp=mtp) as engine:
+        async with shardspec.connect(model=str(args.model), device=args.device, local=args.local, mtp=mtp) as engine:
             await row(engine, argparse.Namespace(requests=1, max_tokens=8), False)  # warm-up
             plain, constrained = await row(engine, args, False), await row(engine, args, True)
             vocab, eos = engine.load_info.vocab_size, list(engine.load_info.eos_token_ids)
@@ -84,7 +87,8 @@ async def main(args: argparse.Namespace) -> dict:
         share = forced_share(Path(args.model), constrained.pop("outputs"), vocab, eos)
         plain.pop("outputs")
         results["on" if mtp else "off"] = {"plain": plain, "schema": constrained, "forced_share": share}
-    print(f"{args.requests} greedy requests of up to {args.max_tokens} tokens, {args.local} local worker(s)\n")
+    print(f"{args.requests} greedy requests of up to {args.max_tokens} tokens, {args.local} local worker(s) on "
+          f"{args.device}\n")
     print("| MTP | tokens/s, no schema | tokens/s, JSON schema | ratio | MAL, no schema | MAL, schema | "
           "tokens the grammar forced |")
     print("|---|---|---|---|---|---|---|")
@@ -114,13 +118,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--model", type=Path, default=Path(BUNDLED_MODEL), help="model folder (default: the bundled "
                         "model)")
-    parser.add_argument("--local", type=int, default=2, help="local workers, TP (default 2: the main job's layout)")
+    parser.add_argument("--device", default=default_device(), help="cpu, cuda or cuda:N (default: cuda where "
+                        "there is a GPU, as shardspec.connect)")
+    parser.add_argument("--local", type=int, default=None, help="local workers, TP (default: 1 on a GPU, 2 on the "
+                        "CPU: the main job's layout)")
     parser.add_argument("--mtp", choices=["both", "on", "off"], default="both",
                         help="the engines to run: MTP on, off or both (default both)")
     parser.add_argument("--requests", type=int, default=8, help="generations per row (default 8)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per generation at most (default 128)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures to this file")
     args = parser.parse_args(argv)
+    if args.local is None:
+        args.local = 2 if args.device == "cpu" else 1
     for name in ("local", "requests", "max_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")

@@ -15,6 +15,13 @@ import pytest
 
 BENCH = Path(__file__).parents[1] / "bench"
 HELPERS = {"gpu_timing.py"}  # imported by the scripts, no command line of its own
+NO_DEVICE = {  # the scripts without --device, and why
+    "allreduce.py": "one process on each of --gpus GPUs",
+    "cpu_collectives.py": "the CPU's collectives",
+    "draft_head.py": "the fp8 draft head emulated on the CPU",
+    "plot_decode.py": "reads results",
+    "trace_gaps.py": "reads traces",
+}
 
 # one process for all scripts (each would import torch again): the way `python bench/x.py` runs a script
 RUN_ALL = """
@@ -22,16 +29,21 @@ import contextlib, io, json, runpy, sys
 bench, scripts = sys.argv[1], sys.argv[2:]
 sys.path[0] = bench
 results = {}
+devices = []  # the scripts whose help offers --device
 for script in scripts:
     sys.argv = [f"{bench}/{script}", "--help"]
+    out = io.StringIO()
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(out):
             runpy.run_path(sys.argv[0], run_name="__main__")
         results[script] = "returned without printing its help"
     except SystemExit as exc:
         results[script] = exc.code or 0
     except BaseException as exc:
         results[script] = f"{type(exc).__name__}: {exc}"
+    if "--device" in out.getvalue():
+        devices.append(script)
+results["--device"] = devices
 try:  # what bench/decode.py and bench/main_job.py import when they run
     from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM  # noqa: F401
     results["transformers"] = 0
@@ -43,7 +55,7 @@ print(json.dumps(results))
 """
 
 
-def test_every_bench_script_answers_help_and_shadows_no_library_module():
+def test_every_bench_script_answers_help_and_shadows_no_library_module_and_each_that_runs_on_a_device_takes_it():
     scripts = sorted(p.name for p in BENCH.glob("*.py") if p.name not in HELPERS)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run([sys.executable, "-c", RUN_ALL, str(BENCH), *scripts], capture_output=True, text=True,
@@ -52,6 +64,7 @@ def test_every_bench_script_answers_help_and_shadows_no_library_module():
     assert {script: results[script] for script in scripts} == dict.fromkeys(scripts, 0)
     assert results["transformers"] == 0
     assert results["cuda initialised"] is False
+    assert sorted(set(scripts) - set(results["--device"])) == sorted(NO_DEVICE)
 
 
 def run_prefix_cache_bench(tmp_path: Path, *args: str) -> dict:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from shardspec.cli import build_parser
+from shardspec.cli.commands import engine_config
 from shardspec.orchestrator.config import EngineConfig
 from shardspec.protocol.messages import LoadRequest
 
@@ -52,3 +55,13 @@ def test_the_model_defaults_to_the_bundled_one():
 
     assert EngineConfig(local=1).model == str(BUNDLED_MODEL)
     assert (BUNDLED_MODEL / "config.json").is_file()
+
+
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_spawned_workers_take_the_gpu_where_there_is_one_in_python_as_on_the_command_line(gpus, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    device = "cuda" if gpus else "cpu"
+    assert EngineConfig(model="m").device == device
+    assert engine_config(build_parser().parse_args(["generate", "hi"])).device == device
+    assert EngineConfig(model="m", device="cpu").device == "cpu"

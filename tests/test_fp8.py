@@ -263,7 +263,7 @@ def test_the_engine_checks_an_fp8_checkpoint_without_building_a_model(fp8_model,
                                                 for f in registry.families()})
     with pytest.raises(ValueError, match=r"tensor-parallel degree 2 splits .* blocks are \[1\]"):
         shardspec.EngineConfig(model=str(fp8_model), local=2, device="cuda").check_model_folder()
-    shardspec.EngineConfig(model=str(fp8_model), local=2).check_model_folder()  # CPU workers dequantise
+    shardspec.EngineConfig(model=str(fp8_model), local=2, device="cpu").check_model_folder()  # CPU workers dequantise
 
 
 def _with_quantization(tmp_path: Path, source: Path, **fields) -> Path:

@@ -44,8 +44,10 @@ def _local_defaults(args: argparse.Namespace, workers: list[str] | None) -> tupl
         return args.device or "cpu", None
     import torch
 
-    gpus = torch.cuda.device_count() if args.device in (None, "cuda") else 0
-    device = args.device or ("cuda" if gpus else "cpu")
+    from shardspec.utils import default_device
+
+    device = args.device or default_device()
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
     if args.local is not None:
         return device, args.local
     if args.pp > 1:  # one worker per stage unless --tp says more

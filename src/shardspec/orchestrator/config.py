@@ -18,7 +18,7 @@ from shardspec import security
 from shardspec.protocol import transport
 from shardspec.protocol.messages import LOOKAHEAD_MODES, InitRequest, LoadRequest, WorkerOptions
 from shardspec.security import KeyPair
-from shardspec.utils import DTYPE_CHOICES, check_address, parse_size
+from shardspec.utils import DTYPE_CHOICES, check_address, default_device, parse_size
 
 if TYPE_CHECKING:
     from shardspec.models.checkpoint import Checkpoint
@@ -55,8 +55,9 @@ class EngineConfig:
     local: int | None = None
     """How many workers to spawn on this machine (default: tp, else 1); not together with `workers`."""
 
-    device: str = "cpu"
-    """Device of spawned workers: cpu, or cuda (one GPU each)."""
+    device: str = field(default_factory=default_device)
+    """Device of spawned workers: cpu, or cuda (one GPU each); default: cuda where this machine has a GPU, else cpu
+    (as `shardspec generate` and `serve`)."""
 
     tp: int | None = None
     """Tensor-parallel degree of each stage; it must equal the worker count ÷ pp when both are given."""
