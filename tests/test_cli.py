@@ -69,6 +69,7 @@ def test_generate_rejects_bad_input_with_exit_code_2_and_no_traceback(tiny_model
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow  # (15-25 s of workers and timeouts)
 def test_generate_samples_with_the_penalties_it_is_given(tiny_model, capsys):
     """The CLI's penalties reach the sampler: its greedy output is the engine's with the same
     penalties, and differs from the output without them (negative presence and frequency penalties

@@ -182,6 +182,7 @@ def test_killing_either_rank_of_a_shared_memory_group_is_named_in_time_and_leave
     assert set(os.listdir("/dev/shm")) <= shm_before
 
 
+@pytest.mark.slow  # (15-25 s of workers and timeouts)
 def test_a_worker_that_stops_answering_is_detected_within_the_bound_and_rejoins(tiny_model, workers):
     w0, w1 = workers(2)
 
@@ -257,6 +258,7 @@ def greedy(model: Path, addresses: list[str]) -> list[int]:
     return asyncio.run(run())
 
 
+@pytest.mark.slow  # (15-25 s of workers and timeouts)
 def test_a_killed_orchestrator_leaves_idle_workers_that_the_next_one_uses(tiny_model, workers, tmp_path):
     ws = workers(2)
     addresses = [w.address for w in ws]
@@ -271,6 +273,7 @@ def test_a_killed_orchestrator_leaves_idle_workers_that_the_next_one_uses(tiny_m
     assert all(w.proc.poll() is None for w in ws)
 
 
+@pytest.mark.slow  # (15-25 s of workers and timeouts)
 def test_a_peer_stuck_mid_collective_frees_the_survivor_within_the_dist_timeout(tiny_model, workers, tmp_path):
     """The orchestrator dies while rank 1 hangs (stopped) in the middle of a step: rank 0 waits in
     a Gloo collective until the group's timeout, then notices its orchestrator is gone and goes idle."""

@@ -142,6 +142,7 @@ def test_a_checkpoint_index_cannot_name_a_file_outside_the_model_folder(tmp_path
 HANG_S = 10.0
 
 
+@pytest.mark.slow  # (15-25 s of workers and timeouts)
 def test_a_worker_hung_in_a_step_fails_the_stream_naming_it_and_the_engine_serves_again(tiny_model, spawn_worker,
                                                                                         monkeypatch):
     monkeypatch.setenv(TEST_HANG_ENV, f"4:{HANG_S}")  # its 4th step sleeps; libzmq still answers heartbeats

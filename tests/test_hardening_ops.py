@@ -154,6 +154,7 @@ def test_the_503_bodies_of_health_and_completions_name_no_private_folder(server)
 # --- a client that does not read ------------------------------------------------------------------
 
 
+@pytest.mark.slow  # (15-25 s of workers and timeouts)
 def test_a_stream_nobody_reads_is_cut_after_the_write_timeout_and_frees_its_sequence(server):
     """A raw client with a small receive buffer asks for a long stream whose first event (the echoed
     prompt's log-probabilities) fills the server's send buffers, and never reads: after --write-timeout

@@ -157,6 +157,7 @@ def test_status_of_a_keyed_worker_without_keys_is_refused_clearly_and_with_them_
     assert key not in refused.stdout + keyed.stdout + refused.stderr + keyed.stderr
 
 
+@pytest.mark.slow  # (15-25 s of workers and timeouts)
 def test_status_where_nothing_listens_is_a_clear_error_within_the_connect_grace(tmp_path):
     from shardspec.orchestrator.workers import free_port
 

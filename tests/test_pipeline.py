@@ -117,6 +117,7 @@ def test_automatic_lookahead_stops_guessing_when_its_guesses_seldom_hold(tiny_mo
     assert 0 < guessed <= every / 3, (guessed, every)
 
 
+@pytest.mark.slow  # (15-25 s of workers and timeouts)
 @pytest.mark.parametrize("stage", [0, 1])
 def test_a_killed_stage_worker_fails_the_request_in_time_and_the_engine_serves_the_same_output(tiny_model, stage):
     async def run():
@@ -168,6 +169,7 @@ def test_micro_batches_keep_two_steps_in_flight_on_the_first_stage_and_give_one_
     assert alone == 1  # one micro-batch: each step waits for the record of the one before
 
 
+@pytest.mark.slow  # (15-25 s of workers and timeouts)
 def test_a_stage_link_that_cannot_open_is_relayed_through_the_orchestrator_with_the_same_output(
         tiny_model, spawn_worker, tmp_path):
     from shardspec.protocol.errors import RemoteError
