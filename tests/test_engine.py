@@ -12,7 +12,9 @@ import torch
 from conftest import pooled
 
 import shardspec
+from shardspec.cli import BUNDLED_MODEL
 from shardspec.layers.sampling import filtered_logits
+from shardspec.orchestrator.requests import EngineError
 from shardspec.protocol.messages import SamplingParams
 
 PROMPT = [5, 17, 300, 42]
@@ -249,3 +251,23 @@ def test_a_reload_with_smaller_caches_grants_from_the_new_pools_and_an_engine_in
 
     before, after, generated = asyncio.run(run())
     assert after < before and generated == 400
+
+
+def test_a_step_loop_that_fails_fails_every_request_and_the_next_at_once():
+    """A bug in the step loop (here: building a step raises) must not leave callers waiting for ever:
+    the running request fails with what it was, and so does the next one, at once."""
+    async def run():
+        async with shardspec.connect(model=str(BUNDLED_MODEL), workers=pooled(1)) as engine:
+            def broken(*_args):
+                raise RuntimeError("a bug in the scheduler")
+
+            engine.scheduler.schedule = broken
+            with pytest.raises(EngineError, match="a bug in the scheduler"):
+                await asyncio.wait_for(collect(engine.generate("def f():", max_tokens=4)), 30)
+            with pytest.raises(EngineError, match="step loop failed"):
+                await asyncio.wait_for(collect(engine.generate("def f():", max_tokens=4)), 5)
+
+    async def collect(stream):
+        return [chunk async for chunk in stream]
+
+    asyncio.run(run())

@@ -226,6 +226,9 @@ class Engine:
         detok = Detokenizer(self.tokenizer, skip_special_tokens) if self.tokenizer else None
         if structured_output is not None:  # (last: the key it holds is released below)
             request.grammar = await self._grammar(structured_output)
+            if (failure := self.failure) is not None:  # (while it compiled)
+                self.grammars.release(request.grammar)
+                raise EngineError(failure)
         self.scheduler.add(request)
         self.wakeup.set()
         try:
@@ -318,12 +321,19 @@ class Engine:
     # --- the step loop -----------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        """The step loop; after losing a worker, reconnect and run it again."""
-        while True:
-            await self._step_loop()
-            if self.closed or not await self._recover():
-                return
-            self._use_blocks()
+        """The step loop; after losing a worker, reconnect and run it again. A bug that ends it fails
+        every request, waiting or running, with what it was (none is left waiting for ever)."""
+        try:
+            while True:
+                await self._step_loop()
+                if self.closed or not await self._recover():
+                    return
+                self._use_blocks()
+        except Exception as exc:
+            log.exception("the engine's step loop failed")
+            self.lost = f"the engine's step loop failed: {type(exc).__name__}: {exc}"
+            for request in self.scheduler.take_all():
+                request.fail(EngineError(self.lost))
 
     async def reload(self, request: LoadRequest) -> None:
         """Load again on every worker with other caches or settings (the workers keep weights they
