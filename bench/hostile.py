@@ -3,12 +3,13 @@ alone and while each attack of the hardening issue runs.
 
     python bench/hostile.py [--runs 3] [--max-tokens 64] [--url http://127.0.0.1:8000/v1 | -- SERVE-ARGS...]
 
-Without --url it starts `shardspec serve --port 0` (the bundled model on 2 local workers, plus any
-SERVE-ARGS after `--`) and stops it at the end. The victim is a streamed /v1/completions request
+Without --url it starts `shardspec serve --port 0 --max-seqs 80` (the bundled model on 2 local
+workers: room for the victim beside n = 64; plus any SERVE-ARGS after `--`) and stops it at the end. The victim is a streamed /v1/completions request
 (greedy, `ignore_eos`, --max-tokens tokens). The attacks, each started 0.2 s before the victim and
 left to end on their own (their status codes are printed):
 - compile: six `allOf` schemas of 20 string patterns at once (a compile of minutes and gigabytes);
-- n64-schema: n = 64 of a schema of 10,000 required properties (378 KB);
+- n64-schema: n = 64 of a schema of 10,000 required properties (378 KB), and n64-plain, the same
+  64 sequences without it (what 64 more sequences in every step cost the victim);
 - slow-masks: 48 requests of the regex `( {1000}){300}` (each mask 0.1-0.8 s);
 - amplify: three requests of 4,000 prompt ids with echo, logprobs 20 and n = 128 (a 306 MB answer).
 Per case: the victim's time to first token and largest gap, best and worst of --runs, and their
@@ -37,6 +38,7 @@ def attacks(model: str) -> dict[str, list[dict]]:
     return {
         "compile": [completion | {"response_format": {"type": "json_schema", "json_schema": {
             "name": f"s{i}", "schema": ALL_OF | {"title": f"t{i}"}}}} for i in range(6)],
+        "n64-plain": [completion | {"n": 64}],  # (the control: 64 more sequences in the steps, no grammar)
         "n64-schema": [completion | {"n": 64, "response_format": {"type": "json_schema", "json_schema": {
             "name": "big", "schema": PROPERTIES}}}],
         "slow-masks": [completion | {"structured_outputs": {"regex": "( {1000}){300}"}, "seed": i} for i in range(48)],
@@ -116,7 +118,7 @@ def main() -> None:
         asyncio.run(run(args.url, args.runs, args.max_tokens))
         return
     with tempfile.TemporaryDirectory() as folder:
-        proc, url = start_server(args.serve_args, Path(folder) / "serve.log")
+        proc, url = start_server(["--max-seqs", "80", *args.serve_args], Path(folder) / "serve.log")
         try:
             asyncio.run(run(url, args.runs, args.max_tokens))
         finally:

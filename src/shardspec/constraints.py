@@ -10,10 +10,13 @@ text before which the output is free (a reasoning model's "</think>").
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
+import os
 import re
 import resource
+import signal
 import sys
 import threading
 import time
@@ -246,10 +249,23 @@ def on_thread(stack_bytes: int, work: Any, *args: Any) -> Any:
     return out[0]
 
 
+def bound_this_process(memory_bytes: int) -> None:
+    """A compile process's own bounds, set as it starts (not by its parent between fork and exec,
+    which would keep the parent from spawning it with vfork: a copy of a large server's page tables,
+    on its event loop): an address-space limit, the lowest CPU priority (the workers on this host come
+    first), and SIGTERM when its parent dies."""
+    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    os.nice(19)
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # (its parent died before the line above)
+        sys.exit(1)
+
+
 def main(argv: list[str]) -> int:
-    """The compile process: argv = [tokenizer.json, vocab size, end-of-text ids as JSON]; reads
-    {"constraint", "tokens", "cpu_s"} lines, answers one line each; past `cpu_s` of CPU time on one,
-    the kernel ends it (SIGXCPU)."""
+    """The compile process: argv = [tokenizer.json, vocab size, end-of-text ids as JSON, address-space
+    bytes]; reads {"constraint", "tokens", "cpu_s"} lines, answers one line each; past `cpu_s` of CPU
+    time on one, the kernel ends it (SIGXCPU)."""
+    bound_this_process(int(argv[3]))
     tokenizer_file, vocab_size, eos_ids = Path(argv[0]), int(argv[1]), json.loads(argv[2])
     tokenizer = llg_tokenizer(tokenizer_file, vocab_size, eos_ids)
     special = special_ids(tokenizer, vocab_size, eos_ids)

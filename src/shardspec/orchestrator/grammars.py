@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import hashlib
 import json
 import logging
-import os
-import resource
 import signal
 import sys
 from collections import OrderedDict
@@ -46,6 +43,7 @@ START_TIMEOUT_S = 120.0  # a compile process reads the tokenizer before its firs
 # follows the host's load); past this many times the limit in wall time, it is stopped all the same
 WALL_TIME_FACTOR = 10
 ANSWER_LIMIT = 8 << 20  # bytes of one answer line (a grammar is at most 1 MiB of text)
+REAP_S = 5.0  # a compile process that closed its output exits within this
 
 
 @dataclass(frozen=True)
@@ -58,14 +56,6 @@ class Compiled:
     mask_s: float  # its first mask there
 
 
-def _limits(memory_bytes: int) -> None:
-    """In a compile process before it runs: an address-space limit, the lowest CPU priority (the
-    workers on this host come first), and SIGTERM when the orchestrator dies."""
-    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    os.nice(19)
-    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class CompileProcess:
     """One compile process: a JSON line in, a JSON line out."""
 
@@ -75,10 +65,10 @@ class CompileProcess:
     @classmethod
     async def start(cls, tokenizer_file: Path, vocab_size: int, eos_ids: list[int],
                     memory_bytes: int) -> CompileProcess:
-        proc = await asyncio.create_subprocess_exec(
+        proc = await asyncio.create_subprocess_exec(  # (it bounds itself: constraints.bound_this_process)
             sys.executable, "-m", "shardspec.constraints", str(tokenizer_file), str(vocab_size), json.dumps(eos_ids),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-            limit=ANSWER_LIMIT, preexec_fn=lambda: _limits(memory_bytes))
+            str(memory_bytes), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL, limit=ANSWER_LIMIT)
         process = cls(proc)
         try:
             ready = await asyncio.wait_for(proc.stdout.readline(), START_TIMEOUT_S)
@@ -103,9 +93,17 @@ class CompileProcess:
         except (ConnectionError, ValueError):  # (a pipe closed by a dead process; an answer over the limit)
             line = b""
         if not line:
-            await self.close()
+            await self.reap()
             return None
         return json.loads(line)
+
+    async def reap(self) -> None:
+        """Wait for a process that closed its output to exit (killed if it does not): its exit status
+        tells why. (Not killed first: Popen.kill polls, reaping a dead one before asyncio's watcher.)"""
+        try:
+            await asyncio.wait_for(self.proc.wait(), REAP_S)
+        except TimeoutError:
+            await self.close()
 
     @property
     def alive(self) -> bool:
