@@ -3,10 +3,10 @@ alone and while each attack of the hardening issue runs.
 
     python bench/hostile.py [--runs 3] [--max-tokens 64] [--url http://127.0.0.1:8000/v1 | -- SERVE-ARGS...]
 
-Without --url it starts `shardspec serve --port 0 --max-seqs 80` (the bundled model on 2 local
-workers: room for the victim beside n = 64; plus any SERVE-ARGS after `--`) and stops it at the end. The victim is a streamed /v1/completions request
-(greedy, `ignore_eos`, --max-tokens tokens). The attacks, each started 0.2 s before the victim and
-left to end on their own (their status codes are printed):
+Without --url it starts `shardspec serve --port 0 --max-seqs 80` (the bundled model; room for the
+victim beside n = 64; --device, and any SERVE-ARGS after `--`) and stops it at the end. The victim
+is a streamed /v1/completions request (greedy, `ignore_eos`, --max-tokens tokens). The attacks,
+each started 0.2 s before the victim and left to end on their own (their status codes are printed):
 - compile: six `allOf` schemas of 20 string patterns at once (a compile of minutes and gigabytes);
 - n64-schema: n = 64 of a schema of 10,000 required properties (378 KB), and n64-plain, the same
   64 sequences without it (what 64 more sequences in every step cost the victim);
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import httpx
-from serve import start_server, stop_server
+from serve import add_server_flags, server_args, start_server, stop_server
 
 ALL_OF = {"allOf": [{"type": "string", "pattern": f".*{chr(97 + i)}.*"} for i in range(20)]}
 PROPERTIES = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(10_000)},
@@ -107,18 +107,13 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3, help="victim streams per case (default 3)")
     parser.add_argument("--max-tokens", type=int, default=64, help="the victim's tokens (default 64)")
-    parser.add_argument("--url", help="a running server's /v1 URL (default: start one)")
-    parser.add_argument("--device", help="the server's workers' device, cpu, cuda or cuda:N (default: serve's, the "
-                        "GPUs where there are some)")
-    parser.add_argument("serve_args", nargs="*", help="after --: arguments of the `shardspec serve` started")
+    add_server_flags(parser)
     args = parser.parse_args()
-    if args.device:
-        args.serve_args = ["--device", args.device, *args.serve_args]
     if args.url:
         asyncio.run(run(args.url, args.runs, args.max_tokens))
         return
     with tempfile.TemporaryDirectory() as folder:
-        proc, url = start_server(["--max-seqs", "80", *args.serve_args], Path(folder) / "serve.log")
+        proc, url = start_server(["--max-seqs", "80", *server_args(args)], Path(folder) / "serve.log")
         try:
             asyncio.run(run(url, args.runs, args.max_tokens))
         finally:

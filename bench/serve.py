@@ -93,6 +93,20 @@ def spec_counters(url: str) -> tuple[float, float]:
     return drafts, values.get("shardspec_spec_decode_accepted_tokens_total", 0.0)
 
 
+def add_server_flags(parser: argparse.ArgumentParser) -> None:
+    """--url (a running server) or the server this script starts: --device and the serve arguments
+    after `--` (server_args)."""
+    parser.add_argument("--url", help="a running server's base URL (.../v1); default: start one")
+    parser.add_argument("--device", help="the server's workers' device, cpu, cuda or cuda:N (default: serve's, the "
+                        "GPUs where there are some)")
+    parser.add_argument("serve_args", nargs="*", help="after --: arguments for `shardspec serve`")
+
+
+def server_args(args: argparse.Namespace) -> list[str]:
+    """The arguments of the `shardspec serve` to start, from add_server_flags's."""
+    return (["--device", args.device] if args.device else []) + args.serve_args
+
+
 def start_server(serve_args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "shardspec", "serve", "--port", "0", "--host", "127.0.0.1", "--log-level", "WARNING",
            *serve_args]
@@ -144,18 +158,13 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--requests-per-client", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--url", help="a running server's base URL (.../v1); default: start one")
-    parser.add_argument("--device", help="the server's workers' device, cpu, cuda or cuda:N (default: serve's, the "
-                        "GPUs where there are some)")
-    parser.add_argument("serve_args", nargs="*", help="after --: arguments for `shardspec serve`")
+    add_server_flags(parser)
     args = parser.parse_args()
-    if args.device:
-        args.serve_args = ["--device", args.device, *args.serve_args]
     if args.url:
         run(args.url.rstrip("/"), args)
         return
     with tempfile.TemporaryDirectory(prefix="shardspec-bench-") as folder:
-        proc, url = start_server(args.serve_args, Path(folder) / "server.log")
+        proc, url = start_server(server_args(args), Path(folder) / "server.log")
         try:
             run(url, args)
         finally:

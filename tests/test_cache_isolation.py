@@ -11,6 +11,7 @@ import random
 import httpx
 import pytest
 from conftest import pooled
+from test_prefix_cache import run
 from test_server import start_server
 
 import shardspec
@@ -34,20 +35,6 @@ def request(tokens: list[int], salt: str | None, seq: int = 0) -> Request:
     r = Request(seq, list(tokens), 100, SamplingParams(), [], 0)
     r.cache_salt = salt
     return r
-
-
-def run(c: PrefixCache, r: Request, output: list[int], blocks: int) -> None:
-    """Admit `r`, reply to its prefill, stream `output` and finish it, as the scheduler does: its blocks
-    cached, its end saved."""
-    assert c.admit(r, blocks)
-    r.record(output[:1], -1, [], 0.0)
-    c.prefilled(r)
-    for token in output[1:]:
-        r.record([token], 0, [], 0.0)
-        c.advance(r)
-    r.finished = True
-    c.finish(r)
-    c.release(r)
 
 
 def hit(c: PrefixCache, tokens: list[int], salt: str | None, blocks: int = 4) -> int:
