@@ -255,7 +255,8 @@ def _add_grammar_options(parser: argparse.ArgumentParser) -> None:
                        help="compile processes at once, at the lowest CPU priority (default 2; more constraints "
                        "wait; compiled ones are remembered)")
     group.add_argument("--grammar-timeout", type=float, default=10.0, metavar="S",
-                       help="seconds a constraint may take to compile (default 10)")
+                       help="CPU seconds a constraint may take to compile (default 10; ten times that in wall "
+                       "time on a busy host)")
     group.add_argument("--grammar-memory", type=size, default="2GiB", metavar="SIZE",
                        help="address space of each compile process (default 2GiB)")
     group.add_argument("--grammar-budget", type=float, default=0.2, metavar="S",

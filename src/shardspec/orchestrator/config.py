@@ -157,7 +157,8 @@ class EngineConfig:
     can start and times its first mask; more wait). They run at the lowest CPU priority."""
 
     grammar_timeout: float = 10.0
-    """Structured output: seconds a constraint may take to compile; past them it is refused (a 400)."""
+    """Structured output: CPU seconds a constraint may take to compile (ten times that in wall time on a busy
+    host); past them it is refused (a 400)."""
 
     grammar_memory: int | str = "2GiB"
     """Structured output: the address space of each compile process (an int of bytes, or a size such as
