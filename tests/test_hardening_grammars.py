@@ -57,6 +57,18 @@ async def refused(compile_with: GrammarCompiler, constraint: dict) -> str:
     return str(caught.value)
 
 
+def refusal(constraint: dict, **overrides) -> str:
+    """Why a compiler with `overrides` refuses `constraint` (it must)."""
+    async def run() -> str:
+        grammars = compiler(**overrides)
+        try:
+            return await refused(grammars, constraint)
+        finally:
+            await grammars.close()
+
+    return asyncio.run(run())
+
+
 # --- before llguidance ---------------------------------------------------------------------------
 
 
@@ -99,27 +111,12 @@ def test_a_constraint_that_runs_the_compiler_out_of_memory_is_refused_and_the_ne
 
 @pytest.mark.slow  # (a chat server of its own, or seconds of CPU time)
 def test_a_constraint_past_its_cpu_time_limit_is_refused():
-    async def run():
-        grammars = compiler(timeout_s=1.0)
-        try:
-            why = await refused(grammars, ALL_OF_20)
-            assert "took over" in why
-        finally:
-            await grammars.close()
-
-    asyncio.run(run())
+    assert "took over" in refusal(ALL_OF_20, timeout_s=1.0)
 
 
 def test_a_constraint_whose_first_mask_is_over_the_step_budget_is_refused():
     """A 33-byte regex whose every mask takes 0.1-0.8 s: refused before it reaches a worker."""
-    async def run():
-        grammars = compiler(mask_budget_s=0.01)
-        try:
-            assert "first mask took" in await refused(grammars, {"regex": "( {1000}){300}"})
-        finally:
-            await grammars.close()
-
-    asyncio.run(run())
+    assert "first mask took" in refusal({"regex": "( {1000}){300}"}, mask_budget_s=0.01)
 
 
 def test_the_same_constraint_asked_64_times_at_once_compiles_once():

@@ -24,6 +24,7 @@ from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
@@ -173,19 +174,21 @@ def added_tokens(tokenizer_file: Path) -> frozenset[str]:
     return frozenset(t["content"] for t in added if isinstance(t, dict) and isinstance(t.get("content"), str))
 
 
-def special_ids(tokenizer: LLTokenizer, vocab_size: int, eos_ids: Collection[int]) -> list[int]:
+def special_ids(tokenizer: LLTokenizer, vocab_size: int, eos_ids: Collection[int]) -> np.ndarray:
     """The ids llguidance takes as special tokens (the added tokens) but the end of text, which its
     matchers allow, and then refuse to consume, once the grammar has stopped."""
-    return [t for t in range(vocab_size) if tokenizer.is_special_token(t) and t not in eos_ids]
+    return np.array([t for t in range(vocab_size) if tokenizer.is_special_token(t) and t not in eos_ids],
+                    dtype=np.int64)
 
 
-def allowed_mask(matcher: LLMatcher, special: list[int]) -> bytearray:
+def allowed_mask(matcher: LLMatcher, special: np.ndarray) -> bytearray:
     """The tokens the grammar allows next, a bit each (bit t of 32-bit word t // 32), with every
-    special token llguidance's mask allows but its matcher refuses taken out (a regex naming
-    "</think>" gets the token allowed by the mask, then refused)."""
+    special token (`special`: their ids, int64) llguidance's mask allows but its matcher refuses taken
+    out (a regex naming "</think>" gets the token allowed by the mask, then refused)."""
     mask = bytearray(matcher.compute_bitmask())
-    for token in special:
-        if mask[token >> 3] >> (token & 7) & 1 and matcher.validate_tokens([token]) != 1:
+    bits = np.frombuffer(mask, dtype=np.uint8)[special >> 3] >> (special & 7) & 1  # (one read of them all)
+    for token in special[bits.nonzero()[0]].tolist():
+        if matcher.validate_tokens([token]) != 1:
             mask[token >> 3] &= ~(1 << (token & 7)) & 0xFF
     return mask
 

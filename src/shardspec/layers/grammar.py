@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 from llguidance import LLMatcher  # (not llguidance.torch: it imports torch._dynamo, seconds)
 
@@ -18,7 +19,7 @@ class Constraint:
     error the matcher met ("" while none). llguidance errors are the same on every rank (its limits
     count work, not time); `spent` is this rank's own."""
 
-    def __init__(self, matcher: LLMatcher, special: list[int]):
+    def __init__(self, matcher: LLMatcher, special: np.ndarray):
         self.matcher = matcher
         self.special = special  # the special token ids: a mask's special tokens are checked one by one
         self.spent = 0.0

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 
 from shardspec.constraints import WORKER_STACK_BYTES, llg_tokenizer, parser_limits, special_ids
@@ -65,7 +66,7 @@ class GrammarStore:
         return llg_tokenizer(self.tokenizer_file, self.vocab_size, self.eos_ids)
 
     @functools.cached_property
-    def special(self) -> list[int]:
+    def special(self) -> np.ndarray:
         return special_ids(self.tokenizer, self.vocab_size, self.eos_ids)
 
     # --- the daemon's side ----------------------------------------------------------------------
