@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import itertools
 import logging
-import numbers
-import random
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -28,11 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from shardspec.constraints import added_tokens
+from shardspec.orchestrator import request_values as values
 from shardspec.orchestrator.blocks import BlockPool
-from shardspec.orchestrator.config import EngineConfig, message_range
+from shardspec.orchestrator.config import EngineConfig
 from shardspec.orchestrator.grammars import GrammarCompiler, Grammars
 from shardspec.orchestrator.group import WorkerGroup
-from shardspec.orchestrator.prefix import MAX_CACHE_SALT, PrefixCache
+from shardspec.orchestrator.prefix import PrefixCache
 from shardspec.orchestrator.requests import Chunk, EngineError, Request, StepObserver, deliver
 from shardspec.orchestrator.scheduler import ScheduledStep, Scheduler
 from shardspec.orchestrator.tokenizer import Detokenizer, Tokenizer
@@ -44,10 +42,8 @@ from shardspec.protocol.messages import (
     LoadRequest,
     PrefillSpec,
     ReleaseRequest,
-    SamplingParams,
     StatsRequest,
     StepReply,
-    TokenBias,
 )
 
 __all__ = ["Chunk", "Engine", "EngineConfig", "EngineError", "connect"]
@@ -61,9 +57,6 @@ REQUEST_ERRORS = frozenset({ErrorCode.BAD_REQUEST, ErrorCode.NOT_FOUND, ErrorCod
 ENGINE_ERRORS = (EngineError, WorkerLost, RemoteError)
 
 
-MAX_STOP_TOKEN_IDS = 256  # a request's stop_token_ids
-MAX_LOGIT_BIAS = 1024  # a request's logit_bias entries
-MAX_PREFIX_POINTS = 8  # a request's prefix_points (each may cost a saved recurrent state)
 
 
 @dataclass
@@ -213,16 +206,16 @@ class Engine:
         of a system prompt, of a message): the prefix cache saves a recurrent state at the block boundary
         at or before each, so the next prompt that shares that prefix starts there."""
         request = self._new_request(prompt, max_tokens, temperature, top_k, top_p, seed, stop_at_eos)
-        request.cache_salt = _cache_salt(cache_salt)
-        request.prefix_points = _prefix_points(prefix_points or [], len(request.prompt))
-        request.stop_ids += self._stop_token_ids(stop_token_ids or [])
-        request.logit_bias = self._logit_bias(logit_bias or {})
-        request.min_tokens = _in_wire_range("min_tokens", min_tokens, int, PrefillSpec, "min_tokens")
+        request.cache_salt = values.cache_salt(cache_salt)
+        request.prefix_points = values.prefix_points(prefix_points or [], len(request.prompt))
+        request.stop_ids += values.stop_token_ids(stop_token_ids or [], self.load_info.vocab_size)
+        request.logit_bias = values.logit_bias(logit_bias or {}, self.load_info.vocab_size)
+        request.min_tokens = values.in_wire_range("min_tokens", min_tokens, int, PrefillSpec, "min_tokens")
         if min_tokens > max_tokens:
             raise ValueError(f"min_tokens ({min_tokens}) cannot exceed max_tokens ({max_tokens})")
-        request.sampling = _penalties(request.sampling, presence_penalty, frequency_penalty, repetition_penalty)
-        request.logprobs = self._logprobs("logprobs", logprobs)
-        request.prompt_logprobs = self._logprobs("prompt_logprobs", prompt_logprobs)
+        request.sampling = values.penalties(request.sampling, presence_penalty, frequency_penalty, repetition_penalty)
+        request.logprobs = values.logprobs("logprobs", logprobs)
+        request.prompt_logprobs = values.logprobs("prompt_logprobs", prompt_logprobs)
         detok = Detokenizer(self.tokenizer, skip_special_tokens) if self.tokenizer else None
         if structured_output is not None:  # (last: the key it holds is released below)
             request.grammar = await self._grammar(structured_output)
@@ -257,35 +250,17 @@ class Engine:
                      seed: int | None, stop_at_eos: bool) -> Request:
         if (failure := self.failure) is not None:
             raise EngineError(failure)
-        ids = self._prompt_ids(prompt)
+        ids = values.prompt_ids(prompt, self.tokenizer, self.load_info.vocab_size)
         context = self.load_info.max_seq_len
-        max_tokens = _in_wire_range("max_tokens", max_tokens, int, PrefillSpec, "max_tokens")
-        _in_wire_range("prompt", len(ids), int, PrefillSpec, "length", "the prompt's length in tokens")
+        max_tokens = values.in_wire_range("max_tokens", max_tokens, int, PrefillSpec, "max_tokens")
+        values.in_wire_range("prompt", len(ids), int, PrefillSpec, "length", "the prompt's length in tokens")
         if len(ids) + max_tokens > context:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of "
                              f"{context} tokens")
-        sampling = _sampling(temperature, top_k, top_p, seed)
+        sampling = values.sampling(temperature, top_k, top_p, seed)
         stop_ids = list(self.load_info.eos_token_ids) if stop_at_eos else []
         return Request(next(self.seq_ids), ids, max_tokens, sampling, stop_ids, self.draft_tokens,
                        self.forced_acceptance)
-
-    def _stop_token_ids(self, ids: list[int]) -> list[int]:
-        vocab = self.load_info.vocab_size
-        if len(ids) > MAX_STOP_TOKEN_IDS or not all(type(t) is int and 0 <= t < vocab for t in ids):
-            raise ValueError(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids in [0, {vocab})")
-        return list(ids)
-
-    def _logit_bias(self, biases: dict[int, float]) -> list[TokenBias]:
-        vocab = self.load_info.vocab_size
-        if len(biases) > MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias has {len(biases)} entries; at most {MAX_LOGIT_BIAS}")
-        bad = [t for t in biases if type(t) is not int or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"logit_bias token ids must lie in [0, {vocab}): {bad[:8]}")
-        for token, bias in biases.items():
-            if type(bias) not in (int, float) or not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias values lie in [-100, 100]; token {token} has {bias!r:.40}")
-        return [TokenBias(token, float(bias)) for token, bias in biases.items()]
 
     async def _grammar(self, constraint: dict[str, Any]) -> str:
         """The key of a structured-output constraint's grammar, compiled and built on the last stage
@@ -293,30 +268,6 @@ class Engine:
         if self.grammars is None:
             raise ValueError("structured output needs the model folder's tokenizer.json")
         return await self.grammars.acquire(constraint, self.group.loads)
-
-    @staticmethod
-    def _logprobs(name: str, top: int | None) -> int:
-        """The wire's value for a logprobs option: -1 for None, else N inside the wire's range."""
-        if top is None:
-            return -1
-        value = _in_wire_range(name, top, int, PrefillSpec, name)
-        if value < 0:
-            raise ValueError(f"{name} must be at least 0, got {top}")
-        return value
-
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model folder has no tokenizer.json: pass token ids instead of text")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-        vocab = self.load_info.vocab_size
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if not all(type(t) is int and 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        return ids
 
     # --- the step loop -----------------------------------------------------------------------------
 
@@ -486,48 +437,6 @@ class Engine:
         if recovered:
             self.lost = None
         return recovered
-
-
-def _sampling(temperature: float, top_k: int, top_p: float, seed: int | None) -> SamplingParams:
-    """SamplingParams every rank accepts; ValueError naming the field otherwise (a value a worker
-    rejected would fail the whole step, and with it every running request)."""
-    if seed is None:
-        seed = random.getrandbits(63)
-    given = {"temperature": (temperature, float), "top_k": (top_k, int), "top_p": (top_p, float), "seed": (seed, int)}
-    values = {name: _in_wire_range(name, value, kind, SamplingParams, name) for name, (value, kind) in given.items()}
-    return SamplingParams(**values)  # its own checks (top_p, temperature near 0) name the field too
-
-
-def _penalties(sampling: SamplingParams, presence: float, frequency: float, repetition: float) -> SamplingParams:
-    """`sampling` with the penalties, each checked against the wire's range (ValueError naming it)."""
-    given = {"presence_penalty": presence, "frequency_penalty": frequency, "repetition_penalty": repetition}
-    values = {name: _in_wire_range(name, value, float, SamplingParams, name) for name, value in given.items()}
-    return dataclasses.replace(sampling, **values)
-
-
-def _in_wire_range(name: str, value: Any, kind: type, message: type, field: str, what: str | None = None) -> Any:
-    """`value` as a `kind`; ValueError naming `name` unless it is a number of that kind (an integer
-    also does for a float) inside the range that the wire accepts for `message.field`."""
-    lo, hi = message_range(message, field)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real if kind is float else numbers.Integral):
-        raise ValueError(f"{name} must be {'a number' if kind is float else 'an integer'}, got {value!r}")
-    if not lo <= value <= hi:
-        raise ValueError(f"{what or name} must be in [{lo}, {hi}], got {value!r}")
-    return kind(value)
-
-
-def _prefix_points(points: list[int], length: int) -> list[int]:
-    if len(points) > MAX_PREFIX_POINTS or not all(type(p) is int and 0 < p < length for p in points):
-        raise ValueError(f"prefix_points are at most {MAX_PREFIX_POINTS} positions inside the prompt (0, {length})")
-    return sorted(set(points))
-
-
-def _cache_salt(salt: Any) -> str | None:
-    """`salt` when it is None or a string the prefix cache takes; ValueError naming cache_salt otherwise."""
-    if salt is not None and (not isinstance(salt, str) or not 1 <= len(salt) <= MAX_CACHE_SALT):
-        raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters, "
-                         f"got {salt!r:.60}")
-    return salt
 
 
 def _agreed(replies: list[tuple]) -> StepReply:
