@@ -194,6 +194,10 @@ class SyncClient:
 
     def exchange(self, frames: list, timeout_ms: int = 20_000) -> list[bytes]:
         self.sock.send_multipart(frames)
+        return self.receive(timeout_ms)
+
+    def receive(self, timeout_ms: int = 20_000) -> list[bytes]:
+        """The next message from the worker."""
         if not self.sock.poll(timeout_ms):
             raise TimeoutError("no reply")
         return self.sock.recv_multipart()

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from shardspec.protocol import PROTOCOL_VERSION, REPLIES, REQUESTS, decode, parse, peek_id
 from shardspec.protocol.codec import DTYPES
-from shardspec.protocol.messages import MAX_STR, PrefillSpec
+from shardspec.protocol.messages import MAX_STR, LoadProgress, PrefillSpec
 
 BATCH = 10  # messages per hypothesis example
 EXAMPLES = 300  # -> 3,000 fuzzed messages
@@ -200,7 +200,7 @@ class Fuzzer:
         self.next_id = 1
 
     def exchange(self, frames: list[bytes]) -> typing.Any:
-        reply = decode(self.client.exchange(frames, timeout_ms=60_000))
+        reply = self._reply(frames)
         parse(REPLIES[reply.op], reply.meta)
         assert reply.id == peek_id(frames), (reply, frames[0])
         self.sent += 1
@@ -210,7 +210,17 @@ class Fuzzer:
     def call(self, op: str, meta: dict) -> typing.Any:
         self.next_id += 1
         header = {"v": PROTOCOL_VERSION, "op": op, "id": self.next_id, "meta": meta, "tensors": []}
-        return decode(self.client.exchange([msgpack.packb(header)], timeout_ms=60_000))
+        reply = self._reply([msgpack.packb(header)])
+        assert reply.id == self.next_id, reply
+        return reply
+
+    def _reply(self, frames: list[bytes]) -> typing.Any:
+        """The reply to `frames`, past the LoadProgress messages a fuzzed load that asked for them
+        sends before its reply (id 0: not replies, as an orchestrator reads them)."""
+        reply = decode(self.client.exchange(frames, timeout_ms=60_000))
+        while reply.op == LoadProgress.OP:
+            reply = decode(self.client.receive(timeout_ms=60_000))
+        return reply
 
     def stats(self) -> dict:
         reply = self.call("stats", {})
