@@ -98,6 +98,7 @@ def run_worker(args: argparse.Namespace) -> int:
     import torch
 
     from shardspec.shard_worker.daemon import ShardWorker
+    from shardspec.shard_worker.shard_cache import ShardCache
     from shardspec.utils import check_address, parse_device, setup_logging
 
     try:
@@ -117,8 +118,9 @@ def run_worker(args: argparse.Namespace) -> int:
         logging.getLogger("shardspec.worker").warning("INSECURE: no CURVE keys; anyone who reaches %s can use "
                                                       "this worker", args.listen)
     try:
+        cache = ShardCache(args.cache_dir, args.cache_size)
         ShardWorker(args.listen, args.device, keys, allow, args.heartbeat_timeout, args.lease,
-                    max_message_bytes, args.threads).serve_forever()
+                    max_message_bytes, args.threads, cache, args.model_dir).serve_forever()
     except Exception as exc:  # e.g. the address is in use
         print(f"shardspec worker: error: {exc}", file=sys.stderr)
         return 1

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from shardspec.option_flags import add_flags
@@ -82,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{DEFAULT_MAX_MESSAGE_BYTES / 2**20:g}: a step's prompts of "
                         f"{MAX_STEP_PROMPT_TOKENS} tokens)")
 
+    _add_cache_options(worker)
+
     status = commands.add_parser(
         "status", help="ask worker daemons what they are doing, without taking them over",
         description="Ask each worker daemon at ADDR for its state: idle, initialized, loading (how far) or loaded; "
@@ -146,8 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_model_options(parser: argparse.ArgumentParser,
                        dtype_help: str = "default auto: the checkpoint's dtype on CPU, bfloat16 on GPU") -> None:
     """Which model, on which workers, in which dtype: shared by generate and serve."""
-    parser.add_argument("--model", metavar="DIR", default=str(BUNDLED_MODEL),
-                        help="Hugging Face-style model folder (default: the bundled tiny Python-code model)")
+    parser.add_argument("--model", metavar="DIR|ORG/NAME[@REV]", default=str(BUNDLED_MODEL),
+                        help="a Hugging Face-style model folder, or a Hub id fetched with huggingface_hub (its cache, "
+                        "HF_TOKEN, HF_HUB_OFFLINE; the revision, default main, pinned to its commit): this side "
+                        "fetches config and tokenizer, each worker only the safetensors files of its layers. A path "
+                        "that exists here is a folder even where it reads as ORG/NAME; any other ORG/NAME is a Hub id. "
+                        "Workers without the model receive their tensors from "
+                        "this side (default: the bundled tiny Python-code model)")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--local", type=int, metavar="N",
                        help="spawn N workers on this machine (default: 2; on a GPU machine, one per GPU up to 2)")
@@ -207,6 +215,28 @@ def _add_model_options(parser: argparse.ArgumentParser,
                         "times, at least 30)")
     add_flags(parser, WorkerOptions, "worker options", "How the workers compute; sent to every worker when "
               "the group forms (a worker needs none of them set where it runs).")
+
+
+def _add_cache_options(worker: argparse.ArgumentParser) -> None:
+    from shardspec.shard_worker.shard_cache import DEFAULT_CACHE_SIZE, default_cache_dir
+
+    group = worker.add_argument_group(
+        "models", "A load names a model folder or a Hub id (ORG/NAME@COMMIT). The worker reads the folder at that "
+        "path on its host if there is one; else the shard cache, where an orchestrator's transfers are kept; else "
+        "it fetches from the Hugging Face Hub only the safetensors files that hold its stage (huggingface_hub: "
+        "HF_HOME, HF_TOKEN, HF_HUB_OFFLINE); where it has none of these, the orchestrator sends its stage's "
+        "tensors over this worker's socket (CURVE with keys), each checked by sha256, into the shard cache.")
+    group.add_argument("--cache-dir", type=Path, default=None, metavar="DIR",
+                       help=f"the shard cache: tensors received from orchestrators, one file per tensor named by "
+                       f"its sha256, so the next load of the same model reads them from disk; a transfer that "
+                       f"stopped resumes from what is there (default: {default_cache_dir()})")
+    group.add_argument("--cache-size", type=size, default=DEFAULT_CACHE_SIZE, metavar="SIZE",
+                       help="the most the shard cache holds, e.g. 50GiB; past it the least recently used tensors "
+                       "are deleted, and a stage larger than it fails its load (default "
+                       f"{DEFAULT_CACHE_SIZE >> 30}GiB)")
+    group.add_argument("--model-dir", type=Path, default=None, metavar="DIR",
+                       help="read model folders only under DIR; a path outside it counts as absent, so the model "
+                       "comes from the cache, the Hub or the orchestrator (default: any path an orchestrator names)")
 
 
 def _add_heartbeat_option(parser: argparse.ArgumentParser, what: str) -> None:

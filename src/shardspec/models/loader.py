@@ -87,6 +87,16 @@ def load_model(
     return model
 
 
+def stage_keys(checkpoint: Checkpoint, stage: Stage, mtp: bool) -> set[str]:
+    """The checkpoint tensors (as the files name them) that `stage` reads at any TP rank, with the
+    block scales of its FP8 weights: what a worker of that stage needs on its disk."""
+    layout = _Layout(checkpoint.files)
+    with torch.device("meta"):
+        whole = checkpoint.family.build(checkpoint.config, TPGroup(), stage, mtp, None)
+    keys = {key for reads, _ in _reads(whole, whole, layout).values() for key, _, _ in reads}
+    return keys | {fp8.scale_key(key) for key in keys if fp8.scale_key(key) in checkpoint.files}
+
+
 class _CheckpointReader:
     """Slices of a checkpoint's tensors, each file opened once (and closed with `stack`); the FP8
     weights in `dequantize` times their block scales, in `dtype`."""

@@ -22,6 +22,7 @@ from shardspec.utils import DTYPE_CHOICES, check_address, default_device, parse_
 
 if TYPE_CHECKING:
     from shardspec.models.checkpoint import Checkpoint
+    from shardspec.models.hub import HubModel
 
 FORCED_ACCEPTANCE_ENV = "SHARDSPEC_BENCHMARK_FORCED_ACCEPTANCE"
 DEFAULT_DRAFT_TOKENS = 3
@@ -46,8 +47,11 @@ class EngineConfig:
     """The model, its workers, and how the engine decodes."""
 
     model: str = str(BUNDLED_MODEL)
-    """Hugging Face-style model folder (a path-like is taken as its string). For workers given by address, the
-    path on the workers. By default the bundled tiny model."""
+    """Hugging Face-style model folder (a path-like is taken as its string), or a Hub id ORG/NAME[@REVISION]
+    (fetched with huggingface_hub: this side reads config and tokenizer, each worker only the safetensors files of
+    its layers; a path that exists is a folder). For workers given by address, a folder this side lacks is the
+    path on the workers; workers that lack a model this side has receive their tensors from it. By default the
+    bundled tiny model."""
 
     workers: list[str] | None = None
     """Addresses of running workers (tcp://HOST:PORT or ipc://PATH), in rank order; None: spawn local ones."""
@@ -168,6 +172,12 @@ class EngineConfig:
     """Structured output: seconds a sequence's grammar masks may take in one step on the workers; a sequence
     over it fails alone. A constraint whose first mask takes over a quarter of it is refused up front."""
 
+    hub_model: HubModel | None = None
+    """Set when a Hub id is resolved (check_model_folder): its commit and the local folder of its small files."""
+
+    model_key: str = ""
+    """Set when the model is resolved: what identifies its contents in the workers' shard caches ("": unknown)."""
+
     worker_options: WorkerOptions = field(default_factory=WorkerOptions)
     """How the workers compute (kernels, all-reduce, draft head, launch-ahead, ...; each field's help is in
     protocol.messages.WorkerOptions): sent to every worker when the group forms, so no worker needs them set."""
@@ -203,8 +213,13 @@ class EngineConfig:
 
     def load_request(self) -> LoadRequest:
         model_dir = Path(self.model)
+        if self.hub_model is not None:
+            model = self.hub_model.pinned
+        else:
+            model = str(model_dir.resolve()) if model_dir.exists() else self.model
         return LoadRequest(
-            model=str(model_dir.resolve()) if model_dir.exists() else self.model,
+            model=model,
+            model_key=self.model_key,
             dtype=self.dtype,
             max_seqs=self.max_seqs,
             max_seq_len=self.max_seq_len or 0,
@@ -226,7 +241,9 @@ class EngineConfig:
 
     def check_model_folder(self) -> None:
         """The folder is a model (spawned workers read it here) and has MTP weights if MTP is required;
-        its config splits as asked. From the checkpoint's config and headers: no model is built."""
+        its config splits as asked. From the checkpoint's config and headers: no model is built. A Hub id
+        is resolved first (its small files fetched; `model` becomes their folder)."""
+        self._resolve_model()
         model_dir = Path(self.model)
         if self.spawns_workers and not (model_dir / "config.json").is_file():
             raise ValueError(f"{self.model} is not a model folder (no config.json)")
@@ -236,7 +253,23 @@ class EngineConfig:
         if self.mtp and not _has_mtp(checkpoint):
             raise ValueError(f"MTP asked for, but {self.model} has no MTP weights (mtp.*); use mtp=False / --no-mtp")
         _check_split(checkpoint, self.pp, self.layer_split, self.tp_size, self.ep)
-        _check_quantization(checkpoint, self.tp_size, self.spawns_workers and self.device == "cuda")
+        if self.hub_model is None:  # (a Hub model's weights are fetched by the workers: they check them)
+            _check_quantization(checkpoint, self.tp_size, self.spawns_workers and self.device == "cuda")
+
+    def _resolve_model(self) -> None:
+        from shardspec.models import hub
+        from shardspec.models.config import ConfigError
+        from shardspec.models.shard_files import folder_key, hub_key
+
+        ref = hub.parse_ref(self.model) if self.hub_model is None else None
+        try:
+            if ref is not None:
+                self.hub_model = hub.resolve(ref)
+                self.model, self.model_key = str(self.hub_model.folder), hub_key(self.hub_model.pinned)
+            elif self.hub_model is None and (Path(self.model) / "config.json").is_file():
+                self.model_key = folder_key(_open_checkpoint(Path(self.model)))
+        except (ConfigError, OSError) as exc:
+            raise ValueError(f"{self.model}: {exc}") from None
 
     def link_frame_bytes(self) -> int:
         """The largest frame a stage link carries: one pass's hidden states in float32, at the most

@@ -29,6 +29,7 @@ import zmq.asyncio
 from shardspec.orchestrator.blocks import Paging
 from shardspec.orchestrator.config import EngineConfig
 from shardspec.orchestrator.requests import EngineError
+from shardspec.orchestrator.shard_sender import offer_shards
 from shardspec.orchestrator.workers import LocalWorkers, WorkerClient, WorkerLost, free_port, wait_ready
 from shardspec.protocol import transport
 from shardspec.protocol.errors import ErrorCode, RemoteError
@@ -136,6 +137,7 @@ class WorkerGroup:
             await self.call_all(ShutdownRequest(), timeout=GOODBYE_TIMEOUT_S)  # every rank back to idle
             await self._hello_all(hello_timeout)
             await self._init()
+        await offer_shards(self)  # workers that lack the model receive it from here
         await self.load(self.load_request)
 
     async def _hello_all(self, timeout: float) -> None:

@@ -32,6 +32,8 @@ from shardspec.protocol.errors import ErrorCode, ProtocolError
 from shardspec.protocol.messages import (
     LINKS,
     REQUESTS,
+    ChunkReply,
+    ChunkRequest,
     ErrorReply,
     GrammarReply,
     GrammarRequest,
@@ -43,6 +45,8 @@ from shardspec.protocol.messages import (
     LoadRequest,
     ReleaseReply,
     ReleaseRequest,
+    ShardsReply,
+    ShardsRequest,
     ShutdownReply,
     StatsReply,
     StatsRequest,
@@ -60,6 +64,8 @@ from shardspec.shard_worker.links import SPIN_S, LinkDropped, RelayedLinks, Stag
 from shardspec.shard_worker.loading import HeldModel, free_memory, make_runner
 from shardspec.shard_worker.profiling import StepProfiler, Timeline, hang_for_test, mark
 from shardspec.shard_worker.runner import ModelRunner, RunnerStats
+from shardspec.shard_worker.shard_cache import ShardCache
+from shardspec.shard_worker.shard_receiver import ShardReceiver
 from shardspec.utils import memory_stats, parse_device
 
 log = logging.getLogger("shardspec.worker")
@@ -74,7 +80,8 @@ class ShardWorker:
     def __init__(self, listen: str, device: str, keys: KeyPair | None = None, allow: list[bytes] | None = None,
                  heartbeat_timeout: float = transport.DEFAULT_HEARTBEAT_TIMEOUT_S,
                  lease: float = transport.DEFAULT_LEASE_S,
-                 max_message_bytes: int = transport.DEFAULT_MAX_MESSAGE_BYTES, threads: int | None = None):
+                 max_message_bytes: int = transport.DEFAULT_MAX_MESSAGE_BYTES, threads: int | None = None,
+                 cache: ShardCache | None = None, model_root: Path | None = None):
         if keys is not None and not allow:
             raise ValueError("a worker with CURVE keys needs at least one allowed client key (--allow)")
         self.listen = listen
@@ -108,7 +115,8 @@ class ShardWorker:
         self.links: StageLinks | None = None  # to the other stages, with more than one
         self.ctx: zmq.Context | None = None
         self.runner: ModelRunner | None = None
-        self.held = HeldModel(self.device)
+        self.held = HeldModel(self.device, cache, model_root)
+        self.receiver = ShardReceiver(self.held.cache, model_root)  # models an orchestrator sends (shards, chunk)
         self.steps = 0
         self.errors = 0
         self.gap_count, self.gap_total = 0, 0.0  # idle time between a step's reply and the next step
@@ -487,6 +495,7 @@ class ShardWorker:
         """Load the model (or keep the one loaded, if it is the same) and build fresh caches."""
         if self.state == "idle":
             raise ProtocolError(ErrorCode.BAD_STATE, "worker is idle; load needs an initialized worker")
+        self.receiver.finished()
         plan = self.held.plan(body, self.stage, self.stages)
         started = time.perf_counter()
         self._drop_runner()  # a load replaces every sequence and cache
@@ -500,7 +509,7 @@ class ShardWorker:
         draft_len = body.draft_tokens if plan.mtp else 0
         # with more ranks, each would decide alone when its next request is here: no launch ahead
         peek = self._peek_step if self.tp.size == 1 else None
-        self.runner = make_runner(model, self.device, body, draft_len, self.links, peek)
+        self.runner = make_runner(model, self.device, body, draft_len, self.links, peek, plan.checkpoint.folder)
         self.state = "loaded"
         self.gap_count, self.gap_total, self.steps, self.step_total_s = 0, 0.0, 0, 0.0
         load_s = time.perf_counter() - started
@@ -529,6 +538,14 @@ class ShardWorker:
             keeps_finished_state=self.runner.keeps_finished_state,
         )
         return reply, None
+
+    def _shards(self, body: ShardsRequest, tensors: dict) -> tuple[ShardsReply, None]:
+        if self.state == "idle":
+            raise ProtocolError(ErrorCode.BAD_STATE, "worker is idle; shards needs an initialized worker")
+        return self.receiver.offer(body, tensors, self.stage, self.stages), None
+
+    def _chunk(self, body: ChunkRequest, tensors: dict) -> tuple[ChunkReply, None]:
+        return self.receiver.chunk(body, tensors), None
 
     def _drop_runner(self) -> None:
         self.profiler.close()

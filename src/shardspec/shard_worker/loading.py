@@ -25,6 +25,8 @@ from shardspec.protocol.messages import LoadProgress, LoadRequest
 from shardspec.shard_worker.decoder import Decoder, Peek
 from shardspec.shard_worker.links import StageLinks
 from shardspec.shard_worker.runner import ModelRunner
+from shardspec.shard_worker.shard_cache import ShardCache
+from shardspec.shard_worker.sources import ModelSource, open_source
 from shardspec.shard_worker.stage import ForwardingStage
 from shardspec.utils import resolve_dtype
 
@@ -41,13 +43,16 @@ class LoadPlan:
     dtype: torch.dtype
     stage: Stage
     mtp: bool  # whether the model drafts with its MTP module
+    source: ModelSource | None = None  # where the checkpoint is: its folder, the shard cache or the Hub
 
 
 class HeldModel:
     """The weights a worker holds, kept when the next load asks for the same ones."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, cache: ShardCache | None = None, model_root: Path | None = None):
         self.device = device
+        self.cache = cache or ShardCache()  # what orchestrators sent (shard_receiver)
+        self.model_root = model_root  # model folders are read only under it (None: anywhere)
         self.model: CausalLM | None = None
         self.key: tuple | None = None  # (path, dtype, stage, expert groups) of the loaded weights
         self.mtp = False  # whether they include the MTP module (on the last stage)
@@ -60,7 +65,9 @@ class HeldModel:
         """What a load request asks this rank for, read from the checkpoint's config before anything
         loaded is let go (a bad folder leaves the worker as it was)."""
         try:
-            checkpoint = Checkpoint.open(body.model)
+            source = open_source(body.model, body.model_key, self.cache, self.model_root, stage_index, stages,
+                                 body.mtp, body.layer_split)
+            checkpoint = source.checkpoint
         except (ConfigError, OSError) as exc:
             raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
         try:
@@ -72,13 +79,13 @@ class HeldModel:
             mtp = body.mtp == "on" or (body.mtp == "auto" and checkpoint.has_mtp)
         except (ConfigError, OSError) as exc:
             raise ProtocolError(ErrorCode.NOT_FOUND, str(exc)) from None
-        return LoadPlan(checkpoint, dtype, stage, mtp)
+        return LoadPlan(checkpoint, dtype, stage, mtp, source)
 
     def load(self, body: LoadRequest, plan: LoadPlan, tp: TPGroup,
              report: Callable[[LoadProgress], None] = lambda _: None) -> CausalLM:
         """The model of `plan`: the one held if it has the same weights, else read (`report`: told
         after each tensor how far the read is)."""
-        key = (body.model, plan.dtype, plan.stage, body.expert_parallel)
+        key = (body.model, body.model_key, plan.dtype, plan.stage, body.expert_parallel)
         if self.model is not None and self.key == key and (self.mtp or not plan.mtp):
             log.info("keeping the loaded weights of %s; new caches", body.model)
         else:
@@ -103,6 +110,8 @@ class HeldModel:
                 log.info("loaded %d/%d tensors (%.0f of %.0f MB)", done, total, done_bytes / 1e6, total_bytes / 1e6)
 
         try:
+            if plan.source is not None:
+                plan.source.fetch(plan.stage, plan.mtp, report)
             return load_model(plan.checkpoint, tp, plan.dtype, self.device, with_mtp=plan.mtp, progress=progress,
                               stage=plan.stage, expert_parallel=body.expert_parallel)
         except (ConfigError, OSError) as exc:
@@ -110,7 +119,7 @@ class HeldModel:
 
 
 def make_runner(model: CausalLM, device: torch.device, body: LoadRequest, draft_len: int, links: StageLinks | None,
-                peek: Peek | None) -> ModelRunner:
+                peek: Peek | None, folder: Path | None = None) -> ModelRunner:
     """The runner of the model's pipeline role: the last stage decodes (a single stage is one), an
     earlier one forwards. `peek` (the next request while a pass runs) lets a single stage launch ahead."""
     forced = body.forced_acceptance if body.forced_acceptance >= 0 else None
@@ -122,7 +131,7 @@ def make_runner(model: CausalLM, device: torch.device, body: LoadRequest, draft_
                   prefix_cache=body.prefix_cache)
     try:
         if model.stage.last:
-            tokenizer = Path(body.model) / "tokenizer.json"
+            tokenizer = Path(folder or body.model) / "tokenizer.json"
             return Decoder(model, device, body.max_seqs, max_seq_len, body.prefill_chunk, draft_len, peek=peek,
                            launch_ahead=kernels.settings.launch_ahead,
                            tokenizer_file=tokenizer if tokenizer.is_file() else None,
