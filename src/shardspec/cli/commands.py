@@ -283,7 +283,8 @@ async def run_generate(args: argparse.Namespace) -> int:
                 display.close()
                 info, world_size = engine.load_info, config.world_size
                 weights = info.weight_bytes * world_size / 1e6
-                progress(f"ready: {world_size} workers{collectives_note(engine)}, {weights:.0f} MB of {info.dtype} "
+                progress(f"ready{model_note(engine)}: {world_size} workers{collectives_note(engine)}, "
+                         f"{weights:.0f} MB of {info.dtype} "
                          f"weights, MTP drafts per step: {info.draft_tokens or 'off'}; {cache_line(engine)}")
                 async for chunk in engine.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -372,6 +373,12 @@ def _serve_options(args: argparse.Namespace) -> Any:
     )
 
 
+def model_note(engine: Any) -> str:
+    """A Hub model's revision, pinned to its commit, for the ready lines ("" for a folder)."""
+    hub_model = engine.config.hub_model
+    return f" ({hub_model.pinned})" if hub_model is not None else ""
+
+
 def collectives_note(engine: Any) -> str:
     """How the TP groups' collectives go, for the ready lines ("" without tensor parallelism)."""
     path = engine.group.collectives
@@ -392,7 +399,8 @@ def _serving_line(name: str, loaded: Any) -> Any:
     def ready(url: str, engine: Any) -> None:
         loaded()
         info = engine.load_info
-        progress(f"serving {name} at {url} ({engine.config.world_size} workers{collectives_note(engine)}, "
+        progress(f"serving {name}{model_note(engine)} at {url} ({engine.config.world_size} workers"
+                 f"{collectives_note(engine)}, "
                  f"{info.dtype}, MTP drafts per step: {info.draft_tokens or 'off'}; {cache_line(engine)})")
 
     return ready
