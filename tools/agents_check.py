@@ -1,7 +1,7 @@
 """Agent frameworks users know, unchanged, against `shardspec serve`.
 
-    pip install langchain-openai openai-agents
-    python tools/agents_check.py [--model DIR] [--url URL]
+    pip install langchain-openai openai-agents anthropic
+    python tools/agents_check.py [--model DIR] [--url URL] [--only CHECK]
 
 Without --url it writes a random-weight checkpoint with a Qwen3.5-style chat template
 (shardspec.testing.chat_model) to a temporary folder, serves it on one local worker with MTP, runs
@@ -13,7 +13,12 @@ maxLength: a random model would not end a free one within max_tokens.)
   openai         structured output (a Pydantic model through `beta.chat.completions.parse`), and a
                  tool loop: a forced call, the tool's result sent back as role "tool", a reply
   langchain      `ChatOpenAI.with_structured_output(Model)` and `bind_tools` with a tool loop
-  openai-agents  an `Agent` with a `function_tool` that its first turn must call (Chat Completions)
+  openai-agents  the SDK's default model class (OpenAIResponsesModel, /v1/responses): an `Agent` with a
+                 `function_tool` that its first turn must call and an output type (structured output
+                 through text.format) that its last turn answers in
+  openai-agents-chat  the same agent's tool loop on OpenAIChatCompletionsModel (/v1/chat/completions)
+  anthropic      the `anthropic` client's tool loop (/v1/messages): a forced tool_use, its tool_result
+                 sent back, a reply
 
 Each check prints one line, OK or FAIL with the reason; the exit status is the number of failures.
 """
@@ -109,12 +114,12 @@ def check_langchain(url: str, model: str) -> str:
     return f"structured {weather!r}; called {call['name']}({call['args']}); then {len(final.content)} characters"
 
 
-def check_openai_agents(url: str, model: str) -> str:
-    import openai
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+def recorded_weather_tool(calls: list[tuple[str, int]]):
+    """The weather function as an openai-agents tool that records its calls; tracing off (its traces
+    would go to OpenAI's servers)."""
+    from agents import function_tool, set_tracing_disabled
 
     set_tracing_disabled(True)
-    calls = []
 
     @function_tool
     def weather(city: City, days: Days) -> str:
@@ -122,6 +127,37 @@ def check_openai_agents(url: str, model: str) -> str:
         calls.append((city, days))
         return get_weather(city, days)
 
+    return weather
+
+
+def check_openai_agents(url: str, model: str) -> str:
+    import openai
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner
+    from openai.types.shared import Reasoning
+
+    calls: list[tuple[str, int]] = []
+    weather = recorded_weather_tool(calls)
+    client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0)
+    # the first turn must call (tool_choice; the SDK resets it after a call), the last answers in the output
+    # type, whose grammar ends the text; reasoning effort "none" turns the template's thinking off
+    settings = ModelSettings(tool_choice="weather", parallel_tool_calls=False, max_tokens=120,
+                             reasoning=Reasoning(effort="none"))
+    agent = Agent(name="forecaster", instructions="Answer with the weather tool.", tools=[weather],
+                  output_type=Weather, model=OpenAIResponsesModel(model=model, openai_client=client),
+                  model_settings=settings)
+    result = asyncio.run(Runner.run(agent, "What is the weather in Lima?", max_turns=4))
+    assert calls, "the agent never called its tool"
+    assert isinstance(result.final_output, Weather), result.final_output
+    return f"the tool ran with {calls[0]}; the final output is {result.final_output!r} after " \
+           f"{len(result.raw_responses)} responses"
+
+
+def check_openai_agents_chat(url: str, model: str) -> str:
+    import openai
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner
+
+    calls: list[tuple[str, int]] = []
+    weather = recorded_weather_tool(calls)
     client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0)
     agent = Agent(name="forecaster", instructions="Answer with the weather tool.", tools=[weather],
                   model=OpenAIChatCompletionsModel(model=model, openai_client=client),
@@ -131,8 +167,29 @@ def check_openai_agents(url: str, model: str) -> str:
     return f"the tool ran with {calls[0]}; the run ended after {len(result.raw_responses)} model calls"
 
 
+def check_anthropic(url: str, model: str) -> str:
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=url.removesuffix("/v1"), api_key="unused", max_retries=0)
+    tool = {"name": "get_weather", "description": "The weather in a city for the next days.",
+            "input_schema": WEATHER_TOOL["function"]["parameters"]}
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.messages.create(model=model, max_tokens=80, messages=messages, tools=[tool],
+                                   tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},  # noqa: E501
+                                   thinking={"type": "disabled"})
+    assert first.stop_reason == "tool_use", first
+    use = next(block for block in first.content if block.type == "tool_use")
+    messages += [{"role": "assistant", "content": [block.model_dump() for block in first.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                               "content": get_weather(**use.input)}]}]
+    final = client.messages.create(model=model, max_tokens=16, messages=messages, tools=[tool],
+                                   thinking={"type": "disabled"})
+    return f"called {use.name}({use.input}); then {final.stop_reason!r} after the tool's result"
+
+
 CHECKS: dict[str, Callable[[str, str], str]] = {
-    "openai": check_openai, "langchain": check_langchain, "openai-agents": check_openai_agents}
+    "openai": check_openai, "langchain": check_langchain, "openai-agents": check_openai_agents,
+    "openai-agents-chat": check_openai_agents_chat, "anthropic": check_anthropic}
 
 
 # --- the server -------------------------------------------------------------------------------------

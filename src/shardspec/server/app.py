@@ -13,8 +13,9 @@ import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -33,13 +34,16 @@ from shardspec.server.chat_output import THINK_CLOSE, THINK_OPEN, ChatOutput
 from shardspec.server.generation import Choices, Event, Generation
 from shardspec.server.jobs import Job, check_logprob_entries, request_jobs
 from shardspec.server.limits import HttpLimits
-from shardspec.server.streaming import ClientGone, EventStream, sse, until_disconnected
+from shardspec.server.messages import Messages
+from shardspec.server.responses import Responses
+from shardspec.server.streaming import ClientGone, EventStream, sse
+from shardspec.server.tokenize import Tokenize
 from shardspec.server.tools import Tool, calls_grammar, chosen_tools, parse_tools
 from shardspec.utils import public_reason
 
 log = logging.getLogger("shardspec.server")
 
-GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 PREFIX_MARGIN = 64  # tokens a cut text's prefix may have beyond the whole text's over the same words
 SYSTEM_PROMPTS_KEPT = 32  # system prompts' token ids remembered (a shared one is tokenized once)
@@ -93,6 +97,14 @@ def _text_only(tokenizer: Tokenizer) -> Tokenizer:
     return Tokenizer(HFTokenizer.from_str(json.dumps(config)))
 
 
+@dataclass
+class ChatJobs:
+    """A chat request's jobs, and `output()`: a fresh split of one choice's text (server.chat_output)."""
+
+    jobs: list[Job]
+    output: Callable[[], ChatOutput]
+
+
 class Service:
     """The served model: the engine, its name, chat template and metrics, and the route logic."""
 
@@ -137,13 +149,16 @@ class Service:
                         code="workers_unavailable", kind="service_unavailable")
 
     def check(self, body: GenerationBody) -> None:
-        if body.model is not None and body.model != self.name:
-            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {self.name!r}",
-                           "model", "model_not_found")
+        self.check_model(body.model)
         if (unsupported := body.unsupported()) is not None:
             raise ApiError(400, unsupported[1], unsupported[0])
         if (failure := self.engine.failure) is not None:
             raise self.unavailable(failure)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.name!r}",
+                           "model", "model_not_found")
 
     def token_text(self, param: str):
         """A token id's text (what logprobs and echo name tokens by); 400 naming `param` without a tokenizer."""
@@ -189,30 +204,46 @@ class Service:
         return await self.respond(request, jobs, Shape(self.name, self.token_text_or_none()), body)
 
     async def chat_completions(self, request: Request) -> Response:
+        arrived = time.perf_counter()
         body = parse_body(await request.body(), ChatBody)
-        self.check(body)
-        salt = self.salts.salt(request.headers.get("authorization"), body.cache_salt)
+        run = await self.chat_jobs(request.url.path, body, request.headers.get("authorization"), arrived)
+        shape = ChatShape(self.name, run.output, self.token_text_or_none(), reasons=self.thinks)
+        return await self.respond(request, run.jobs, shape, body)
+
+    async def chat_prompt(self, body: ChatBody, add_generation_prompt: bool = True) -> tuple[list[dict[str, Any]],
+                                                                                              ChatPrompt]:
+        """A chat body's messages as the template takes them, and its rendered prompt."""
         if self.chat is None:
             raise ApiError(400, "this model has no chat template (tokenizer_config.json): use /v1/completions",
                            "messages")
-        tools = parse_tools(body.tools) if body.tools else []
-        mode, callable_tools = chosen_tools(body.tool_choice, tools)
-        if tools and not self.chat.writes_tool_calls:
+        if body.tools and not self.chat.writes_tool_calls:
             raise ApiError(400, "this model's chat template does not write tool calls in the format this server "
                            "parses (Qwen3.5's <tool_call><function=...> blocks)", "tools")
         messages = [m.for_template(i) for i, m in enumerate(body.messages)]
         try:  # in a thread, like tokenizing: a template may take long over many messages
             prompt = await asyncio.to_thread(self.chat.render_request, messages, body.tools, body.chat_template_kwargs,
-                                             self.added_tokens)
+                                             self.added_tokens, add_generation_prompt)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), "messages") from None
+        return messages, prompt
+
+    async def chat_jobs(self, endpoint: str, body: ChatBody, authorization: str | None, arrived: float) -> ChatJobs:
+        """A chat body's checked jobs, and how their text splits into reasoning, content and calls: what
+        every chat-shaped API (chat completions, responses, messages) runs; `arrived`: when the request
+        did (time.perf_counter)."""
+        self.check(body)
+        salt = self.salts.salt(authorization, body.cache_salt)
+        tools = parse_tools(body.tools) if body.tools else []
+        mode, callable_tools = chosen_tools(body.tool_choice, tools)
+        messages, prompt = await self.chat_prompt(body)
         reasoning = self.thinks and prompt.marked.rfind(THINK_OPEN) > prompt.marked.rfind(THINK_CLOSE)
         constraint = self._chat_constraint(body, mode, callable_tools, reasoning)
         ids = await self.encode(prompt, "messages")
-        jobs = request_jobs(request.url.path, body, [ids], "messages", body.max_completion_tokens or body.max_tokens,
+        jobs = request_jobs(endpoint, body, [ids], "messages", body.max_completion_tokens or body.max_tokens,
                             self.context)
         points = await self._system_prompt_end(messages, body, ids)
         for job in jobs:
+            job.arrived = arrived
             job.logprobs = (body.top_logprobs or 0) if body.logprobs else None
             job.sampling["prefix_points"] = points
             job.sampling["structured_output"] = constraint
@@ -222,9 +253,7 @@ class Service:
         check_logprob_entries(jobs, self.limits.max_logprob_entries, "top_logprobs" if body.top_logprobs else
                               "logprobs")
         parsed, parallel = (tools if mode != "none" else None), body.parallel_tool_calls is not False
-        shape = ChatShape(self.name, lambda: ChatOutput(reasoning, self.thinks, parsed, parallel),
-                          self.token_text_or_none(), reasons=self.thinks)
-        return await self.respond(request, jobs, shape, body)
+        return ChatJobs(jobs, lambda: ChatOutput(reasoning, self.thinks, parsed, parallel))
 
     async def _system_prompt_end(self, messages: list[dict[str, Any]], body: ChatBody, ids: list[int]) -> list[int]:
         """[where the system prompt's turn ends in the prompt `ids`] when the conversation has one and
@@ -260,16 +289,12 @@ class Service:
     async def respond(self, request: Request, jobs: list[Job], shape: Shape, body: GenerationBody) -> Response:
         choices = Choices([Generation(self, job) for job in jobs])
         try:
-            if not body.stream:
-                events = await until_disconnected(request, choices.collect())
-                return await asyncio.to_thread(_whole_response, shape, choices, events)  # (off the loop: logprobs)
-            first = await until_disconnected(request, choices.first())  # errors before any token: a status
+            events = await choices.begin(request, bool(body.stream))
         except ClientGone:
-            await choices.aclose()
             return Response(status_code=499)
-        except ApiError:
-            await choices.aclose()
-            raise
+        if not body.stream:
+            return await asyncio.to_thread(_whole_response, shape, choices, events)  # (off the loop: logprobs)
+        first = events
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return EventStream(self._stream(shape, first, choices, include_usage))
 
@@ -355,6 +380,14 @@ def create_app(engine: Engine, name: str, chat: ChatTemplate | None,
     _add_error_handlers(app, service)
     app.add_api_route("/v1/completions", service.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", service.chat_completions, methods=["POST"])
+    responses, messages, tokenize = Responses(service), Messages(service), Tokenize(service)
+    app.add_api_route("/v1/responses", responses.create, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"])
+    app.add_api_route("/v1/messages", messages.create, methods=["POST"])
+    app.add_api_route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"])
+    app.add_api_route("/tokenize", tokenize.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", tokenize.detokenize, methods=["POST"])
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

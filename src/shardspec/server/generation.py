@@ -10,6 +10,8 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from fastapi import Request
+
 from shardspec.constraints import ConstraintError
 from shardspec.orchestrator.engine import ENGINE_ERRORS, Engine
 from shardspec.orchestrator.metrics import ServingMetrics
@@ -17,6 +19,7 @@ from shardspec.orchestrator.requests import Chunk, GrammarError, TokenLogprob
 from shardspec.server.api import ApiError, usage
 from shardspec.server.chat_output import partial_match
 from shardspec.server.jobs import Job
+from shardspec.server.streaming import ClientGone, until_disconnected
 
 
 class Service(Protocol):
@@ -50,13 +53,14 @@ class StopText:
         self.stops = stops
         self.include = include  # the matched stop string ends the text
         self.pending = ""
+        self.matched: str | None = None  # the stop string that ended the text
 
     def feed(self, text: str) -> tuple[str, bool]:
         """(text safe to emit, whether a stop string matched)."""
         self.pending += text
-        hits = [(i, len(stop)) for stop in self.stops if (i := self.pending.find(stop)) >= 0]
+        hits = [(i, len(stop), stop) for stop in self.stops if (i := self.pending.find(stop)) >= 0]
         if hits:
-            at, length = min(hits)
+            at, length, self.matched = min(hits)
             out, self.pending = self.pending[: at + length * self.include], ""
             return out, True
         cut = len(self.pending) - max((partial_match(self.pending, stop) for stop in self.stops), default=0)
@@ -77,6 +81,7 @@ class Generation:
         self.completion_tokens = 0
         self.cached_tokens = 0  # of its prompt, found in the prefix cache
         self.finish_reason: str | None = None
+        self.stop_string: str | None = None  # the stop string that ended the choice, if one did
         self.outcome = "cancelled"
         self.echoed = False  # the prompt's text has been sent (echo)
 
@@ -97,7 +102,7 @@ class Generation:
                         self.cached_tokens = chunk.cached_tokens
                     text, stopped = stops.feed(chunk.text)
                     finish = "stop" if stopped else chunk.finish_reason
-                    self.finish_reason = finish
+                    self.finish_reason, self.stop_string = finish, stops.matched
                     text = text if stopped or finish is None else text + stops.flush()
                     yield self._event(chunk, text, finish)
                     if finish is not None:
@@ -162,6 +167,16 @@ class Choices:
 
     async def collect(self) -> list[Event]:
         return await _all([g.collect() for g in self.generations])
+
+    async def begin(self, request: Request, stream: bool) -> list[Event]:
+        """Every choice whole or, `stream`, its first event (the engine's errors before any token are a
+        status then), awaited while the client stays; on an error or a disconnect (ClientGone) the
+        choices are closed and it is raised."""
+        try:
+            return await until_disconnected(request, self.first() if stream else self.collect())
+        except (ClientGone, ApiError):
+            await self.aclose()
+            raise
 
     async def first(self) -> list[Event]:
         """Every choice's first event (the engine's errors before any token surface here)."""

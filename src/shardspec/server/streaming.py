@@ -34,8 +34,10 @@ class EventStream(StreamingResponse):
             await self.events.aclose()  # type: ignore[attr-defined]
 
 
-def sse(data: dict[str, Any] | str) -> bytes:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n".encode()
+def sse(data: dict[str, Any] | str, event: str | None = None) -> bytes:
+    """One server-sent event; `event` names its type (as the Responses and Messages APIs do)."""
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
