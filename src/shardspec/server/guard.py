@@ -24,6 +24,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from shardspec.server.api import ApiError
 from shardspec.server.limits import KEEP_ALIVE_S, MAX_HEADER_BYTES, SEND_BUFFER_BYTES, HttpLimits
+from shardspec.server.messages import anthropic_error
 
 log = logging.getLogger("shardspec.server")
 
@@ -123,11 +124,11 @@ class RequestGuard:
             async with asyncio.timeout(self.limits.read_timeout_s):
                 body = await self._read_body(receive)
         except ApiError as exc:
-            await _refuse(send, exc)
+            await _refuse(send, exc, scope["path"])
             return
         except TimeoutError:
             timeout = self.limits.read_timeout_s
-            await _refuse(send, ApiError(408, f"the request body did not arrive within {timeout:g} s"))
+            await _refuse(send, ApiError(408, f"the request body did not arrive within {timeout:g} s"), scope["path"])
             return
         if body is None:
             return  # the client left
@@ -176,8 +177,11 @@ def _replay(body: bytes, receive: Any) -> Any:
     return replayed
 
 
-async def _refuse(send: Any, error: ApiError) -> None:
-    """The error object, and the connection closed: the rest of the body is not read."""
+async def _refuse(send: Any, error: ApiError, path: str) -> None:
+    """The error object (in Anthropic's shape on its API's routes), and the connection closed: the rest
+    of the body is not read."""
+    if path.startswith("/v1/messages"):
+        error = anthropic_error(error)
     payload = json.dumps(error.body()).encode()
     await send({"type": "http.response.start", "status": error.status,
                 "headers": [(b"content-type", JSON), (b"content-length", str(len(payload)).encode()),

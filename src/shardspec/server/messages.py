@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from shardspec.server.api import MAX_CHAT_MESSAGES, ApiError, ChatBody, parse_body
 from shardspec.server.streaming import ClientGone, EventStream, sse
@@ -24,7 +24,7 @@ from shardspec.server.turns import CALL, REASONING, Block, BlockEvent, ChatExtra
 
 # a chat body's params as this API names them (errors raised on the chat path name these)
 NAMES = {r"messages(\[\d+\]\S*)?": "messages", r"tools\[(\d+)\]\.function\.parameters": r"tools[\1].input_schema",
-         r"tools\[(\d+)\]\.function": r"tools[\1]", "stop": "stop_sequences"}
+         r"tools\[(\d+)\]\.function": r"tools[\1]", "stop": "stop_sequences", "response_format": "output_config.format"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
@@ -68,11 +68,19 @@ class Conversation(ChatExtras):
         return ("mcp_servers", "MCP servers are not supported") if self.mcp_servers else None
 
 
+class OutputConfig(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    format: dict[str, Any] | None = None  # {"type": "json_schema", "schema": ...}: structured output
+    effort: str | None = None  # (accepted: not graded here)
+
+
 class MessagesBody(Conversation):
     """A Messages request: max_tokens is required, as Anthropic requires it. Sampling values are
     checked where chat completions checks them."""
 
     max_tokens: int = Field(ge=1)
+    output_config: OutputConfig | None = None
+    cache_control: dict[str, Any] | None = None  # (a hint: the prefix cache works without it)
     stop_sequences: list[str] | None = None
     stream: bool | None = False
     temperature: Any = None
@@ -86,7 +94,11 @@ class MessagesBody(Conversation):
     def chat_fields(self) -> dict[str, Any]:
         sampling = {"max_tokens": self.max_tokens, "stop": self.stop_sequences, "temperature": self.temperature,
                     "top_p": self.top_p, "top_k": self.top_k}
-        return super().chat_fields() | sampling
+        fields = super().chat_fields() | sampling
+        # the format is the final text's: a turn that must call has none
+        fields["response_format"] = None if fields["tool_choice"] not in (None, "auto", "none") else \
+            _response_format(self.output_config.format if self.output_config else None)
+        return fields
 
     def unsupported(self) -> tuple[str, str] | None:
         checks = [("container", self.container is not None, "containers are not supported"),
@@ -126,6 +138,8 @@ class Messages:
         body = parse_body(await request.body(), MessagesBody)
         run = await self.service.chat_jobs(request.url.path, chat_body(body), _authorization(request), arrived)
         turn = Turn(self.service, run.jobs[0], run.output())
+        if turn.generation.job.constraint_param == "response_format":
+            turn.generation.job.constraint_param = "output_config.format"
         try:
             first = await turn.begin(request, bool(body.stream))
         except ClientGone:
@@ -167,12 +181,20 @@ def _tool_choice(choice: dict[str, Any] | None) -> tuple[str | dict[str, Any] | 
                    '"name": ...}', "tool_choice")
 
 
+def _response_format(spec: dict[str, Any] | None) -> dict[str, Any] | None:
+    if spec is None:
+        return None
+    if spec.get("type") != "json_schema" or not isinstance(spec.get("schema"), dict):
+        raise ApiError(400, 'output_config.format is {"type": "json_schema", "schema": {...}}', "output_config.format")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": spec["schema"]}}
+
+
 def _thinking(thinking: dict[str, Any] | None) -> bool | None:
-    """The template's thinking switch: on for "enabled" and "adaptive" (budget_tokens is not enforced:
-    max_tokens bounds the thinking and the answer together), off for "disabled"."""
+    """The template's thinking switch: on for "enabled", "adaptive" and "between_tools" (budget_tokens
+    is not enforced: max_tokens bounds the thinking and the answer together), off for "disabled"."""
     if thinking is None:
         return None
-    if thinking.get("type") in ("enabled", "adaptive", "disabled"):
+    if thinking.get("type") in ("enabled", "adaptive", "between_tools", "disabled"):
         return thinking["type"] != "disabled"
     raise ApiError(400, 'thinking is {"type": "enabled", "budget_tokens": ...}, {"type": "adaptive"} or '
                    '{"type": "disabled"}', "thinking.type")
