@@ -37,7 +37,7 @@ from shardspec.server.limits import HttpLimits
 from shardspec.server.messages import Messages
 from shardspec.server.responses import Responses
 from shardspec.server.streaming import ClientGone, EventStream, sse
-from shardspec.server.tokenize import Tokenize
+from shardspec.server.tokens import Tokenize
 from shardspec.server.tools import Tool, calls_grammar, chosen_tools, parse_tools
 from shardspec.utils import public_reason
 
