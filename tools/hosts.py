@@ -27,8 +27,9 @@ class EmulatedHosts:
     """`count` hosts `delay_ms` one way from the central switch; `cores`: the CPU cores each host's
     processes may run on (taskset; None: any), so that hosts do not share cores as real ones would not."""
 
-    def __init__(self, count: int, delay_ms: float, cores: list[str] | None = None):
+    def __init__(self, count: int, delay_ms: float, cores: list[str] | None = None, rate: float | None = None):
         self.count, self.delay_ms, self.cores = count, delay_ms, cores
+        self.rate = rate  # each link's bandwidth in bytes/s, each way (None: as fast as wirefilter goes)
         self.tag = f"ssb{os.getpid() % 100000}"
         self.dir = Path(tempfile.mkdtemp(prefix="shardspec-hosts-"))
         self.namespaces: list[str] = []
@@ -66,7 +67,8 @@ class EmulatedHosts:
         self._daemon(["vde_switch", "-s", switch])
         time.sleep(0.2)
         self._daemon(["ip", "netns", "exec", ns, "vde_plug2tap", "-s", switch, tap])
-        self._daemon(["dpipe", "vde_plug", switch, "=", "wirefilter", "-d", f"{self.delay_ms:g}", "=",
+        band = ["-b", f"{self.rate:.0f}"] if self.rate else []
+        self._daemon(["dpipe", "vde_plug", switch, "=", "wirefilter", "-d", f"{self.delay_ms:g}", *band, "=",
                       "vde_plug", f"{self.dir}/core"], session=False)  # dpipe makes its own process group
 
     def _daemon(self, cmd: list[str], session: bool = True) -> None:

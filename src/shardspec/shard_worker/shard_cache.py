@@ -122,12 +122,20 @@ class ShardCache:
         finally:
             os.close(fd)
 
-    def commit(self, key: str, item: str, digest: str) -> Path:
-        """Move `item`'s finished partial file into the blobs if its contents hash to `digest`;
-        ValueError (the partial file removed) if not."""
+    def partial_digest(self, key: str, item: str) -> hashlib._Hash:
+        """The sha256 of what `item`'s partial file holds so far, to go on hashing as chunks come."""
+        digest = hashlib.sha256()
+        with contextlib.suppress(FileNotFoundError), open(self.partial(key, item), "rb") as f:
+            digest = hashlib.file_digest(f, "sha256")
+        return digest
+
+    def commit(self, key: str, item: str, digest: str, found: str | None = None) -> Path:
+        """Move `item`'s finished partial file into the blobs if its contents hash to `digest`
+        (`found`: their hash, taken as the chunks were written; else read here); ValueError (the
+        partial file removed) if not."""
         path = self.partial(key, item)
         with open(path, "rb") as f:
-            found = hashlib.file_digest(f, "sha256").hexdigest()
+            found = found or hashlib.file_digest(f, "sha256").hexdigest()
             os.fsync(f.fileno())
         if found != digest:
             path.unlink(missing_ok=True)

@@ -38,6 +38,7 @@ class ShardReceiver:
         self.key = ""  # the model of the transfer under way
         self.started = 0.0
         self.received = 0  # bytes of it so far
+        self.digests: dict[tuple[str, str], object] = {}  # (key, item) -> sha256 of its partial file so far
 
     def offer(self, body: ShardsRequest, tensors: dict[str, torch.Tensor], stage: int, stages: int) -> ShardsReply:
         """Where this rank's stage of the offered model will load from, and what it lacks."""
@@ -87,14 +88,26 @@ class ShardReceiver:
         try:
             if body.offset == 0:
                 self.cache.make_room(body.total, keep=set(self.cache.tensors(body.key).values()))
+            digest = self._digest(body)
             held = self.cache.append(body.key, body.item, body.offset, data)
         except CacheFull as exc:
+            self.digests.pop((body.key, body.item), None)
             raise ProtocolError(ErrorCode.CAPACITY, str(exc)) from None
+        digest.update(data)
         self.received += len(data)
         if held < body.total:
             return ChunkReply(body.item, held, False)
-        self._commit(body)
+        self._commit(body, self.digests.pop((body.key, body.item)).hexdigest())
         return ChunkReply(body.item, held, True)
+
+    def _digest(self, body: ChunkRequest):
+        """The running sha256 of the item's partial file, before this chunk."""
+        name = (body.key, body.item)
+        if body.offset == 0:
+            self.digests[name] = hashlib.sha256()
+        elif name not in self.digests:  # a resumed transfer: hash what the file holds
+            self.digests[name] = self.cache.partial_digest(body.key, body.item)
+        return self.digests[name]
 
     def _data(self, body: ChunkRequest, tensors: dict[str, torch.Tensor]) -> memoryview:
         data = tensors.get("data")
@@ -107,12 +120,12 @@ class ShardReceiver:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "chunk: key and sha256 must be sha256 digests in hex")
         return memoryview(data.numpy())
 
-    def _commit(self, body: ChunkRequest) -> None:
+    def _commit(self, body: ChunkRequest, found: str) -> None:
         if not is_digest(body.blob_sha256):
             self.cache.partial(body.key, body.item).unlink(missing_ok=True)
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"the last chunk of {body.item} lacks its blob_sha256")
         try:
-            path = self.cache.commit(body.key, body.item, body.blob_sha256)
+            path = self.cache.commit(body.key, body.item, body.blob_sha256, found)
         except ValueError as exc:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"{exc}; send it again") from None
         kind, _, name = body.item.partition(":")
