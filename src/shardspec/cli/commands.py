@@ -70,6 +70,7 @@ def engine_config(args: argparse.Namespace, **options: Any) -> EngineConfig:
         return EngineConfig(
             model=args.model, workers=workers, local=local, device=device, tp=args.tp, ep=args.ep, pp=args.pp,
             layer_split=split, micro_batches=args.micro_batches, lookahead=args.lookahead, relay=args.relay,
+            tree_width=args.tree_width,
             dtype=dtype,
             max_seq_len=args.max_seq_len, cache_memory=args.cache_memory, prefix_cache=not args.no_prefix_cache,
             mtp=False if args.no_mtp else None,

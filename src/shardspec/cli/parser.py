@@ -186,7 +186,12 @@ def _add_model_options(parser: argparse.ArgumentParser,
                         "while a sequence decoding alone waits for its step's result, the earlier stages run its "
                         "next step on the last stage's guess and again if the guess was wrong (CPU workers): "
                         "auto guesses for the first 16 guesses, then while at least 5%% of the last 64 held (and "
-                        "at one step in 16 otherwise), on always, off never (default: auto)")
+                        "at one step in 16 otherwise), on always, off never; tree: the earlier stages run the "
+                        "next step for several outcomes of the step in flight at once, as a tree of branches "
+                        "(default: auto)")
+    parser.add_argument("--tree-width", type=int, default=0, metavar="N", help="with --lookahead tree: the "
+                        "branches of each guess, at most 64 / (draft tokens + 1) and 16 (default 0: adaptive, from "
+                        "each branch rank's hit rate and the time the link leaves idle)")
     parser.add_argument("--device", default=None, help="device of spawned local workers: cpu or cuda "
                         "(default: cuda when this machine has a GPU)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],

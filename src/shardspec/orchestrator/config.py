@@ -113,6 +113,11 @@ class EngineConfig:
     """Keep the next step on the wire while the current one runs."""
 
     lookahead: str = "auto"
+    """With pp > 1 and MTP, a lone sequence's next step runs before its step's record on the last stage's
+    guess: auto, on, off, or tree (a tree of guesses, branches.py)."""
+
+    tree_width: int = 0
+    """lookahead="tree": branches per guess, 0 adaptive (its hit rate and the link's idle time)."""
     """Pipeline stages with MTP: while a sequence decoding alone waits for its step's result from the last
     stage, the earlier stages run its next step on the last stage's guess (all drafts kept, the guessed next
     token), and again when the guess was wrong; the output is the same either way (CPU workers; CUDA
@@ -233,6 +238,7 @@ class EngineConfig:
             deterministic=self.deterministic,
             expert_parallel=self.ep,
             lookahead=self.lookahead if self.pp > 1 else "off",
+            tree_width=self.tree_width,
             progress=True,  # (WorkerGroup takes the LoadProgress messages; a raw client gets none)
             grammar_budget_s=self.grammar_budget,
         )
@@ -355,7 +361,7 @@ class EngineConfig:
                              f"got {self.cache_memory!r}")
         if self.max_seq_len is not None and (type(self.max_seq_len) is not int or self.max_seq_len < 1):
             raise ValueError(f"max_seq_len must be a positive integer or None, got {self.max_seq_len!r}")
-        for name in ("max_seqs", "max_seq_len", "prefill_chunk", "draft_tokens"):
+        for name in ("max_seqs", "max_seq_len", "prefill_chunk", "draft_tokens", "tree_width"):
             if getattr(self, name) is None:
                 continue
             lo, hi = message_range(LoadRequest, name)

@@ -201,7 +201,7 @@ class InitReply:
     collectives: str = ""  # how its TP group's collectives go: shm, gloo, symm, nccl ("": a group of one)
 
 
-LOOKAHEAD_MODES = ("auto", "on", "off")
+LOOKAHEAD_MODES = ("auto", "on", "off", "tree")
 
 
 @dataclass(frozen=True)
@@ -221,6 +221,7 @@ class LoadRequest:
     deterministic: bool = False  # batch-invariant decoding (ModelRunner's `deterministic`)
     expert_parallel: int = bounded(1, 4096, 1)  # MoE: groups of a stage's ranks that hold whole experts (layers.moe)
     lookahead: str = "off"  # stages with MTP: a lone sequence's next step runs on a guess (stage.ForwardingStage)
+    tree_width: int = bounded(0, 16, 0)  # lookahead "tree": branches per guess, 0 adaptive (branches.TreeGuesser)
     cache_bytes: int = bounded(0, 1 << 50, 0)  # K/V blocks and recurrent states; 0: the device's default
     prefix_cache: bool = True  # room for saved recurrent states (LoadReply.prefix_states), for prefix caching
     progress: bool = False  # send the owner LoadProgress messages while the weights are read
@@ -496,6 +497,7 @@ class StatsReply:
     forwarded_max: int = 0  # an earlier stage: the most steps run whose last-stage record was still to come
     lookaheads: int = 0  # an earlier stage: verify passes run on the last stage's guess (stage.ForwardingStage)
     lookaheads_right: int = 0  # of them, those whose guess held (the others ran again)
+    branches: int = 0  # an earlier stage: rows of the passes run on a tree of guesses (lookahead "tree")
     launched_ahead: int = 0  # passes queued before their step came, behind the step before (runner.py: launch ahead)
     collectives: str = ""  # how its TP group's collectives go (InitReply.collectives)
     grammar_tokens: int = 0  # the last stage: tokens sampled under a grammar (structured output)

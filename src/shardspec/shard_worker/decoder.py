@@ -35,6 +35,7 @@ from shardspec.layers.batch import Batch
 from shardspec.layers.grammar import Constraint, masked
 from shardspec.layers.sampling import accept_greedy, accept_sampled, resample, sample, target_probs, unusable
 from shardspec.protocol.messages import FAILED, LoadRequest, PrefillSpec, StepRequest, WorkerOptions
+from shardspec.shard_worker import branches
 from shardspec.shard_worker.grammars import GrammarStore
 from shardspec.shard_worker.graphs import HostRows
 from shardspec.shard_worker.logprobs import prompt_rows, token_rows
@@ -134,6 +135,8 @@ class Decoder(ModelRunner):
         self.unguessed = 0  # lone steps since the last guess
         self.guess_due: Sequence | None = None  # the sequence this step guesses for, once its record has left
         self.chain_end: tuple | None = None  # with lookahead: where the last chain stopped (_guess_on)
+        self.chain_heads: list[torch.Tensor] = []  # with lookahead: the last chain's MTP heads, one per draft
+        self.guesser = branches.TreeGuesser(self.draft_len, self.tree_width) if self.branching else None
 
     def close(self) -> None:
         self.ahead.drop()
@@ -202,7 +205,8 @@ class Decoder(ModelRunner):
             due, self.guess_due = self.guess_due, None
             self.links.send_record(self.steps, result.reply(), guessed=due is not None)
             if due is not None:
-                due.guess = self._guess_on()
+                due.guess = self._guess_on() if self.guesser is None else branches.flatten(
+                    self.guesser.make(self, due.drafts, self.links.waited_s))
                 self.links.send_guesses(self.steps, {due.seq: due.guess})
         return result
 
@@ -314,7 +318,7 @@ class Decoder(ModelRunner):
         guessing = ahead and (self.always_guess or pays or self.unguessed + 1 >= GUESS_PROBE_EVERY)
         # the rows carry the guess made before when it may hold: the chain must then keep the guessed drafts
         with_guess = ahead and bool(seqs[0].guess)
-        x = self._receive(self._next_pass(), (len(seqs), k + 1), guess_held=ahead and seqs[0].guess_held)
+        x = self._receive(self._next_pass(), (len(seqs), k + 1), guess_row=seqs[0].guess_row if ahead else -1)
         context = self._context(seqs, chain=self.chain if ahead else k)
         wants_logprobs = any(s.logprobs >= 0 for s in seqs)
         plain = all(s.sampling.greedy and not s.sampling.penalised and not s.shaped for s in seqs)
@@ -348,9 +352,11 @@ class Decoder(ModelRunner):
             for s, n, token, d in zip(seqs, accepted, tokens, drafts):
                 # the guess the stages before ran this step's successor on holds when this step kept all
                 # its drafts and its new token is the guessed one (the chain then kept the guessed drafts)
-                s.guess_held = ahead and bool(s.guess) and n == k and token == s.guess[0]
+                s.guess_row = self._guess_row(s, n, token, d[:k]) if ahead else -1
                 if ahead and s.guess:
-                    self.held.append(s.guess_held)
+                    self.held.append(s.guess_row >= 0)
+                if ahead and self.guesser is not None:
+                    self.guesser.observe(n, s.guess_row if s.guess else None)
                 s.drafts = [] if s.finished else d[:k]
                 s.guess = []
             if ahead:
@@ -462,8 +468,18 @@ class Decoder(ModelRunner):
         # lookahead (one sequence, eagerly): where the guess holds (all drafts kept, the new token the
         # guessed one) the chain keeps the guessed drafts, which the stages before already run the next
         # pass on
+        if self.guesser is not None:  # (deterministic: a branch holds only with the drafts chained anyway)
+            kept = None if self.deterministic else branches.kept_drafts(guess, index, new_tokens, self.draft_len)
+            return self._chain(head, slots, lengths, context, kept=kept)
         holds = bool(guess[0, 0] == new_tokens[0]) and int(index[0]) == self.draft_len
         return self._chain(head, slots, lengths, context, kept=guess[:, 1:] if holds else None)
+
+    def _guess_row(self, s: Sequence, accepted: int, token: int, drafts: list[int]) -> int:
+        """The row of the stages' pass on a guess of `s`'s next step that this step's outcome proves, or -1."""
+        if self.guesser is not None:
+            return branches.held(branches.unflatten(s.guess, self.draft_len, self.model.config.vocab_size),
+                                 accepted, token, drafts)
+        return 0 if s.guess and accepted == self.draft_len and token == s.guess[0] else -1
 
     def _fused_pass(self, packed: torch.Tensor, context: int, x: torch.Tensor | None) -> torch.Tensor:
         """Verify, accept on the device (drafts while they equal the target's argmax, or the forced
@@ -496,8 +512,9 @@ class Decoder(ModelRunner):
         length = length or self.draft_len
         rows = self.chain_rows or None
         grammars = [s.grammar for s in rows] if rows else None
-        drafts, consumed = [], [0] * len(rows or [])
+        drafts, consumed, self.chain_heads = [], [0] * len(rows or []), []
         for i in range(length):
+            self.chain_heads.append(head)
             if kept is not None and i < kept.shape[1]:
                 token = kept[:, i]
             elif rows is None:

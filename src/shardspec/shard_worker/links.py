@@ -86,20 +86,26 @@ class StageLinks:
             self.staging.sent(self._send_next(Message(HiddenStates.OP, 0, meta, {"hidden": tensor})))
 
     def recv_hidden(self, step: int, index: int, tokens: tuple[int, ...],
-                    guess_held: bool | None = None) -> tuple[torch.Tensor, str]:
+                    guess_row: int | None = None) -> tuple[torch.Tensor, str]:
         """The hidden states of pass `index` of step `step` over `tokens` [B, T], as [B, T, H] (on the
-        host), and the message's kind. The last stage says whether the guess of this pass's lookahead
-        held (`guess_held`): a lookahead message is then taken only when it held and the message is
-        this pass's, and otherwise dropped (a redo follows it, or its sequence finished) and the next
-        one read. None (a stage before the last): the next message, whatever its kind."""
+        host), and the message's kind. The last stage says which row of this pass's lookahead held
+        (`guess_row`; a tree's lookahead has a row per branch): a lookahead message is then taken only
+        when one did (>= 0) and the message is this pass's, that row of it, and otherwise dropped (a
+        redo follows it, or its sequence finished) and the next one read. None (a stage before the
+        last): the next message, whatever its kind."""
         self.timeline.add(step, "wait hidden")
         while True:
             msg = self._take(HiddenStates.OP, "hidden states from the stage before")
             body = parse(HiddenStates, msg.meta)
-            ours = guess_held and (body.step, body.index) == (step, index)
-            if guess_held is None or body.kind != "lookahead" or ours:
+            ours = guess_row is not None and guess_row >= 0 and (body.step, body.index) == (step, index)
+            if guess_row is None or body.kind != "lookahead" or ours:
                 break
         hidden = msg.tensors.get("hidden")
+        if hidden is not None and body.kind == "lookahead" and guess_row is not None:
+            if hidden.dim() != 3 or not 0 <= guess_row < hidden.shape[0]:
+                raise ProtocolError(ErrorCode.BAD_MESSAGE, f"a lookahead of {list(hidden.shape)} has no row "
+                                    f"{guess_row}")
+            hidden = hidden[guess_row : guess_row + 1]
         if (body.step, body.index) != (step, index):
             raise ProtocolError(ErrorCode.INTERNAL, f"stage link out of step: expected pass {index} of step {step}, "
                                 f"got pass {body.index} of step {body.step}")

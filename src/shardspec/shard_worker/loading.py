@@ -127,6 +127,7 @@ def make_runner(model: CausalLM, device: torch.device, body: LoadRequest, draft_
         log.warning("FORCED ACCEPTANCE %.2f: benchmark mode, the output is not the model's", forced)
     max_seq_len = min(body.max_seq_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
     common = dict(forced_acceptance=forced, links=links, deterministic=body.deterministic, lookahead=body.lookahead,
+                  tree_width=body.tree_width,
                   draft_head=kernels.settings.draft_head, cache_bytes=body.cache_bytes or default_cache_bytes(device),
                   prefix_cache=body.prefix_cache)
     try:

@@ -34,6 +34,7 @@ from shardspec.protocol.messages import (
     StepRequest,
     WorkerOptions,
 )
+from shardspec.shard_worker.branches import MAX_BRANCHES, BranchSlots
 from shardspec.shard_worker.graphs import StepPasses
 from shardspec.shard_worker.links import StageLinks
 from shardspec.shard_worker.logprobs import LogprobRows, reply_tensors
@@ -180,6 +181,7 @@ class RunnerStats:
     forwarded_max: int = 0  # a stage before the last: the most steps whose record was awaited at once
     lookaheads: int = 0  # verify passes run on a guess
     lookaheads_right: int = 0  # those whose guess held
+    branches: int = 0  # rows of the passes run on a tree of guesses (their mean width: branches / lookaheads)
     launched_ahead: int = 0  # passes queued behind the step before (decoder.LaunchAhead)
     grammar_tokens: int = 0
     forced_tokens: int = 0
@@ -207,6 +209,7 @@ class ModelRunner:
         links: StageLinks | None = None,
         deterministic: bool = False,
         lookahead: str = "off",
+        tree_width: int = 0,
         draft_head: str = WorkerOptions.draft_head,
         cache_bytes: int | None = None,
         prefix_cache: bool = False,
@@ -232,6 +235,8 @@ class ModelRunner:
         if lookahead != "off" and draft_len and not whole and self.graphed:
             log.info("lookahead is off: it is not built for CUDA graphs yet")
         self.always_guess = lookahead == "on"
+        self.branching = self.lookahead and lookahead == "tree"  # a tree of guesses (branches.py)
+        self.tree_width = tree_width  # its branches per guess; 0: adaptive
         self.chain = 2 * draft_len + 1 if self.lookahead else draft_len  # a lone sequence's drafts and guess
         # batch-invariant mode: the model's layers (CausalLM.set_batch_invariant), and prompts prefilled one
         # at a time in chunks that depend on the prompt alone
@@ -248,10 +253,12 @@ class ModelRunner:
         self.context = max_seq_len + (4 * draft_len + 2 if self.lookahead else 2 * draft_len)
         max_blocks = -(-self.context // BLOCK_TOKENS)
         kv_blocks, self.prefix_states = cache_plan(model, dtype, max_seqs, max_blocks, cache_bytes, prefix_cache)
-        self.saved_rows = max_seqs + 1  # saved state i is recurrent-state row saved_rows + i (CacheShape.saved)
+        spare = MAX_BRANCHES if self.branching else 0  # branch slots (branches.py)
+        self.saved_rows = max_seqs + 1 + spare  # saved state i is recurrent-state row saved_rows + i (CacheShape.saved)
         self.paging = Paging(kv_blocks, BLOCK_TOKENS, max_blocks, self.context - max_seq_len + 1, self.context)
         self.table = SequenceTable(max_seqs, max_seq_len, model.config.vocab_size, device, forced_acceptance,
-                                   self.paging, self.prefix_states)
+                                   self.paging, self.prefix_states, spare)
+        self.branch_slots = BranchSlots(max_seqs + 1, kv_blocks + 1, spare, self.table.tables, BLOCK_TOKENS)
         self.cache_dtype = dtype
         # the stage links stay outside the graphs: a later stage's graphs read the received hidden
         # states from a buffer; an earlier one's end at its layers' output, and commit when the record comes
@@ -264,7 +271,7 @@ class ModelRunner:
             if draft_len and model.lm_head is not None:
                 self.draft_head = draft_head_mode(draft_head, model, dtype, device)
                 model.lm_head.use_draft_kernel(self.draft_head)
-            shape = CacheShape(max_seqs + 1, self.paging.kv_blocks + 1, self.table.tables, saved=self.prefix_states)
+            shape = CacheShape(self.saved_rows, kv_blocks + 1 + 2 * spare, self.table.tables, saved=self.prefix_states)
             self.cache_bytes = model.allocate_paged(shape, dtype, device) + self.table.tables.nbytes
             self.cache_bytes += self._allocate_boundaries(max_seqs + 1, self.prefix_states, dtype)
             started = time.perf_counter()
@@ -426,16 +433,16 @@ class ModelRunner:
         index, self.passes_run = self.passes_run, self.passes_run + 1
         return index
 
-    def _receive(self, index: int, tokens: tuple[int, ...], kind: str = "pass", guess_held: bool = False
+    def _receive(self, index: int, tokens: tuple[int, ...], kind: str = "pass", guess_row: int = -1
                  ) -> torch.Tensor | None:
         """The stage before's hidden states for pass `index` over `tokens` [B, T] (on the host);
         None on the first stage, which starts from the token ids. A stage before the last runs the
         same passes as the stage before it, so the next message must be of its `kind`; the last
-        stage takes a lookahead only when `guess_held` (else the pass, or the redo after it)."""
+        stage takes row `guess_row` of a lookahead when it is >= 0 (else the pass, or the redo after it)."""
         if self.model.stage.first:
             return None
         last = self.model.stage.last
-        x, got = self.links.recv_hidden(self.steps, index, tuple(tokens), guess_held if last else None)
+        x, got = self.links.recv_hidden(self.steps, index, tuple(tokens), guess_row if last else None)
         if got != kind and not last:
             raise ProtocolError(ErrorCode.INTERNAL, f"stage link out of step: expected a {kind!r} message for "
                                 f"pass {index} of step {self.steps}, got a {got!r} one")

@@ -35,7 +35,9 @@ class Sequence:
     # next keeps all its drafts), its chain after the record; [] when it made none
     guess: list[int] = field(default_factory=list)
     guess_step: int = -1  # a stage before the last: the step whose guesses (still on the link) hold its guess
-    guess_held: bool = False  # the last stage: its last step proved the guess the next step's lookahead ran on
+    # the last stage: the row of the stages' pass on a guess (one, or a tree's branches) that its last step
+    # proved, which its next step takes; -1: none
+    guess_row: int = -1
     draws: torch.Generator | None = None  # on the host: benchmark-only forced acceptance (drawn with no device sync)
     blocks: int = 0  # K/V blocks in its block table (granted by the orchestrator)
     grammar: Constraint | None = None  # structured output: its grammar, at its emitted tokens (the last stage)
@@ -99,7 +101,7 @@ class Rows:
 
     forced: the drafts to keep (benchmark mode), -1 to let the model decide; cap: the most drafts it
     may keep (Sequence.cap); guess (only with lookahead, eager passes of the last stage): the tokens
-    the stages before verify next, -1s for none."""
+    the stages before verify next, -1s for none (lookahead "tree": the branches, branches.flatten)."""
 
     draft_len: int
 
@@ -189,7 +191,7 @@ class SequenceTable:
     per slot, on the device; the layers read it, CacheShape)."""
 
     def __init__(self, max_seqs: int, max_seq_len: int, vocab_size: int, device: torch.device,
-                 forced_acceptance: float | None, paging: Paging, prefix_states: int = 0):
+                 forced_acceptance: float | None, paging: Paging, prefix_states: int = 0, spare: int = 0):
         self.slots = SlotAllocator(max_seqs)
         self.sequences: dict[int, Sequence] = {}
         self.max_seq_len = max_seq_len
@@ -198,8 +200,9 @@ class SequenceTable:
         self.forced = forced_acceptance
         self.paging = paging
         self.prefix_states = prefix_states  # saved states of the prefix cache (ids 0 .. prefix_states - 1)
-        # one row more: the scratch slot of padding rows
-        self.tables = torch.full((max_seqs + 1, paging.max_blocks), paging.scratch, dtype=torch.int32, device=device)
+        # one row more: the scratch slot of padding rows; `spare` more: branch slots (branches.BranchSlots)
+        self.tables = torch.full((max_seqs + 1 + spare, paging.max_blocks), paging.scratch, dtype=torch.int32,
+                                 device=device)
 
     def __getitem__(self, seq: int) -> Sequence:
         return self.sequences[seq]

@@ -9,7 +9,8 @@ that step's sequences (_settle).
 Lookahead: when a step advances one sequence alone, the stage runs its next verify pass on the last
 stage's guess of its tokens (which follows the record before, as a message of its own) instead of
 waiting for the step's record, and runs it again when the record proves the guess wrong
-(_lookahead_step, _resolve).
+(_lookahead_step, _resolve). With lookahead "tree" the guess is a tree of branches, one outcome of
+the step in flight each, run as one batched pass in branch slots (_tree_step, branches.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from shardspec.protocol.errors import ErrorCode, ProtocolError
 from shardspec.protocol.messages import PrefillSpec, SaveFinished, StepRequest
+from shardspec.shard_worker import branches
 from shardspec.shard_worker.runner import ModelRunner, RunnerStats, StepResult
 from shardspec.shard_worker.sequences import Sequence
 
@@ -41,6 +43,7 @@ class Forwarded:
     commit: Callable[[list[list[int]]], Any] | None  # its verify pass's commit (accepts -> None)
     guessed: list[int] | None = None  # a lookahead: the tokens it verified, the last stage's guess
     snapshot: Any = None  # a lookahead ran after it, as if it kept all its drafts: the state before (CausalLM.snapshot)
+    saved: Any = None  # what its verify pass saved for the commit (Batch.saved): a tree forks states from it
 
     def names(self, seqs: set[int]) -> bool:
         return any(seq in seqs for seq in self.new) or any(s.seq in seqs for s in self.running)
@@ -54,11 +57,14 @@ class ForwardingStage(ModelRunner):
         self.forwarded: deque[Forwarded] = deque()  # steps whose record is to come
         self.forwarded_max = 0
         self.lookaheads = self.lookaheads_right = 0  # verify passes run on a guess; those whose guess held
+        self.branches_run = 0  # rows of the passes run on a tree of guesses
+        self.last_saved: dict = {}  # what the last verify pass saved for its commit
 
     def stats(self) -> RunnerStats:
         stats = super().stats()
         stats.forwarded_max, stats.lookaheads, stats.lookaheads_right = (self.forwarded_max, self.lookaheads,
                                                                          self.lookaheads_right)
+        stats.branches = self.branches_run
         return stats
 
     @torch.inference_mode()
@@ -67,7 +73,7 @@ class ForwardingStage(ModelRunner):
         empty reply here), its record applied later (_settle)."""
         prompts = self._begin(request, prompt_ids)
         if (ahead := self._ahead_of(request)) is not None:
-            self._lookahead_step(ahead)
+            self._tree_step(ahead) if self.branching else self._lookahead_step(ahead)
             return StepResult()
         self._settle(set(request.decode))
         before = set(self.sequences)
@@ -78,7 +84,7 @@ class ForwardingStage(ModelRunner):
             commit = self._stage_verify(self._next_pass(), self._verify_rows(running), self._context(running))
         new = [s for s in self.sequences if s not in before]
         if new or running:  # else the last stage has nothing to run either (the same finished flags): no record
-            self._forwarded(Forwarded(self.steps, new, running, commit))
+            self._forwarded(Forwarded(self.steps, new, running, commit, saved=self.last_saved if running else None))
         return StepResult()
 
     @torch.inference_mode()  # (a commit it settles writes into the graphs' inference tensors)
@@ -103,6 +109,11 @@ class ForwardingStage(ModelRunner):
                      context: int) -> None:
         """The commit pass: keep the accepted prefix of the verify pass (the record's counts)."""
         self.model.commit(saved, self.rows.slots(packed), accepts[:, 0])
+
+    def _verify_pass(self, *args, **kwargs) -> tuple:
+        out = super()._verify_pass(*args, **kwargs)
+        self.last_saved = out[2]  # (hidden, argmax, what the pass saved for its commit, ...)
+        return out
 
     def _stage_verify(self, index: int, rows: list[list[int]], context: int, kind: str = "pass") -> Callable:
         """The layers over a verify pass (pass `index` of the step, sequences.Rows), sent on as a `kind`
@@ -171,7 +182,12 @@ class ForwardingStage(ModelRunner):
         if s.guess_step >= 0:
             guess = self.links.recv_guesses(s.guess_step).get(s.seq, [])
             vocab = self.model.config.vocab_size
-            if guess and (len(guess) != self.draft_len + 1 or not all(0 <= t < vocab for t in guess)):
+            if self.branching:
+                try:
+                    branches.unflatten(guess, self.draft_len, vocab)
+                except ValueError as exc:
+                    raise ProtocolError(ErrorCode.BAD_MESSAGE, str(exc)) from None
+            elif guess and (len(guess) != self.draft_len + 1 or not all(0 <= t < vocab for t in guess)):
                 raise ProtocolError(ErrorCode.BAD_MESSAGE, f"a guess is not {self.draft_len + 1} token ids")
             s.guess, s.guess_step = guess, -1
         return s.guess
@@ -211,3 +227,45 @@ class ForwardingStage(ModelRunner):
             ahead.commit = self._stage_verify(0, self._verify_rows([s]), self._context([s]), "redo")
         else:
             self.lookaheads_right += 1
+
+    # --- a tree of guesses (branches.py) --------------------------------------------------------
+
+    def _tree_step(self, s: Sequence) -> None:
+        """Run this step's verify pass once per branch of the last stage's tree, as one batched pass in
+        branch slots (each forked from the sequence's state past the drafts its branch keeps of the step
+        in flight), send it on, then apply the record of the step in flight: the held branch's blocks
+        and state become the sequence's, or the pass runs again on the record's tokens."""
+        k, previous, device = self.draft_len, self.forwarded[0], self.device
+        tree = branches.unflatten(s.guess, k, self.model.config.vocab_size)
+        starts = [s.length + b.accepted + 1 for b in tree]
+        slots = self.branch_slots.fork(self.model, s.slot, starts, k + 1)
+        self.model.commit(branches.rows_of(previous.saved, [0] * len(tree)), slots,
+                          torch.tensor([b.accepted for b in tree], device=device))
+        rows = [[b.token, *b.drafts, start, slot, -1, k] for b, start, slot in zip(tree, starts, slots.tolist())]
+        self.links.timeline.add(self.steps, "branches started")
+        index = self._next_pass()
+        x = self._receive(index, (len(rows), k + 1), "lookahead")
+        hidden, _, _ = self.passes.verify(rows, self._context([s], k + 1), x)
+        saved = self.last_saved
+        self._send(index, hidden, "lookahead")
+        self.lookaheads, self.branches_run = self.lookaheads + 1, self.branches_run + len(tree)
+        ahead = Forwarded(self.steps, [], [s], None)
+        self._forwarded(ahead)
+        length = s.length
+        self._apply(self.forwarded.popleft())  # the record of the step in flight, committed as it says
+        if s.finished:  # the last stage skips it from now on: no record of this step comes
+            self.forwarded.popleft()
+            self.links.timeline.add(self.steps, "branches cancelled")
+            return
+        row = branches.held(tree, s.length - length - 1, s.next_token, s.drafts)
+        if row >= 0:
+            self.branch_slots.take(self.model, row, s.slot)
+            ahead.saved = branches.rows_of(saved, [row])
+            ahead.commit = lambda accepts: self.model.commit(ahead.saved, torch.tensor([s.slot], device=device),
+                                                             torch.tensor([accepts[0][0]], device=device))
+            self.lookaheads_right += 1
+            self.links.timeline.add(self.steps, "branch taken")
+        else:
+            self.links.timeline.add(self.steps, "branches cancelled")
+            ahead.commit = self._stage_verify(0, self._verify_rows([s]), self._context([s]), "redo")
+            ahead.saved = self.last_saved
