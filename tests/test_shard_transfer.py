@@ -20,8 +20,9 @@ from shardspec.models.checkpoint import Checkpoint
 from shardspec.models.shard_files import folder_key, weight_map
 from shardspec.orchestrator.engine import connect
 from shardspec.orchestrator.shard_sender import _chunks, _items
+from shardspec.protocol.codec import Message, decode, encode
 from shardspec.protocol.errors import ErrorCode, ProtocolError
-from shardspec.protocol.messages import MAX_CHUNK_BYTES, ChunkRequest, ItemNeed, ShardsRequest
+from shardspec.protocol.messages import MAX_CHUNK_BYTES, ChunkRequest, ItemNeed, ShardsRequest, to_meta
 from shardspec.shard_worker import sources
 from shardspec.shard_worker.shard_cache import CacheFull, ShardCache
 from shardspec.shard_worker.shard_receiver import ShardReceiver
@@ -196,3 +197,21 @@ def test_workers_with_empty_disks_serve_a_model_only_the_orchestrator_has_then_r
         folder = asyncio.run(tokens(disk / "model"))
         assert caplog.text.count("from its folder\n") == 2
     assert sent == cached == folder
+
+
+def test_a_corrupt_or_oversized_chunk_on_the_wire_is_an_error_reply_and_the_worker_serves_on(spawn_worker,
+                                                                                               sync_client, tmp_path):
+    worker = spawn_worker("--cache-dir", str(tmp_path / "cache"))
+    client = sync_client(worker.address)
+
+    def call(op: str, meta: dict, tensors: dict | None = None) -> Message:
+        return decode(client.exchange(encode(Message(op, 1, meta, tensors or {}))))
+
+    assert call("hello", {}).op == "hello"
+    data = b"q" * 4096
+    corrupt = call("chunk", to_meta(_chunk("tensor:w", data, sha="0" * 64)), {"data": _frame(data)})
+    assert (corrupt.op, corrupt.meta["code"]) == ("error", str(ErrorCode.BAD_REQUEST))
+    big = call("chunk", to_meta(_chunk("tensor:w", b"z", total=MAX_CHUNK_BYTES + 1)),
+               {"data": torch.zeros(MAX_CHUNK_BYTES + 1, dtype=torch.uint8)})
+    assert big.op == "error" and "1 to" in big.meta["message"]
+    assert call("hello", {}).op == "hello" and worker.proc.poll() is None

@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shardspec.orchestrator")
 WINDOW = 4  # chunks in flight per worker
+# a chunk takes about CHUNK_S on the worker's share of the link (its acks are the connection's sign of life: a
+# heartbeat timeout must never pass between two), within [MIN_CHUNK_BYTES, MAX_CHUNK_BYTES]
+CHUNK_S = 0.1
+MIN_CHUNK_BYTES = 64 << 10
 SMALL_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
 
 
@@ -97,6 +101,7 @@ class Transfer:
     def __init__(self, group: WorkerGroup, items: dict[str, Item], needs: dict[WorkerClient, list[ItemNeed]]):
         self.group, self.items, self.needs = group, items, needs
         self.sent = {worker: 0 for worker in needs}
+        self.rates = {worker: ChunkSize() for worker in needs}
         self.totals = {worker: sum(items[n.item].size - _start(items[n.item], n) for n in need)
                        for worker, need in needs.items()}
 
@@ -113,7 +118,8 @@ class Transfer:
         in_flight: list[asyncio.Future] = []
         for done, item_need in enumerate(need):
             item = self.items[item_need.item]
-            async for chunk, data in _chunks(self.group.config.model_key, item, _start(item, item_need)):
+            async for chunk, data in _chunks(self.group.config.model_key, item, _start(item, item_need),
+                                             self.rates[worker].bytes):
                 await window.acquire()
                 _raise_failed(in_flight, worker)
                 future = worker.submit(chunk, {"data": data})
@@ -127,10 +133,31 @@ class Transfer:
         window.release()
         if future.cancelled() or future.exception() is not None:
             return
+        self.rates[worker].acked(count)
         self.sent[worker] += count
         worker.loading = LoadProgress(done, len(self.needs[worker]), self.sent[worker], self.totals[worker])
         if self.group.on_progress is not None:
             self.group.on_progress(self.group.load_progress())
+
+
+class ChunkSize:
+    """The next chunk's size for one worker, from the rate its acks come at (chunks in flight are
+    served one after the other, so the time between two acks is one chunk's time on the link)."""
+
+    def __init__(self) -> None:
+        self.rate = 0.0  # bytes/s, smoothed
+        self.last: float | None = None
+
+    def acked(self, count: int) -> None:
+        now = time.perf_counter()
+        if self.last is not None and now > self.last:
+            rate = count / (now - self.last)
+            self.rate = rate if not self.rate else 0.7 * self.rate + 0.3 * rate
+        self.last = now
+
+    def bytes(self) -> int:
+        size = int(self.rate * CHUNK_S) if self.rate else 1 << 20
+        return max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, size))
 
 
 def _raise_failed(futures: list[asyncio.Future], worker: WorkerClient) -> None:
@@ -139,19 +166,20 @@ def _raise_failed(futures: list[asyncio.Future], worker: WorkerClient) -> None:
             raise EngineError(f"sending the model to worker {worker.address} failed: {exc}") from None
 
 
-async def _chunks(key: str, item: Item, start: int):
-    """The chunk requests of `item` from byte `start`, the sha256 of the whole on the last."""
+async def _chunks(key: str, item: Item, start: int, chunk_bytes=lambda: MAX_CHUNK_BYTES):
+    """The chunk requests of `item` from byte `start` (each of chunk_bytes()), the sha256 of the whole on the last."""
     digest = hashlib.sha256()
     for offset in range(0, start, MAX_CHUNK_BYTES):  # what the worker holds: hashed, not sent
         digest.update(await asyncio.to_thread(item.read, offset, min(MAX_CHUNK_BYTES, start - offset)))
-    size = item.size
-    for offset in range(start, size, MAX_CHUNK_BYTES):
-        data = await asyncio.to_thread(item.read, offset, min(MAX_CHUNK_BYTES, size - offset))
+    size, offset = item.size, start
+    while offset < size:
+        data = await asyncio.to_thread(item.read, offset, min(chunk_bytes(), size - offset))
         digest.update(data)
         last = offset + len(data) >= size
         yield (ChunkRequest(key=key, item=item.name, offset=offset, total=size,
                             sha256=hashlib.sha256(data).hexdigest(), blob_sha256=digest.hexdigest() if last else ""),
                _frame(data))
+        offset += len(data)
 
 
 def _start(item: Item, need: ItemNeed) -> int:
