@@ -5,16 +5,17 @@ the streamed events, count_tokens, and errors in Anthropic's shape."""
 from __future__ import annotations
 
 import json
+import time
 
 import anthropic
 import httpx
 import jsonschema
 import pytest
-from test_server import start_server
+from test_server import start_server, worker_stats
 
 from shardspec.testing.chat_model import write_chat_model
 
-CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 3},
                                          "days": {"type": "integer", "minimum": 1, "maximum": 7}},
         "required": ["city", "days"], "additionalProperties": False}
 TOOLS = [{"name": "get_weather", "description": "The weather.", "input_schema": CITY}]
@@ -97,11 +98,11 @@ def test_a_streamed_tool_use_s_input_json_deltas_build_the_input_of_the_whole_me
 
 
 def test_thinking_enabled_gives_a_thinking_block_first_and_disabled_none(client, model):
-    thinking = create(client, model, thinking={"type": "enabled", "budget_tokens": 1024})
-    silent = create(client, model, **NO_THINKING)
+    thinking = create(client, model, max_tokens=4, thinking={"type": "enabled", "budget_tokens": 1024})
+    silent = create(client, model, max_tokens=4, **NO_THINKING)
     assert thinking.content[0].type == "thinking" and thinking.content[0].thinking
     assert all(block.type != "thinking" for block in silent.content)
-    _, final = streamed(client, model, thinking={"type": "enabled", "budget_tokens": 1024})
+    _, final = streamed(client, model, max_tokens=4, thinking={"type": "enabled", "budget_tokens": 1024})
     assert final.content[0].thinking == thinking.content[0].thinking
 
 
@@ -123,6 +124,26 @@ def test_output_config_s_json_schema_gives_json_of_the_schema(client, model):
     assert reply.stop_reason == "end_turn"
 
 
+def test_content_blocks_of_every_kind_make_the_prompt_the_same_chat_messages_make(chat_server, client, model):
+    history = [{"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+               {"role": "assistant", "content": [
+                   {"type": "thinking", "thinking": "I should call.", "signature": ""},
+                   {"type": "text", "text": "Let me see."},
+                   {"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"city": "Paris", "days": 2}}]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": "sunny"},
+                                            {"type": "text", "text": "Thanks."}]}]
+    counted = client.messages.count_tokens(model=model, system="You forecast.", messages=history, tools=TOOLS)
+    messages = [{"role": "system", "content": "You forecast."}, {"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "Let me see.", "reasoning_content": "I should call.", "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {
+                        "name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 2})}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}, {"role": "user", "content": "Thanks."}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather.",
+                                               "parameters": CITY}}]
+    chat = httpx.post(f"{chat_server.root}/tokenize", json={"messages": messages, "tools": tools}, timeout=60)
+    assert counted.input_tokens == chat.json()["count"]
+
+
 def test_a_system_prompt_as_a_string_or_as_blocks_makes_the_same_prompt(client, model):
     as_text = client.messages.count_tokens(model=model, messages=ASK, system="Be brief.")
     as_blocks = client.messages.count_tokens(model=model, messages=ASK, system=[{"type": "text", "text": "Be brief."}])
@@ -135,6 +156,25 @@ def test_count_tokens_counts_the_prompt_a_message_is_generated_from(client, mode
     counted = client.messages.count_tokens(model=model, **kwargs).input_tokens
     usage = create(client, model, max_tokens=60, **kwargs).usage
     assert counted == usage.input_tokens + usage.cache_read_input_tokens
+
+
+def test_a_client_that_leaves_a_streamed_message_frees_its_sequence(chat_server, model):
+    body = {"model": model, "messages": ASK, "max_tokens": 400, "stream": True, "ignore_eos": True, **NO_THINKING}
+    with httpx.Client(timeout=60) as http, http.stream("POST", f"{chat_server.root}/v1/messages", json=body) as reply:
+        lines = reply.iter_lines()
+        while "text_delta" not in next(lines):
+            pass  # until it streams text
+    deadline = time.monotonic() + 30
+    while (stats := worker_stats(chat_server)[0])["live_sequences"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stats["live_sequences"] == [] and stats["slots_free"] == stats["slots_total"]
+    assert cancelled(chat_server) == 1  # (not run to its end)
+
+
+def cancelled(chat_server) -> float:
+    metrics = httpx.get(f"{chat_server.root}/metrics").text
+    row = 'shardspec_requests_total{endpoint="/v1/messages",outcome="cancelled"} '
+    return sum(float(line.removeprefix(row)) for line in metrics.splitlines() if line.startswith(row))
 
 
 @pytest.mark.parametrize(("body", "status", "kind", "words"), [

@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from test_server import start_server
+from test_server import start_server, worker_stats
 
 from shardspec.server.response_store import ResponseStore
 from shardspec.testing.chat_model import write_chat_model
 
-CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 3},
                                          "days": {"type": "integer", "minimum": 1, "maximum": 7}},
         "required": ["city", "days"], "additionalProperties": False}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather.", "parameters": CITY,
@@ -106,6 +107,26 @@ def test_previous_response_id_continues_as_the_whole_conversation_sent_again_doe
     assert chained.output_text == resent.output_text
 
 
+def test_input_items_of_every_kind_make_the_prompt_the_same_chat_messages_make(chat_server, client, model):
+    arguments = json.dumps({"city": "Paris", "days": 2})
+    items = [{"role": "developer", "content": "Be brief."},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+             {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text",
+                                                                             "text": "I should call."}]},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": arguments},
+             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
+    reply = create(client, model, instructions="You forecast.", input=items, tools=TOOLS, max_output_tokens=1)
+    messages = [{"role": "system", "content": "You forecast."}, {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "", "reasoning_content": "I should call.", "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather.",
+                                               "parameters": CITY, "strict": True}}]
+    counted = httpx.post(f"{chat_server.root}/tokenize", json={"messages": messages, "tools": tools}, timeout=60)
+    assert reply.usage.input_tokens == counted.json()["count"]
+
+
 def test_an_unknown_unstored_or_another_key_s_previous_response_id_is_a_400(chat_server, client, model):
     unstored = create(client, model, max_output_tokens=2, store=False)
     stored = create(client, model, max_output_tokens=2)
@@ -191,6 +212,26 @@ def test_structured_outputs_and_chat_template_kwargs_are_taken_as_chat_completio
     raw = httpx.post(f"{client.base_url}responses", json={"model": model, "input": "hi", "max_output_tokens": 2,
                                                           "cache_salt": "tenant-a"}, timeout=60)
     assert raw.status_code == 200 and raw.json()["usage"]["output_tokens"] == 2
+
+
+def test_a_client_that_leaves_a_streamed_response_frees_its_sequence(chat_server, model):
+    body = {"model": model, "input": "hi", "max_output_tokens": 400, "stream": True, "ignore_eos": True,
+            "reasoning": {"effort": "none"}}
+    with httpx.Client(timeout=60) as http, http.stream("POST", f"{chat_server.url}/responses", json=body) as reply:
+        lines = reply.iter_lines()
+        while "output_text.delta" not in next(lines):
+            pass  # until it streams text
+    deadline = time.monotonic() + 30
+    while (stats := worker_stats(chat_server)[0])["live_sequences"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stats["live_sequences"] == [] and stats["slots_free"] == stats["slots_total"]
+    assert cancelled(chat_server) == 1  # (not run to its end)
+
+
+def cancelled(chat_server) -> float:
+    metrics = httpx.get(f"{chat_server.root}/metrics").text
+    row = 'shardspec_requests_total{endpoint="/v1/responses",outcome="cancelled"} '
+    return sum(float(line.removeprefix(row)) for line in metrics.splitlines() if line.startswith(row))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("agents") is None, reason="the openai-agents SDK is not installed "

@@ -205,10 +205,9 @@ def _chat_tool(tool: Any, param: str) -> dict[str, Any]:
         kind = tool.get("type") if isinstance(tool, dict) else None
         raise ApiError(400, f"only client tools ({{\"name\": ..., \"input_schema\": ...}}) are supported, got type "
                        f"{kind!r:.40}", param)
-    function = {"name": tool.get("name"), "parameters": tool.get("input_schema")}
-    if tool.get("description") is not None:
-        function["description"] = tool["description"]
-    return {"type": "function", "function": function}
+    function = {"name": tool.get("name"), "description": tool.get("description"),
+                "parameters": tool.get("input_schema")}
+    return {"type": "function", "function": {k: v for k, v in function.items() if v is not None}}
 
 
 def chat_messages(messages: list[Any], system: str | list[Any] | None) -> list[dict[str, Any]]:
