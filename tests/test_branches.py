@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -79,15 +80,29 @@ def test_the_timeline_shows_branches_started_cancelled_and_taken():
     assert cancelled == started - taken > 0
 
 
-def test_the_adaptive_width_keeps_the_ranks_that_hold_within_the_links_idle_time():
-    tree = TreeGuesser(draft_len=3)
-    assert tree.max_width == 16 and tree.width() == 16  # warming up: every rank
-    for i in range(65):
-        tree.observe(3, 0 if i % 2 else (2 if i % 8 == 0 else -1))  # rank 0 holds half the time, rank 2 1/8
-    assert tree.width() == 3  # (a probe tree at full width comes every 16)
-    tree.trees += 1
-    tree.wait_s, tree.branch_s = 0.010, 0.003  # the branches may take 60 % of a 10 ms wait: two
-    assert tree.width() == 2
+@pytest.mark.parametrize(
+    ("seconds", "best"),
+    [({0: 40, 2: 35, 4: 30, 8: 25, 16: 45}, 8), ({0: 20, 2: 22, 4: 25, 8: 30, 16: 40}, 0)],
+    ids=["tree", "none"],
+)
+def test_the_adaptive_width_runs_at_the_width_that_gives_the_most_tokens_a_second(monkeypatch, seconds, best):
+    """Each width runs for a block of lone steps, then the fastest, and one next to it every fourth
+    block; where no tree pays (a short link) the width is none."""
+    clock = [0.0]
+    monkeypatch.setattr(branches.time, "perf_counter", lambda: clock[0])
+    decoder = SimpleNamespace(
+        steps=0,
+        device=torch.device("cpu"),
+        model=SimpleNamespace(lm_head=SimpleNamespace(tp=SimpleNamespace(size=1, all_reduce=lambda x: x))),
+    )
+    tree, widths = TreeGuesser(draft_len=3), []
+    for _ in range(8 * 12):
+        decoder.steps += 1
+        clock[0] += seconds[tree.width()] / 1e3
+        tree.observe(decoder, 2, None)
+        widths.append(tree.width())
+    assert widths[8 : 41 : 8] == [4, 8, 2, 16, best]  # (tried in WIDTHS' order: 0 first; the first step sets the clock)
+    assert widths[-8:] == [best] * 8 and widths.count(best) > len(widths) / 2
     assert TreeGuesser(draft_len=7, fixed=16).width() == 8  # at most 64 tokens a pass
 
 

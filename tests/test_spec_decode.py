@@ -104,14 +104,15 @@ POSITIONS = (1, 3)  # the 2nd and 4th generated tokens
 
 @functools.cache
 def sample_counts(model, n: int, pp: int = 1, positions: tuple[int, ...] = POSITIONS, at_once: int = 64,
-                  prompt: tuple[int, ...] = PROMPT, **sampling) -> tuple[list[Counter], int, int]:
+                  prompt: tuple[int, ...] = PROMPT, lookahead: str = "on",
+                  **sampling) -> tuple[list[Counter], int, int]:
     """Counts of the tokens at `positions` over n generations with MTP, seeds 0..n-1 (fixed: the
     outcome is reproducible; the same arguments are computed once), `at_once` at a time; and the
     first stage's lookaheads whose guess held (at pp > 1 the last stage guesses at every lone step);
     and the generations whose prompt the prefix cache held in part."""
     async def run():
         async with shardspec.connect(model=str(model), workers=pooled(pp), pp=pp, mtp=True, max_seqs=64,
-                                     dtype="float32", lookahead="on") as engine:
+                                     dtype="float32", lookahead=lookahead) as engine:
             outs = await generate_all_seeded(engine, n, sampling, max(positions) + 1, at_once, prompt)
             held = (await engine.stats())[0].lookaheads_right
             return [Counter(o[i] for o, _ in outs) for i in positions], held, sum(hit > 0 for _, hit in outs)
@@ -183,9 +184,10 @@ def goodness_of_fit_pvalue(counts: Counter, probs: torch.Tensor) -> float:
 
 def assert_mtp_samples_the_exact_distribution(model, pp: int = 1, positions: tuple[int, ...] = POSITIONS,
                                               at_once: int = 64, samples: int = SAMPLES,
-                                              prompt: tuple[int, ...] = PROMPT, **sampling) -> tuple[int, int]:
+                                              prompt: tuple[int, ...] = PROMPT, lookahead: str = "on",
+                                              **sampling) -> tuple[int, int]:
     """...and the first stage's lookaheads whose guess held, and the generations that hit the prefix cache."""
-    counts_at, held, hits = sample_counts(model, samples, pp, positions, at_once, prompt, **sampling)
+    counts_at, held, hits = sample_counts(model, samples, pp, positions, at_once, prompt, lookahead, **sampling)
     for counts, probs in zip(counts_at, exact_distributions(model, positions, prompt, **sampling)):
         assert sum(counts.values()) == samples
         assert goodness_of_fit_pvalue(counts, probs) > P_VALUE_FLOOR, (sorted(counts.items()), probs.tolist())
@@ -226,6 +228,16 @@ def test_sampled_distribution_of_a_lone_sequence_at_pp_2_with_lookahead_matches_
 
     held, _ = assert_mtp_samples_the_exact_distribution(BUNDLED_MODEL, pp=2, positions=(9, 11), at_once=1,
                                                         samples=640, temperature=1.0, top_k=2)
+    assert held > 0
+
+
+@pytest.mark.slow  # 640 generations one at a time
+@pytest.mark.timeout(900)
+def test_sampled_distribution_of_a_lone_sequence_at_pp_2_with_a_tree_of_guesses_matches_one_worker_without():
+    """As above with the tree of guesses (lookahead "tree"): the first stage runs each step for several
+    outcomes of the step in flight, and where a branch holds the last stage verifies its drafts."""
+    held, _ = assert_mtp_samples_the_exact_distribution(BUNDLED_MODEL, pp=2, positions=(9, 11), at_once=1,
+                                                        samples=640, lookahead="tree", temperature=1.0, top_k=2)
     assert held > 0
 
 

@@ -50,7 +50,7 @@ class ResponsesBody(ChatExtras):
     """A Responses request. Sampling values are checked where chat completions checks them."""
 
     model: str | None = None
-    input: str | list[Any] = ""
+    input: str | list[Any] | None = None  # (none: previous_response_id's conversation goes on as it is)
     instructions: str | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -126,7 +126,7 @@ class Responses:
         owner = self.store.owner(authorization)
         history = self._history(body.previous_response_id, owner)
         given = [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str) else \
-            body.input
+            body.input or []
         try:
             chat = chat_body(body, chat_messages(history + given, body.instructions, len(history)))
             run = await self.service.chat_jobs(request.url.path, chat, authorization, arrived)

@@ -132,6 +132,10 @@ class Turn:
                     yield self.blocks.feed(event.text, event.finish_reason is not None)
             if not self.blocks.done:
                 yield self.blocks.feed("", True)
+        except ApiError:  # (after the status: counted here, as chat completions' streams count theirs)
+            metrics, endpoint = self.generation.service.metrics, self.generation.job.endpoint
+            metrics.requests.labels(endpoint=endpoint, outcome="failed").inc()
+            raise
         finally:
             await self.choices.aclose()
 

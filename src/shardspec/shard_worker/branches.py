@@ -19,8 +19,8 @@ seed, whose draws depend on the drafts), a branch holds there only where its dra
 last stage chains anyway; otherwise the last stage keeps the held branch's drafts (Decoder
 ._follow_pass), which changes no distribution (any drafts give the target's).
 
-The width follows the measured hit rate of each rank of branch and the time the link leaves the
-last stage idle (TreeGuesser.width).
+The width follows the tokens a second measured at each width (TreeGuesser): where the tree does
+not pay (a short link, drafts it makes worse) it is none.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ import torch
 # the most branches a step carries (the widest tree pass: 64 tokens, within a stage link's frame bound)
 MAX_BRANCHES = 16
 CANDIDATES = 4  # tokens c considered per acceptance length
-MIN_SHARE = 0.02  # a rank of branch that held in fewer of the trees than this is not run (after WARM_TREES)
-WARM_TREES = 24  # trees at full width before the hit rate per rank counts
-PROBE_EVERY = 16  # a tree at full width this often, so that the rates follow the text
-IDLE_SHARE = 0.6  # the branches may take this share of the time the last stage waits per step
+WIDTHS = (0, 4, 8, 2, 16)  # the widths the adaptive choice measures, in the order it first tries them
+SETTLE = 2  # lone steps after a change of width that still run trees of the width before: not counted
+BLOCK = 6  # lone steps counted per measurement of a width
+EXPLORE_EVERY = 4  # every this many blocks, a width next to the best runs
 
 
 @dataclass(frozen=True)
@@ -138,20 +138,27 @@ class BranchSlots:
 
 class TreeGuesser:
     """The last stage's side: the branches of the step in flight, made once its record has left, and
-    the tree's width."""
+    the tree's width. Adaptive width: each width of WIDTHS (0: no tree) runs for blocks of lone steps
+    and the tokens a second of each block are measured (the hit rate, the drafts the branches make,
+    the stages' pass over more rows and the link's idle time all show in it); the best width runs on,
+    the one next to it runs every EXPLORE_EVERY blocks. The ranks of a stage agree on each block's
+    time (one all-reduce a block), so that they choose alike."""
 
     def __init__(self, draft_len: int, fixed: int = 0):
         self.k = draft_len
         self.max_width = min(MAX_BRANCHES, 64 // (draft_len + 1))
-        self.fixed = min(fixed, self.max_width)  # branches per tree; 0: adaptive (width)
+        self.fixed = min(fixed, self.max_width)  # branches per tree; 0: adaptive
+        self.order = [w for w in WIDTHS if w <= self.max_width]
+        self.rates: dict[int, float] = {}  # tokens a second of lone steps at each width (moving average)
+        self.current = self.fixed or self.order[0]
+        self.block = (0, 0, 0.0)  # this width's lone steps so far, and the tokens and seconds it counts
+        self.last: tuple[int, float] | None = None  # (step, clock) of the last lone step
+        self.blocks = 0
         self.accepts = [1.0] * (draft_len + 1)  # decayed counts of each acceptance length (the prior of a)
         self.hits = [0] * self.max_width  # trees whose held branch had this rank
         self.trees = 0
-        self.branch_s = 0.0  # seconds per branch to make (moving average)
-        self.wait_s = 0.0  # the last stage's wait on the link per step (a slowly falling maximum)
-        self.waited: tuple[int, float] | None = None  # (step, links.waited_s) at the last tree
 
-    def observe(self, accepted: int, rank: int | None) -> None:
+    def observe(self, decoder: Any, accepted: int, rank: int | None) -> None:
         """A lone step's acceptance, and the rank of its tree's held branch (-1: none; None: no tree)."""
         self.accepts = [0.98 * n for n in self.accepts]
         self.accepts[accepted] += 1.0
@@ -159,29 +166,48 @@ class TreeGuesser:
             self.trees += 1
             if rank >= 0:
                 self.hits[rank] += 1
+        now, last = time.perf_counter(), self.last
+        self.last = (decoder.steps, now)
+        if self.fixed or last is None or decoder.steps != last[0] + 1:
+            return  # (a step in between was not a lone one: the time is not this width's)
+        steps, tokens, seconds = self.block
+        if steps >= SETTLE:  # (the first steps after a change run trees of the width before)
+            tokens, seconds = tokens + accepted + 1, seconds + now - last[1]
+        self.block = (steps + 1, tokens, seconds)
+        if steps + 1 == SETTLE + BLOCK:
+            self._next(decoder)
+
+    def _next(self, decoder: Any) -> None:
+        """The width of the next block, from this block's tokens a second (its ranks' mean)."""
+        _, tokens, seconds = self.block
+        tp = decoder.model.lm_head.tp
+        seconds = float(tp.all_reduce(torch.tensor([seconds], device=decoder.device))[0]) / tp.size
+        rate = tokens / max(seconds, 1e-9)
+        width = self.current
+        self.rates[width] = rate if width not in self.rates else 0.5 * (self.rates[width] + rate)
+        self.blocks, self.block = self.blocks + 1, (0, 0, 0.0)
+        untried = [w for w in self.order if w not in self.rates]
+        best = max(self.rates, key=self.rates.__getitem__)
+        widths = sorted(self.order)
+        i = widths.index(best)
+        if untried:
+            self.current = untried[0]
+        elif self.blocks % EXPLORE_EVERY == 0:  # a neighbour, wider and narrower in turn
+            self.current = (
+                widths[min(i + 1, len(widths) - 1)] if self.blocks // EXPLORE_EVERY % 2 else widths[max(i - 1, 0)]
+            )
+        else:
+            self.current = best
 
     def width(self) -> int:
-        """Branches for the next tree: the ranks that have held often enough (all of them while warming
-        up and at a probe), no more than fit in the share of the link's idle time they may take."""
-        if self.fixed:
-            return self.fixed
-        if self.trees < WARM_TREES or self.trees % PROBE_EVERY == 0:
-            width = self.max_width
-        else:
-            width = 1 + max((r for r, n in enumerate(self.hits) if n >= MIN_SHARE * self.trees), default=0)
-        if self.branch_s > 0 and self.wait_s > 0:
-            width = min(width, max(1, int(IDLE_SHARE * self.wait_s / self.branch_s)))
-        return width
+        """Branches for the next tree (0: none)."""
+        return self.current
 
-    def make(self, decoder: Any, drafts: list[int], waited_s: float) -> list[Branch]:
+    def make(self, decoder: Any, drafts: list[int]) -> list[Branch]:
         """The branches of the one live sequence's step in flight (its `drafts` just sent), likeliest
-        first, from where the decoder's chain stopped (its heads; Decoder._chain). `waited_s`: the
-        last stage's time waiting on its links so far."""
-        started = time.perf_counter()
-        if self.waited is not None and decoder.steps > self.waited[0]:
-            wait = (waited_s - self.waited[1]) / (decoder.steps - self.waited[0])
-            self.wait_s = max(wait, 0.95 * self.wait_s)  # (a step whose tree missed waits the round trip)
-        self.waited = (decoder.steps, waited_s)
+        first, from where the decoder's chain stopped (its heads; Decoder._chain)."""
+        if not self.width():
+            return []
         k, model = self.k, decoder.model
         head, token, slots, position, context = decoder.chain_end
         heads = [
@@ -212,7 +238,6 @@ class TreeGuesser:
             [int(base) + a for _, a, _ in chosen],
             context,
         )
-        self.branch_s = 0.8 * self.branch_s + 0.2 * (time.perf_counter() - started) / len(chosen)
         return [Branch(a, c, tuple(e)) for (_, a, c), e in zip(chosen, drafts)]
 
     def _chain_branches(

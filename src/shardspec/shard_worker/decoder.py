@@ -206,7 +206,7 @@ class Decoder(ModelRunner):
             self.links.send_record(self.steps, result.reply(), guessed=due is not None)
             if due is not None:
                 due.guess = self._guess_on() if self.guesser is None else branches.flatten(
-                    self.guesser.make(self, due.drafts, self.links.waited_s))
+                    self.guesser.make(self, due.drafts))
                 self.links.send_guesses(self.steps, {due.seq: due.guess})
         return result
 
@@ -356,7 +356,7 @@ class Decoder(ModelRunner):
                 if ahead and s.guess:
                     self.held.append(s.guess_row >= 0)
                 if ahead and self.guesser is not None:
-                    self.guesser.observe(n, s.guess_row if s.guess else None)
+                    self.guesser.observe(self, n, s.guess_row if s.guess else None)
                 s.drafts = [] if s.finished else d[:k]
                 s.guess = []
             if ahead:
