@@ -142,3 +142,61 @@ def test_a_warm_hub_cache_serves_offline_with_the_hub_gone(tmp_path):
     offline = generate("org/bundled", {**env, "HF_HUB_OFFLINE": "1"}, "--local", "1")
     assert online == offline
     assert hub.fetched().count("model.safetensors") == 1
+
+
+@pytest.fixture(scope="module")
+def sharded_bundled(tmp_path_factory) -> Path:
+    """The bundled model (its tokenizer too) re-saved in four safetensors files with an index."""
+    from safetensors.torch import load_file, save_file
+
+    bundled = Path(__file__).parents[1] / "src" / "shardspec" / "bundled"
+    path = tmp_path_factory.mktemp("bundled-sharded")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (path / name).write_bytes((bundled / name).read_bytes())
+    tensors = load_file(bundled / "model.safetensors")
+    names = sorted(tensors, key=lambda n: (not n.startswith("model.embed"), n.startswith(("mtp.", "lm_head")), n))
+    weight_map = {}
+    for shard in range(4):
+        part = names[shard * len(names) // 4 : (shard + 1) * len(names) // 4]
+        file = f"model-0000{shard + 1}-of-00004.safetensors"
+        save_file({n: tensors[n].contiguous() for n in part}, path / file)
+        weight_map.update(dict.fromkeys(part, file))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return path
+
+
+@pytest.mark.slow  # a server and two workers: ~15 s
+def test_serve_with_a_hub_id_answers_and_each_worker_log_names_only_its_files(tmp_path, sharded_bundled,
+                                                                               spawn_worker, monkeypatch):
+    import httpx
+
+    with FakeHub({"org/bundled": sharded_bundled}) as hub:
+        workers = []
+        for rank in range(2):
+            monkeypatch.setenv("HF_ENDPOINT", hub.url)
+            monkeypatch.setenv("HF_HOME", str(tmp_path / f"hf{rank}"))
+            workers.append(spawn_worker("--model-dir", str(tmp_path / "no-folders")))
+        monkeypatch.delenv("HF_HOME")
+        server = subprocess.Popen([sys.executable, "-m", "shardspec", "serve", "--model", "org/bundled", "--port", "0",
+                                   "--workers", ",".join(w.address for w in workers), "--pp", "2"],
+                                  env=hub_env(hub, tmp_path / "hf-server"), stderr=subprocess.PIPE, text=True)
+        try:
+            line = ""
+            while "serving" not in line:
+                line = server.stderr.readline()
+                assert line or server.poll() is None, "the server exited"
+            url = line.split(" at ")[1].split()[0]
+            reply = httpx.post(f"{url}/completions", json={"model": "bundled", "prompt": "def f(x):",
+                                                           "max_tokens": 8, "temperature": 0}, timeout=60)
+        finally:
+            server.terminate()
+            server.wait(30)
+    assert reply.status_code == 200 and reply.json()["choices"][0]["text"]
+    assert f"org/bundled@{hub.repos['org/bundled'].commit}" in line
+    checkpoint = Checkpoint.open(sharded_bundled)
+    for rank, worker in enumerate(workers):
+        files = hub_files(checkpoint, *stage_of(checkpoint, "auto", [], rank, 2))
+        assert f"safetensors files of org/bundled@{hub.repos['org/bundled'].commit} from the Hub" in worker.log_text()
+        assert f": {', '.join(files)}\n" in worker.log_text()
+        assert cached_weights(tmp_path / f"hf{rank}") == set(files)
+    assert cached_weights(tmp_path / "hf-server") == set()

@@ -14,6 +14,7 @@ from pathlib import Path
 from shardspec.models.config import ConfigError
 
 log = logging.getLogger("shardspec.hub")
+logging.getLogger("httpx").setLevel(logging.WARNING)  # (huggingface_hub's client logs every request at INFO)
 
 # what the orchestrator reads of a model: never its weights
 SMALL_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
@@ -73,7 +74,9 @@ def resolve(ref: HubRef, names: Iterable[str] = SMALL_FILES) -> HubModel:
     it cannot be reached, does not exist or is gated."""
     from huggingface_hub import snapshot_download
 
-    folder = _hub_call(ref, lambda: snapshot_download(ref.repo, revision=ref.revision, allow_patterns=list(names)))
+    quiet = _progress_class(lambda _n, _size: None)
+    folder = _hub_call(ref, lambda: snapshot_download(ref.repo, revision=ref.revision, allow_patterns=list(names),
+                                                      tqdm_class=quiet))
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise ConfigError(f"Hub model {ref} has no config.json: is it a transformers model repository?")

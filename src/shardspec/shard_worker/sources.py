@@ -41,9 +41,10 @@ class ModelSource:
 
 
 def local_folder(model: str, root: Path | None) -> Path | None:
-    """The model folder at path `model` on this host, if there is one (and it lies under `root`)."""
+    """The model folder at path `model` on this host, if there is one (and it lies under `root`);
+    whether it holds a readable model, Checkpoint.open says."""
     path = Path(model)
-    if not path.is_absolute() or not (path / "config.json").is_file():
+    if not path.is_dir():
         return None
     if root is not None and not path.resolve().is_relative_to(root.resolve()):
         return None
