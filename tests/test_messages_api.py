@@ -5,15 +5,12 @@ the streamed events, count_tokens, and errors in Anthropic's shape."""
 from __future__ import annotations
 
 import json
-import time
 
 import anthropic
 import httpx
 import jsonschema
 import pytest
-from test_server import start_server, worker_stats
-
-from shardspec.testing.chat_model import write_chat_model
+from served_chat import leave_a_stream, serve_chat_model
 
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 3},
                                          "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -27,10 +24,7 @@ ALL_TOKENS = {"extra_body": {"ignore_eos": True}}  # (a greedy random model may 
 
 @pytest.fixture(scope="module")
 def chat_server(tmp_path_factory):
-    """The chat model on one local CPU worker, MTP on."""
-    folder = tmp_path_factory.mktemp("messages")
-    write_chat_model(folder / "model")
-    started = start_server(folder, "--model", str(folder / "model"), "--local", "1", "--max-seq-len", "1024")
+    started = serve_chat_model(tmp_path_factory.mktemp("messages"))
     yield started
     assert started.stop() == 0, started.log.read_text(errors="replace")
 
@@ -160,21 +154,9 @@ def test_count_tokens_counts_the_prompt_a_message_is_generated_from(client, mode
 
 def test_a_client_that_leaves_a_streamed_message_frees_its_sequence(chat_server, model):
     body = {"model": model, "messages": ASK, "max_tokens": 400, "stream": True, "ignore_eos": True, **NO_THINKING}
-    with httpx.Client(timeout=60) as http, http.stream("POST", f"{chat_server.root}/v1/messages", json=body) as reply:
-        lines = reply.iter_lines()
-        while "text_delta" not in next(lines):
-            pass  # until it streams text
-    deadline = time.monotonic() + 30
-    while (stats := worker_stats(chat_server)[0])["live_sequences"] and time.monotonic() < deadline:
-        time.sleep(0.05)
+    stats, cancelled = leave_a_stream(chat_server, f"{chat_server.root}/v1/messages", body, "text_delta")
     assert stats["live_sequences"] == [] and stats["slots_free"] == stats["slots_total"]
-    assert cancelled(chat_server) == 1  # (not run to its end)
-
-
-def cancelled(chat_server) -> float:
-    metrics = httpx.get(f"{chat_server.root}/metrics").text
-    row = 'shardspec_requests_total{endpoint="/v1/messages",outcome="cancelled"} '
-    return sum(float(line.removeprefix(row)) for line in metrics.splitlines() if line.startswith(row))
+    assert cancelled == 1  # (not run to its end)
 
 
 @pytest.mark.parametrize(("body", "status", "kind", "words"), [

@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import time
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from test_server import start_server, worker_stats
+from served_chat import leave_a_stream, serve_chat_model
 
 from shardspec.server.response_store import ResponseStore
-from shardspec.testing.chat_model import write_chat_model
 
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 3},
                                          "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -32,10 +30,7 @@ FORECAST = {"type": "object", "properties": {"sky": {"enum": ["sunny", "rainy"]}
 
 @pytest.fixture(scope="module")
 def chat_server(tmp_path_factory):
-    """The chat model on one local CPU worker, MTP on."""
-    folder = tmp_path_factory.mktemp("responses")
-    write_chat_model(folder / "model")
-    started = start_server(folder, "--model", str(folder / "model"), "--local", "1", "--max-seq-len", "1024")
+    started = serve_chat_model(tmp_path_factory.mktemp("responses"))
     yield started
     assert started.stop() == 0, started.log.read_text(errors="replace")
 
@@ -217,21 +212,9 @@ def test_structured_outputs_and_chat_template_kwargs_are_taken_as_chat_completio
 def test_a_client_that_leaves_a_streamed_response_frees_its_sequence(chat_server, model):
     body = {"model": model, "input": "hi", "max_output_tokens": 400, "stream": True, "ignore_eos": True,
             "reasoning": {"effort": "none"}}
-    with httpx.Client(timeout=60) as http, http.stream("POST", f"{chat_server.url}/responses", json=body) as reply:
-        lines = reply.iter_lines()
-        while "output_text.delta" not in next(lines):
-            pass  # until it streams text
-    deadline = time.monotonic() + 30
-    while (stats := worker_stats(chat_server)[0])["live_sequences"] and time.monotonic() < deadline:
-        time.sleep(0.05)
+    stats, cancelled = leave_a_stream(chat_server, f"{chat_server.url}/responses", body, "output_text.delta")
     assert stats["live_sequences"] == [] and stats["slots_free"] == stats["slots_total"]
-    assert cancelled(chat_server) == 1  # (not run to its end)
-
-
-def cancelled(chat_server) -> float:
-    metrics = httpx.get(f"{chat_server.root}/metrics").text
-    row = 'shardspec_requests_total{endpoint="/v1/responses",outcome="cancelled"} '
-    return sum(float(line.removeprefix(row)) for line in metrics.splitlines() if line.startswith(row))
+    assert cancelled == 1  # (not run to its end)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("agents") is None, reason="the openai-agents SDK is not installed "

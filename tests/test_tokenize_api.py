@@ -6,10 +6,9 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from test_server import start_server
+from served_chat import serve_chat_model
 
 from shardspec.orchestrator.tokenizer import Tokenizer
-from shardspec.testing.chat_model import write_chat_model
 
 CONTEXT = 512
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the weather in Paris?"}]
@@ -19,10 +18,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 @pytest.fixture(scope="module")
 def chat_server(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tokenize")
-    write_chat_model(folder / "model")
-    started = start_server(folder, "--model", str(folder / "model"), "--local", "1", "--max-seq-len", str(CONTEXT))
-    started.folder = folder / "model"
+    started = serve_chat_model(tmp_path_factory.mktemp("tokenize"), CONTEXT)
     yield started
     assert started.stop() == 0, started.log.read_text(errors="replace")
 
@@ -39,7 +35,7 @@ def post(chat_server, route: str, body: dict) -> httpx.Response:
 def test_a_prompt_s_count_and_tokens_are_those_a_completion_uses(chat_server, model):
     prompt = "def fibonacci(n):\n    return n"
     reply = post(chat_server, "tokenize", {"model": model, "prompt": prompt, "return_token_strs": True}).json()
-    tokenizer = Tokenizer.from_folder(chat_server.folder)
+    tokenizer = Tokenizer.from_folder(chat_server.model)
     assert reply["tokens"] == tokenizer.encode(prompt) and reply["count"] == len(reply["tokens"])
     assert reply["max_model_len"] == CONTEXT
     assert reply["token_strs"] == [tokenizer.inner.id_to_token(i) for i in reply["tokens"]]
