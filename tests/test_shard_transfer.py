@@ -178,8 +178,11 @@ def test_a_full_disk_is_a_clear_error_and_leaves_the_cache_consistent(receiver, 
 @pytest.mark.slow  # three loads on two spawned workers: ~10 s on an idle 2-core host, 30 s on a busy one
 def test_workers_with_empty_disks_serve_a_model_only_the_orchestrator_has_then_read_it_from_their_cache(
         tmp_path, tiny_model_vl, spawn_worker, caplog):
+    progress: list[list] = []
+
     async def tokens(model: Path) -> list[int]:
-        async with connect(model=str(model), workers=workers, pp=2, dtype="float32", max_seqs=1) as engine:
+        async with connect(model=str(model), workers=workers, pp=2, dtype="float32", max_seqs=1,
+                           on_progress=progress.append) as engine:
             return [t async for chunk in engine.generate(PROMPT, max_tokens=12, temperature=0.0)
                     for t in chunk.token_ids]
 
@@ -190,9 +193,13 @@ def test_workers_with_empty_disks_serve_a_model_only_the_orchestrator_has_then_r
     with caplog.at_level(logging.INFO, logger="shardspec.orchestrator"):
         sent = asyncio.run(tokens(tiny_model_vl))  # a folder outside --model-dir: as on another host
         assert "sent " in caplog.text and caplog.text.count("from its cache, once sent from here") == 2
+        # the transfer shows in the progress the operator sees: bytes sent of the stage's, then the load's bytes
+        assert all(len(totals(progress, rank)) == 2 for rank in range(2)), [totals(progress, r) for r in range(2)]
+        progress.clear()
         caplog.clear()
         cached = asyncio.run(tokens(tiny_model_vl))
         assert "sent " not in caplog.text and caplog.text.count("from its cache\n") == 2
+        assert all(len(totals(progress, rank)) == 1 for rank in range(2))
         caplog.clear()
         folder = asyncio.run(tokens(disk / "model"))
         assert caplog.text.count("from its folder\n") == 2
@@ -215,3 +222,8 @@ def test_a_corrupt_or_oversized_chunk_on_the_wire_is_an_error_reply_and_the_work
                {"data": torch.zeros(MAX_CHUNK_BYTES + 1, dtype=torch.uint8)})
     assert big.op == "error" and "1 to" in big.meta["message"]
     assert call("hello", {}).op == "hello" and worker.proc.poll() is None
+
+
+def totals(progress: list[list], rank: int) -> set[int]:
+    """The distinct totals (bytes) a worker's progress reports counted towards."""
+    return {report[rank].bytes_total for report in progress if report[rank] is not None and report[rank].bytes_total}

@@ -135,7 +135,8 @@ class Transfer:
             return
         self.rates[worker].acked(count)
         self.sent[worker] += count
-        worker.loading = LoadProgress(done, len(self.needs[worker]), self.sent[worker], self.totals[worker])
+        items = done + future.result()[0].done  # (an item counts once its last chunk is in)
+        worker.loading = LoadProgress(items, len(self.needs[worker]), self.sent[worker], self.totals[worker])
         if self.group.on_progress is not None:
             self.group.on_progress(self.group.load_progress())
 
