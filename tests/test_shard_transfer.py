@@ -227,3 +227,14 @@ def test_a_corrupt_or_oversized_chunk_on_the_wire_is_an_error_reply_and_the_work
 def totals(progress: list[list], rank: int) -> set[int]:
     """The distinct totals (bytes) a worker's progress reports counted towards."""
     return {report[rank].bytes_total for report in progress if report[rank] is not None and report[rank].bytes_total}
+
+
+def test_a_blob_larger_than_the_free_disk_is_refused_before_any_byte_is_written(receiver, monkeypatch):
+    usage = shutil.disk_usage(receiver.cache.root)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _path: usage._replace(free=1000))
+    data = b"v" * 4096
+    with pytest.raises(ProtocolError) as refused:
+        receiver.chunk(_chunk("tensor:v", data), {"data": _frame(data)})
+    assert refused.value.code == ErrorCode.CAPACITY and "0.0 MB free" in refused.value.message
+    assert "--cache-dir" in refused.value.message
+    assert receiver.cache.held_bytes("a" * 64, "tensor:v") == 0

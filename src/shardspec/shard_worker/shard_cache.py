@@ -14,11 +14,13 @@ and leaves the partial file as long as its last whole chunk.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -145,18 +147,18 @@ class ShardCache:
         _fsync_dir(target.parent)
         return target
 
-    def make_room(self, incoming: int, keep: set[str]) -> None:
-        """Evict the least recently used blobs (not those in `keep`) until `incoming` more bytes fit
-        the size limit; CacheFull if they cannot."""
+    def make_room(self, incoming: int, keep: set[str], writing: Path | None = None) -> None:
+        """Evict the least recently used blobs and partial files (not the blobs in `keep`, nor the
+        partial file being written) until `incoming` more bytes fit the size limit and the disk;
+        CacheFull if they cannot."""
         with self._locked():
-            blobs = sorted(((p.stat().st_mtime, p.stat().st_size, p) for p in (self.root / "blobs").iterdir()
-                            if p.is_file()), key=lambda entry: entry[0])
-            partial = sum(p.stat().st_size for p in (self.root / "partial").iterdir() if p.is_file())
-            used = sum(size for _, size, _ in blobs) + partial
-            for _, size, path in blobs:
-                if used + incoming <= self.limit:
+            files = [(p.stat().st_mtime, p.stat().st_size, p) for sub in ("blobs", "partial")
+                     for p in (self.root / sub).iterdir() if p.is_file()]
+            used = sum(size for _, size, _ in files)
+            for _, size, path in sorted(files, key=lambda entry: entry[0]):
+                if used + incoming <= self.limit and incoming <= shutil.disk_usage(self.root).free:
                     break
-                if path.name in keep:
+                if path.name in keep or path == writing:
                     continue
                 path.unlink(missing_ok=True)
                 used -= size
@@ -165,6 +167,10 @@ class ShardCache:
                 raise CacheFull(0, f"the shard cache at {self.root} holds {used / 1e6:.1f} MB in use and needs "
                                 f"{incoming / 1e6:.1f} MB more, over its limit of {self.limit / 1e6:.1f} MB: raise "
                                 "the worker's --cache-size")
+            if (free := shutil.disk_usage(self.root).free) < incoming:
+                raise CacheFull(errno.ENOSPC, f"the disk of the shard cache at {self.root} has {free / 1e6:.1f} MB "
+                                f"free, {incoming / 1e6:.1f} MB are needed (free space on that disk, or give the "
+                                "worker another --cache-dir)")
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:

@@ -87,7 +87,8 @@ class ShardReceiver:
                                 "hash to its sha256 (corrupted on the way); send it again")
         try:
             if body.offset == 0:
-                self.cache.make_room(body.total, keep=set(self.cache.tensors(body.key).values()))
+                self.cache.make_room(body.total, keep=set(self.cache.tensors(body.key).values()),
+                                     writing=self.cache.partial(body.key, body.item))
             digest = self._digest(body)
             held = self.cache.append(body.key, body.item, body.offset, data)
         except CacheFull as exc:
