@@ -31,13 +31,15 @@ from typing import Any
 
 import torch
 
+from shardspec.layers.batch import CachedLayer
+
 # the most branches a step carries (the widest tree pass: 64 tokens, within a stage link's frame bound)
 MAX_BRANCHES = 16
 CANDIDATES = 4  # tokens c considered per acceptance length
-WIDTHS = (0, 4, 8, 2, 16)  # the widths the adaptive choice measures, in the order it first tries them
+WIDTHS = (0, 2, 4, 8, 16)  # the widths the adaptive choice measures (0: no tree), each wider while it pays
 SETTLE = 2  # lone steps after a change of width that still run trees of the width before: not counted
 BLOCK = 6  # lone steps counted per measurement of a width
-EXPLORE_EVERY = 4  # every this many blocks, a width next to the best runs
+EXPLORE_EVERY = 6  # every this many blocks, a width next to the best runs
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,13 @@ def rows_of(saved: dict, rows: list[int]) -> dict:
     return {layer: tuple(t[index.to(t.device)] for t in inputs) for layer, inputs in saved.items()}
 
 
+def draft_layers(model: Any) -> list:
+    """The cached layers of a model's MTP module (all its cached layers where it has none by that name):
+    the only ones a branch's draft chain writes."""
+    mtp = getattr(model, "mtp", None)
+    return [m for m in mtp.modules() if isinstance(m, CachedLayer)] if mtp is not None else model.cached_layers()
+
+
 class BranchSlots:
     """Cache rows set aside for branches: `width` slots (recurrent states and block-table rows) after
     the sequences' own and the scratch slot, and two K/V blocks each after the scratch block (a
@@ -108,12 +117,15 @@ class BranchSlots:
         self.tables, self.block_tokens = tables, block_tokens
         self.private: list[list[tuple[int, int]]] = []  # per branch of the last fork: (table entry, its block)
 
-    def fork(self, model: Any, slot: int, starts: list[int], span: int) -> torch.Tensor:
+    def fork(self, model: Any, slot: int, starts: list[int], span: int, layers: list | None = None) -> torch.Tensor:
         """A branch slot per start: `slot`'s recurrent state and block table, with private copies of
-        the blocks that hold positions start .. start + span - 1 (what the branch writes)."""
+        the blocks that hold positions start .. start + span - 1 (what the branch writes), in the
+        cached layers `layers` (default: all the model's)."""
         device = self.tables.device
         slots = torch.arange(self.first_slot, self.first_slot + len(starts), device=device)
-        model.copy_states(torch.full_like(slots, slot), slots)
+        layers = model.cached_layers() if layers is None else layers
+        for layer in layers:
+            layer.copy_states(torch.full_like(slots, slot), slots)
         self.tables[slots] = self.tables[slot].clone()
         src, dst, self.private = [], [], []
         bt = self.block_tokens
@@ -124,7 +136,9 @@ class BranchSlots:
                 src.append(int(self.tables[slot, entry]))
                 dst.append(block)
                 self.tables[self.first_slot + i, entry] = block
-        model.copy_blocks(torch.tensor(src, device=device), torch.tensor(dst, device=device))
+        src, dst = torch.tensor(src, device=device), torch.tensor(dst, device=device)
+        for layer in layers:
+            layer.copy_blocks(src, dst)
         return slots
 
     def take(self, model: Any, branch: int, slot: int) -> None:
@@ -138,10 +152,11 @@ class BranchSlots:
 
 class TreeGuesser:
     """The last stage's side: the branches of the step in flight, made once its record has left, and
-    the tree's width. Adaptive width: each width of WIDTHS (0: no tree) runs for blocks of lone steps
-    and the tokens a second of each block are measured (the hit rate, the drafts the branches make,
-    the stages' pass over more rows and the link's idle time all show in it); the best width runs on,
-    the one next to it runs every EXPLORE_EVERY blocks. The ranks of a stage agree on each block's
+    the tree's width. Adaptive width: widths of WIDTHS (0: no tree) run for blocks of lone steps and
+    the tokens a second of each block are measured (the hit rate, the drafts the branches make, the
+    stages' passes over more rows and the link's idle time all show in it): from none, each wider
+    one while the widest so far is the fastest; then the fastest runs on, and one next to it every
+    EXPLORE_EVERY blocks. The ranks of a stage agree on each block's
     time (one all-reduce a block), so that they choose alike."""
 
     def __init__(self, draft_len: int, fixed: int = 0):
@@ -188,14 +203,12 @@ class TreeGuesser:
         self.blocks, self.block = self.blocks + 1, (0, 0, 0.0)
         untried = [w for w in self.order if w not in self.rates]
         best = max(self.rates, key=self.rates.__getitem__)
-        widths = sorted(self.order)
-        i = widths.index(best)
-        if untried:
+        i = self.order.index(best)
+        if untried and best == max(self.rates):  # the widest so far is the fastest: one wider
             self.current = untried[0]
         elif self.blocks % EXPLORE_EVERY == 0:  # a neighbour, wider and narrower in turn
-            self.current = (
-                widths[min(i + 1, len(widths) - 1)] if self.blocks // EXPLORE_EVERY % 2 else widths[max(i - 1, 0)]
-            )
+            wider = self.blocks // EXPLORE_EVERY % 2
+            self.current = self.order[min(i + 1, len(self.order) - 1)] if wider else self.order[max(i - 1, 0)]
         else:
             self.current = best
 
@@ -245,7 +258,7 @@ class TreeGuesser:
     ) -> list[list[int]]:
         """k drafts for each branch, chained from its head after its token c at once, each branch in
         a slot forked from the sequence's (its MTP cache up to its start, written past it alone)."""
-        slots = decoder.branch_slots.fork(decoder.model, slot, starts, self.k)
+        slots = decoder.branch_slots.fork(decoder.model, slot, starts, self.k, draft_layers(decoder.model))
         head = torch.cat(heads)
         current = torch.tensor(tokens, device=slots.device)
         positions = torch.tensor(starts, device=slots.device)
