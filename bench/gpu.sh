@@ -59,6 +59,14 @@
 #   pp-b1   one H200 or H100, ~8 minutes: 9B-class batch 1, MTP off and k = 3 at 0.8, PP = 1 and PP = 2 with both
 #           stages on cuda:0 (8 GiB of cache a stage: the default takes 90 % of the GPU), then PP = 2's link cost;
 #           each run within 280 s (PP = 2 loads and captures two stages: over 150 s on an H100)
+#   cached-turn  one H200 or H100, ~4 minutes: a cached 8,000-token turn on the worker alone (bench/profile_step.py
+#           --cached-turn, in-process, MTP off and k = 3, while the 9B-class checkpoint is written), then
+#           bench/prefix_cache.py's two conversations of an 8,000-token system prompt (cache on and off, where each
+#           turn's time to first token goes)
+#   grammar one H200 or H100, ~4 minutes: bench/structured.py on the 9B-class weights with the bundled tokenizer, MTP
+#           on and off (with the grammar's host time a step)
+#   serving-tests  one H200 or H100, ~5 minutes: the GPU tests of the prefix cache, of JSON under CUDA graphs and of
+#           PP = 2 at the 9B widths
 # Then, where matplotlib is: python bench/plot_decode.py OUT/decode-9b-tp1.json ... --out docs/decode.png
 set -euo pipefail
 if [ $# -lt 3 ]; then
@@ -70,8 +78,8 @@ shift 2
 for stage in "$@"; do
     case $stage in
     tests | 9b | 9b-tp2 | tp2-profile | 27b | floor | deterministic | pp | moe | moe-wide | fp8 | parts | gemv | paged \
-        | serving | pp-b1) ;;
-    *) echo "gpu.sh: unknown stage '$stage' (tests, 9b, 9b-tp2, tp2-profile, 27b, floor, deterministic, pp, moe, moe-wide, fp8, parts, gemv, paged, serving, pp-b1)" >&2
+        | serving | pp-b1 | cached-turn | grammar | serving-tests) ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, 9b, 9b-tp2, tp2-profile, 27b, floor, deterministic, pp, moe, moe-wide, fp8, parts, gemv, paged, serving, pp-b1, cached-turn, grammar, serving-tests)" >&2
        exit 2 ;;
     esac
 done
@@ -271,6 +279,27 @@ for stage in "$@"; do
             timeout 100 python3 bench/structured.py --model .bench/9b-chat --local 1 --mtp $mtp \
                 --json "$out/structured-9b-mtp-$mtp.json" 2>&1 | tee "$out/structured-9b-mtp-$mtp.log" || failed=1
         done
+        ;;
+    cached-turn)
+        [ -f .bench/9b-chat/config.json ] || { write_9b > "$out/write-9b.log" 2>&1 & }
+        timeout 150 python3 bench/profile_step.py --size 9b --k 0 3 --steps 10 --cached-turn 8000 60 2>&1 \
+            | tee "$out/cached-turn-9b.log" || failed=1
+        wait
+        [ -f .bench/9b-chat/config.json ] || failed=1
+        timeout 230 python3 bench/prefix_cache.py --system-tokens 8000 --conversations 2 --turns 2 --concurrency 1 \
+            --max-tokens 16 --json "$out/prefix-cache-9b-8000.json" -- --model .bench/9b-chat --local 1 2>&1 \
+            | tee "$out/prefix-cache-9b-8000.log" || failed=1
+        ;;
+    grammar)
+        [ -f .bench/9b-chat/config.json ] || write_9b > "$out/write-9b.log" 2>&1 || failed=1
+        for mtp in on off; do   # the target (MTP on) first
+            timeout 110 python3 bench/structured.py --model .bench/9b-chat --local 1 --mtp $mtp \
+                --json "$out/structured-9b-mtp-$mtp.json" 2>&1 | tee "$out/structured-9b-mtp-$mtp.log" || failed=1
+        done
+        ;;
+    serving-tests)
+        timeout 300 python3 -m pytest -q tests/test_cuda.py -k "prefix or json_under_cuda_graphs or 9b_widths" \
+            --durations=5 2>&1 | tee "$out/tests-serving.log" || failed=1
         ;;
     pp-b1)
         [ -f .bench/9b/config.json ] || write_9b || failed=1

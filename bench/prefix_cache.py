@@ -25,7 +25,9 @@ Figures, per run: time to first token (TTFT) at p50 and p95 (nearest rank) for e
 completion tokens/s over the whole trace; the hit rate, cached ÷ prompt tokens, where cached is the
 response's usage.prompt_tokens_details.cached_tokens (0 when absent); the hit rate of reusable tokens,
 cached ÷ reusable; the deltas of shardspec_prefix_cache_queries_total and _hits_total on /metrics
-when the server has them; and, with the cache on, the second-turn figures: over the conversations
+when the server has them; at --concurrency 1, where each turn's time to first token goes (the deltas of
+the server's shardspec_time_to_first_token_phase_seconds around it, and the client's TTFT less the
+server's); and, with the cache on, the second-turn figures: over the conversations
 whose first turn found nothing cached, the median of TTFT(turn 1) ÷ TTFT(turn 2); and the median TTFT
 of turn 1 ÷ that of turn 2 over all conversations.
 
@@ -142,6 +144,7 @@ class Turn:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int | None = None  # None: the response did not say
+    phases: dict[str, float] | None = None  # where its TTFT went, ms (concurrency 1: read off /metrics)
 
     @property
     def ttft(self) -> float:
@@ -183,7 +186,13 @@ async def run_trace(url: str, model: str, trace: Trace, args: argparse.Namespace
                 messages.append({"role": "user", "content": user})
                 turn = Turn(c, t, list(messages))
                 turns.append(turn)
+                before = await phase_sums(http, url) if args.concurrency == 1 else None
                 await chat_turn(http, url, model, turn, args.max_tokens)
+                if before is not None:
+                    after = await phase_sums(http, url)
+                    turn.phases = {name: 1e3 * (after.get(name, 0.0) - before.get(name, 0.0)) for name in after}
+                    if SERVER_TTFT in turn.phases:  # the rest of the client's TTFT: HTTP, the server's parsing
+                        turn.phases["HTTP"] = turn.ttft * 1e3 - turn.phases.pop(SERVER_TTFT)
                 messages.append({"role": "assistant", "content": turn.reply})
 
         async def client() -> None:
@@ -193,6 +202,24 @@ async def run_trace(url: str, model: str, trace: Trace, args: argparse.Namespace
         started = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(args.concurrency)))
     return turns, time.perf_counter() - started
+
+
+SERVER_TTFT = "server TTFT"
+PHASES = ("prepare", "queue", "first step", "wire", "stream", "HTTP")
+
+
+async def phase_sums(http: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """The server's sums (s) of shardspec_time_to_first_token_phase_seconds by phase, and of its
+    time to first token (SERVER_TTFT); empty where the server has none."""
+    text = (await http.get(url.removesuffix("/v1") + "/metrics")).text
+    sums = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "shardspec_time_to_first_token_phase_seconds_sum":
+                sums[sample.labels["phase"]] = sample.value
+            elif sample.name == "shardspec_time_to_first_token_seconds_sum":
+                sums[SERVER_TTFT] = sample.value
+    return sums
 
 
 def reusable_tokens(turns: list[Turn], text: Text) -> tuple[list[int], int]:
@@ -239,7 +266,7 @@ def summarize(turns: list[Turn], wall: float, reusable: list[int], mismatched: i
             "per_turn": per_turn(turns, reusable), "prefix_cache_metrics": metrics,
             "turns": [{"conversation": t.conversation + 1, "turn": t.turn, "sent_s": t.sent - start,
                        "ttft_ms": t.ttft * 1e3, "prompt_tokens": t.prompt_tokens, "cached_tokens": t.cached_tokens,
-                       "reusable_tokens": r} for t, r in zip(turns, reusable)]}
+                       "reusable_tokens": r, "phases_ms": t.phases} for t, r in zip(turns, reusable)]}
 
 
 def per_turn(turns: list[Turn], reusable: list[int]) -> dict[str, dict[str, float]]:
@@ -253,6 +280,9 @@ def per_turn(turns: list[Turn], reusable: list[int]) -> dict[str, dict[str, floa
                             "reusable_share": reused / sum(t.prompt_tokens for t, _ in mine),
                             "cached_of_reusable": sum(t.cached_tokens or 0 for t, _ in mine) / reused if reused
                             else 0.0}
+        if all(t.phases for t, _ in mine):
+            rows[str(index)]["phases_p50_ms"] = {name: percentile([t.phases.get(name, 0.0) for t, _ in mine], 50)
+                                                 for name in PHASES}
     return rows
 
 
@@ -400,6 +430,18 @@ def print_trace(result: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"| {index} | {row['ttft_p50_ms']:.0f} | {row['ttft_p95_ms']:.0f} | {fmt(other.get('ttft_p50_ms'))} | "
               f"{fmt(other.get('ttft_p95_ms'))} | {100 * row['reusable_share']:.0f} | "
               f"{100 * row['cached_of_reusable']:.0f} |")
+    phased = [(name, run) for name, run in (("on", on), ("off", off))
+              if run and all("phases_p50_ms" in row for row in run["per_turn"].values())]
+    if phased:
+        print("\nwhere the time to first token goes, p50 of each phase (ms): prepare (template, tokens, checks), "
+              "queue (to the prefill step's sending), first step (the slowest worker's time in it), wire (the rest "
+              "of its round trip), stream (to the response), HTTP (the client's TTFT less the server's)\n")
+        print("| cache | turn | " + " | ".join(PHASES) + " | TTFT p50 |")
+        print("|---|---|" + "---|" * (len(PHASES) + 1))
+        for name, run in phased:
+            for index, row in run["per_turn"].items():
+                print(f"| {name} | {index} | " + " | ".join(f"{row['phases_p50_ms'][p]:.1f}" for p in PHASES)
+                      + f" | {row['ttft_p50_ms']:.1f} |")
     rows = [("prompt tokens", "prompt_tokens", ","), ("cached tokens", "cached_tokens", ","),
             ("reusable tokens", "reusable_tokens", ","), ("hit rate (cached ÷ prompt)", "hit_rate", ".1%"),
             ("hit rate of reusable (cached ÷ reusable)", "reusable_hit_rate", ".1%"),

@@ -13,12 +13,14 @@ set in each rank's process as a worker sets them from its init request. With
 --tp N it starts N processes, one per GPU, in one NCCL group (each holding its own random shard);
 rank 0 prints, with the all-reduce kernels of both ranks side by side: how long each ran, and how
 far apart the ranks arrived. With
---prefill it also times prefills of those prompt lengths and profiles the last.
+--prefill it also times prefills of those prompt lengths and profiles the last; with --cached-turn, the
+step of a turn whose conversation is cached (bench/prefix_cache.py's case, on the worker alone).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -32,7 +34,7 @@ from shardspec.layers.parallel import TPGroup, use_symmetric_memory
 from shardspec.models.qwen3_5 import Qwen3_5Config, Qwen3_5Model, Qwen3_5MoeConfig
 from shardspec.option_flags import add_flags, from_flags
 from shardspec.orchestrator.workers import free_port
-from shardspec.protocol.messages import PrefillSpec, SamplingParams, StepRequest, WorkerOptions
+from shardspec.protocol.messages import PrefillSpec, SamplingParams, SaveAt, StepRequest, WorkerOptions
 from shardspec.shard_worker.decoder import Decoder
 from shardspec.testing.grants import Grants
 from shardspec.testing.sizes import SIZES
@@ -164,6 +166,49 @@ def prefill_profile(model: Qwen3_5Model, device: torch.device, length: int, chun
     runner.close()
 
 
+def cached_turn_profile(model: Qwen3_5Model, device: torch.device, context: int, tail: int, k: int,
+                        forced: float | None, graphs: bool, say) -> None:
+    """A cached turn on the worker: a sequence whose first `context` positions are cached (its saved
+    recurrent state restored, the boundary block copied) prefills its `tail` new tokens and samples
+    and drafts its first token; the median time of that step and the operators of one. (The cached
+    K/V is random here: the time is the same.)"""
+    runner = Decoder(model, device, 2, context + tail + 64, 2048, k, forced, cuda_graphs=graphs, prefix_cache=True)
+    grants = Grants(runner)
+    torch.manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (context + tail,))
+    grants.step(StepRequest(prefill=[PrefillSpec(seq=0, length=context, max_tokens=1,
+                                                 saves=[SaveAt(context, 0)])]), prompt[:context])
+    grants.release([0])
+    boundary = (context - 1) // runner.paging.block_tokens
+
+    def once(seq: int) -> None:
+        spec = dataclasses.replace(grants(StepRequest(prefill=[PrefillSpec(seq=seq, length=context + tail,
+                                                                           max_tokens=16)])).prefill[0])
+        spec = dataclasses.replace(spec, cached=context, state=0,
+                                   copy_from=spec.blocks[boundary] if context % runner.paging.block_tokens else -1)
+        runner.step(StepRequest(prefill=[spec]), prompt)
+        grants.release([seq])
+
+    times = []
+    for seq in range(1, 8):  # the first two warm up
+        sync(device)
+        started = time.perf_counter()
+        once(seq)
+        sync(device)
+        times.append(time.perf_counter() - started)
+    median = 1000 * statistics.median(times[2:])
+    runs = ", ".join(f"{1000 * t:.1f}" for t in times[2:])
+    say(f"cached turn: {tail} new tokens after {context} cached, k = {k}: median {median:.2f} ms (of "
+        f"{len(times) - 2}: {runs})", flush=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                                if device.type == "cuda" else [torch.profiler.ProfilerActivity.CPU]) as prof:
+        once(100)
+        sync(device)
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    say(prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=60))
+    runner.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=SIZES, default="9b")
@@ -180,6 +225,9 @@ def main() -> None:
                         help="also time (and profile the last of) prefills of these prompt lengths, batch 1")
     parser.add_argument("--prefill-chunk", type=int, nargs="+", default=[2048],
                         help="the prefills' chunk sizes (the engine's prefill_chunk; default 2048)")
+    parser.add_argument("--cached-turn", type=int, nargs=2, metavar=("CONTEXT", "TAIL"), default=None,
+                        help="also time and profile a cached turn: TAIL new tokens after CONTEXT cached ones "
+                             "(restored state, copied boundary block), with each --k")
     add_flags(parser, WorkerOptions, "worker options", "as shardspec generate's, set in each rank's process")
     args = parser.parse_args()
     if args.tp == 1:
@@ -256,6 +304,10 @@ def run(rank: int, args: argparse.Namespace, address: str) -> None:
             all_reduce_timing(prof, device, say)
         runner.close()
         del runner
+    if args.cached_turn is not None:
+        for k in args.k:
+            cached_turn_profile(model, device, *args.cached_turn, k, args.forced if k else None,
+                                not args.no_graphs, say)
     for chunk in args.prefill_chunk:
         for length in args.prefill:
             last = chunk == args.prefill_chunk[-1] and length == args.prefill[-1]

@@ -10,7 +10,8 @@ One engine per MTP setting on --device (as `shardspec.connect`: the GPU where th
 each request's first ÷ the time after the first token (decode speed: a JSON object ends sooner
 than free text, so whole-request rates would weigh prefill differently), the MAL of its MTP steps,
 and, under the schema, the share of output tokens where the grammar allowed a single token (which
-MTP drafts, and the target accepts, as they are: jump-forward within the k drafts of a step). The
+MTP drafts, and the target accepts, as they are: jump-forward within the k drafts of a step), and the
+last stage's host time in grammar work (masks, advances, rollbacks) per step that had any. The
 schema: an object of a string, a bounded integer, an enum and an array of enums. Every output under
 the schema must parse as its JSON, but for one that --max-tokens cut short (random weights can write
 digits for ever): those are counted ("complete" says how many parsed).
@@ -44,6 +45,7 @@ async def row(engine, args: argparse.Namespace, constrained: bool) -> dict:
     tokens = steps = accepted = 0
     decode_tokens, decode_s = 0, 0.0
     outputs = []
+    before = (await engine.stats())[-1]  # the last stage: the grammars' host time
     for i in range(args.requests):
         ids, stats = [], None
         async for chunk in engine.generate(PROMPTS[i % len(PROMPTS)], max_tokens=args.max_tokens, temperature=0,
@@ -57,8 +59,11 @@ async def row(engine, args: argparse.Namespace, constrained: bool) -> dict:
         if len(ids) > 1:
             decode_tokens += len(ids) - 1
             decode_s += (len(ids) - 1) / stats["decode_tokens_per_s"]
+    after = (await engine.stats())[-1]
+    grammar_steps = after.grammar_steps - before.grammar_steps
+    grammar_ms = 1e3 * (after.grammar_s - before.grammar_s) / grammar_steps if grammar_steps else 0.0
     return {"tokens": tokens, "tokens_per_s": decode_tokens / decode_s, "mal": 1 + accepted / steps if steps else 1.0,
-            "outputs": outputs}
+            "grammar_ms_per_step": grammar_ms, "grammar_steps": grammar_steps, "outputs": outputs}
 
 
 def forced_share(model: Path, outputs: list[list[int]], vocab: int, eos: list[int]) -> float:
@@ -90,12 +95,13 @@ async def main(args: argparse.Namespace) -> dict:
     print(f"{args.requests} greedy requests of up to {args.max_tokens} tokens, {args.local} local worker(s) on "
           f"{args.device}\n")
     print("| MTP | tokens/s, no schema | tokens/s, JSON schema | ratio | MAL, no schema | MAL, schema | "
-          "tokens the grammar forced |")
-    print("|---|---|---|---|---|---|---|")
+          "tokens the grammar forced | grammar host ms a step |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         print(f"| {name} | {r['plain']['tokens_per_s']:.1f} | {r['schema']['tokens_per_s']:.1f} | "
               f"{r['schema']['tokens_per_s'] / r['plain']['tokens_per_s']:.2f}× | {r['plain']['mal']:.2f} | "
-              f"{r['schema']['mal']:.2f} | {100 * r['forced_share']:.0f} % |")
+              f"{r['schema']['mal']:.2f} | {100 * r['forced_share']:.0f} % | "
+              f"{r['schema']['grammar_ms_per_step']:.3f} |")
     for name, r in results.items():
         print(f"MTP {name}: {r['schema']['complete']} of {args.requests} outputs under the schema complete, the others "
               f"cut at {args.max_tokens} tokens")

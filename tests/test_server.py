@@ -194,6 +194,23 @@ def test_metrics_parse_with_the_prometheus_parser_and_count_the_work(server):
     assert value[("shardspec_worker_slots_total", "shardspec_worker_slots_total", (("rank", "0"),))] == MAX_SLOTS
 
 
+def test_the_phases_of_the_time_to_first_token_add_up_to_it_and_none_is_negative(server):
+    """Each request's time to first token is split into phases (prepare, queue, first step, wire,
+    stream) on /metrics; over every request so far their sums equal the TTFT's sum."""
+    server.client().completions.create(model=MODEL, prompt="def f(", max_tokens=3, temperature=0)
+    text = httpx.get(f"{server.root}/metrics").text
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    ttft = {s.name: s.value for s in samples if s.name.startswith("shardspec_time_to_first_token_seconds")}
+    phases = {(s.labels["phase"], s.name.rsplit("_", 1)[1]): s.value for s in samples
+              if s.name.startswith("shardspec_time_to_first_token_phase_seconds") and "le" not in s.labels}
+    names = {"prepare", "queue", "first step", "wire", "stream"}
+    assert {phase for phase, _ in phases} == names
+    assert all(phases[(name, "count")] == ttft["shardspec_time_to_first_token_seconds_count"] > 0 for name in names)
+    assert sum(phases[(name, "sum")] for name in names) == pytest.approx(
+        ttft["shardspec_time_to_first_token_seconds_sum"], rel=1e-6, abs=1e-6)
+    assert phases[("first step", "sum")] > 0
+
+
 def test_a_repeated_chat_reports_its_cached_prompt_tokens_in_usage_and_metrics(server):
     messages = [{"role": "system", "content": "You are a careful Python reviewer. " * 30},
                 {"role": "user", "content": "def f(x): return x"}]

@@ -274,7 +274,9 @@ class EngineConfig:
                 self.model, self.model_key = str(self.hub_model.folder), hub_key(self.hub_model.pinned)
             elif self.hub_model is None and (Path(self.model) / "config.json").is_file():
                 self.model_key = folder_key(_open_checkpoint(Path(self.model)))
-        except (ConfigError, OSError) as exc:
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        except OSError as exc:
             raise ValueError(f"{self.model}: {exc}") from None
 
     def link_frame_bytes(self) -> int:

@@ -17,6 +17,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -186,6 +187,7 @@ class Engine:
         min_tokens: int = 0,
         cache_salt: str | None = None,
         prefix_points: list[int] | None = None,
+        arrived: float | None = None,
     ) -> AsyncIterator[Chunk]:
         """Stream the completion of `prompt` (text, or token ids) as Chunks. `logprobs=N` adds each
         token's log-probability under the target model (raw logits: before temperature, top-k and
@@ -204,8 +206,12 @@ class Engine:
         salt (None: with every request without one), so no other tenant can tell its prompt was seen.
         `prefix_points`: positions in the prompt where other prompts are likely to part from it (the end
         of a system prompt, of a message): the prefix cache saves a recurrent state at the block boundary
-        at or before each, so the next prompt that shares that prefix starts there."""
+        at or before each, so the next prompt that shares that prefix starts there. `arrived`: when the
+        request arrived (time.perf_counter(); a server's, default now), from which its first chunk's
+        `timeline` and its stats' time to first token count."""
         request = self._new_request(prompt, max_tokens, temperature, top_k, top_p, seed, stop_at_eos)
+        if arrived is not None:
+            request.started = min(arrived, request.started)
         request.cache_salt = values.cache_salt(cache_salt)
         request.prefix_points = values.prefix_points(prefix_points or [], len(request.prompt))
         request.stop_ids += values.stop_token_ids(stop_token_ids or [], self.load_info.vocab_size)
@@ -222,6 +228,7 @@ class Engine:
             if (failure := self.failure) is not None:  # (while it compiled)
                 self.grammars.release(request.grammar)
                 raise EngineError(failure)
+        request.queued_at = time.perf_counter()
         self.scheduler.add(request)
         self.wakeup.set()
         try:
@@ -379,6 +386,9 @@ class Engine:
         for request in requests:
             request.inflight += 1
         step, tensors = batch.command()
+        now = time.perf_counter()
+        for request in batch.prefill:
+            request.sent_at = request.sent_at or now
         return _Step(batch, self.group.submit_all(step, tensors), requests)
 
     def _requests_of(self, batch: ScheduledStep) -> list[Request]:
@@ -389,6 +399,8 @@ class Engine:
         if self.observer is not None:
             self.observer.on_step(max(r.step_s for r, _ in replies), reply.accepted)
         tensors = replies[-self.config.tp_size][1]  # the reply _agreed returns: the deciding stage's first rank
+        for request in step.batch.prefill:
+            request.first_step_s = request.first_step_s or max(r.step_s for r, _ in replies)
         finished = deliver(reply, self.scheduler.running, tensors)
         self.scheduler.replied(reply)
         self._release(self.scheduler.release(finished))

@@ -14,6 +14,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from shardspec.orchestrator.requests import FirstToken
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    10.0, 30.0, 60.0)
@@ -65,6 +67,19 @@ class ServingMetrics:
                                              registry=r)
         self.request_seconds = Histogram("shardspec_request_seconds", "From a request's arrival to its last "
                                          "token", buckets=LATENCY_BUCKETS, registry=r)
+        self.first_token_phases = Histogram(
+            "shardspec_time_to_first_token_phase_seconds", "Where a request's time to first token goes: prepare "
+            "(arrival to the scheduler's queue: the prompt's template, tokens and checks, its grammar), queue "
+            "(to its prefill step's sending), first step (the slowest worker's time in it), wire (the rest of "
+            "that step's round trip), stream (its reply to the first token handed to the response)",
+            ["phase"], buckets=LATENCY_BUCKETS, registry=r)
+
+    def first_token(self, timeline: FirstToken, elapsed: float) -> None:
+        """A request's first token is out, `elapsed` seconds after its arrival."""
+        for phase, seconds in timeline.phases().items():
+            self.first_token_phases.labels(phase=phase).observe(max(seconds, 0.0))
+        self.first_token_phases.labels(phase="stream").observe(max(elapsed - timeline.replied, 0.0))
+        self.time_to_first_token.observe(elapsed)
 
     def _gauges(self) -> None:
         r = self.registry

@@ -38,6 +38,29 @@ class Chunk:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
     cached_tokens: int | None = None  # the first chunk: prompt tokens the prefix cache held
+    timeline: FirstToken | None = None  # the first chunk: where its time to first token went
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """Where a request's time to its first token went, in seconds from its arrival (perf_counter):
+    `queued` it entered the scheduler's queue (after the prompt's checks, tokenizing a text prompt,
+    compiling its grammar), `sent` the step that prefills it left for the workers (its wait for a
+    slot, blocks and the steps before), `replied` that step's reply came back, of which `worker_s`
+    the slowest worker spent in the step (the rest: the wire, the stage links, the reply's decoding)."""
+
+    queued: float
+    sent: float
+    replied: float
+    worker_s: float
+
+    PHASES = ("prepare", "queue", "first step", "wire")
+
+    def phases(self) -> dict[str, float]:
+        """The phases up to the reply: prepare, queue, the first step on the workers, and the wire
+        and links around it."""
+        return {"prepare": self.queued, "queue": self.sent - self.queued, "first step": self.worker_s,
+                "wire": self.replied - self.sent - self.worker_s}
 
 
 class StepObserver(Protocol):
@@ -66,7 +89,10 @@ class Request:
     finished: bool = False
     failed: bool = False  # its numbers went bad on the workers (SamplingError): it ended without its last tokens
     solo: bool = False  # admitted into a step without other new requests (see Engine._refused)
-    started: float = field(default_factory=time.perf_counter)
+    started: float = field(default_factory=time.perf_counter)  # its arrival (a server's, or the engine's)
+    queued_at: float = 0.0  # it entered the scheduler's queue
+    sent_at: float | None = None  # the step that first prefills it was sent
+    first_step_s: float = 0.0  # the slowest worker's time in that step
     first_token_at: float | None = None
     drafts: int = 0  # verify steps with drafts
     accepted_tokens: int = 0
@@ -201,6 +227,10 @@ def deliver(reply: StepReply, running: dict[int, Request],
         first = request.generated == 0
         request.record(tokens, accepted, drafts, now)
         chunk = Chunk(tokens, cached_tokens=request.cached_tokens if first else None)
+        if first:
+            sent = now if request.sent_at is None else request.sent_at  # (None: a reply not of the engine's steps)
+            chunk.timeline = FirstToken(request.queued_at - request.started, sent - request.started,
+                                        now - request.started, request.first_step_s)
         if prompt_rows:
             chunk.prompt_logprobs = table.entries(index, 0, request.prompt[1:], request.prompt_logprobs)
         if token_rows:

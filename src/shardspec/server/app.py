@@ -185,6 +185,7 @@ class Service:
     # --- generation ---------------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
+        arrived = time.perf_counter()
         body = parse_body(await request.body(), CompletionBody)
         self.check(body)
         salt = self.salts.salt(request.headers.get("authorization"), body.cache_salt)
@@ -195,6 +196,7 @@ class Service:
         if body.logprobs is not None or body.echo:
             self.token_text("logprobs" if body.logprobs is not None else "echo")  # a tokenizer spells tokens
         for job in jobs:
+            job.arrived = arrived
             job.logprobs = body.logprobs
             job.sampling["cache_salt"] = salt
             if body.echo:

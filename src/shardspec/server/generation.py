@@ -90,13 +90,15 @@ class Generation:
         stops = StopText(job.stops, job.include_stop)
         prompt_logprobs = job.logprobs if job.echo is not None else None
         stream = self.service.engine.generate(job.prompt_ids, max_tokens=max(job.max_tokens, 1), logprobs=job.logprobs,
-                                              prompt_logprobs=prompt_logprobs, **job.sampling)
+                                              prompt_logprobs=prompt_logprobs, arrived=job.arrived, **job.sampling)
         try:
             async with aclosing(stream):
                 async for chunk in stream:
                     if job.echo_only:
                         chunk.token_ids, chunk.text = [], ""
                         chunk.logprobs = None if chunk.logprobs is None else []
+                    if chunk.timeline is not None:  # (the first chunk)
+                        metrics.first_token(chunk.timeline, time.perf_counter() - job.arrived)
                     self._count(chunk.token_ids)
                     if chunk.cached_tokens is not None:
                         self.cached_tokens = chunk.cached_tokens
@@ -137,7 +139,6 @@ class Generation:
         metrics = self.service.metrics
         if self.completion_tokens == 0 and token_ids:
             metrics.prompt_tokens.inc(len(self.job.prompt_ids))
-            metrics.time_to_first_token.observe(time.perf_counter() - self.job.arrived)
         self.completion_tokens += len(token_ids)
         metrics.generated_tokens.inc(len(token_ids))
 

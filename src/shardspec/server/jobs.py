@@ -28,7 +28,7 @@ class Job:
     echo: str | None = None  # the prompt's text, to start the choice with (completions' echo)
     include_stop: bool = False  # a matched stop string ends the text (vLLM's include_stop_str_in_output)
     constraint_param: str = "response_format"  # the body field its structured output came from (errors name it)
-    arrived: float = field(default_factory=time.perf_counter)
+    arrived: float = field(default_factory=time.perf_counter)  # its HTTP request reached the handler (set by it)
 
     @property
     def logprob_entries(self) -> int:
