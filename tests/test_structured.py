@@ -7,7 +7,9 @@ import asyncio
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from conftest import pooled
 from llguidance import LLMatcher
 
@@ -148,3 +150,28 @@ def test_min_tokens_keeps_the_end_of_text_away_until_then_and_bad_biases_are_val
 
     held = asyncio.run(run())
     assert 0 not in held[0][:12] and held[0][12:] == [0]  # end of text (biased up) as soon as it may come
+
+
+def test_forced_drafts_are_the_grammars_only_tokens_and_their_masks_are_the_fresh_ones():
+    """Constraint.forced gives the tokens the grammar alone allows next (each the single token of its
+    mask); the next masks over drafts that start with them reuse the masks computed on the way, and
+    equal masks computed afresh (also over drafts that part from them)."""
+    from shardspec.layers.grammar import Constraint, single
+
+    tokenizer = llg_tokenizer(Path(BUNDLED_MODEL) / "tokenizer.json", 4096, [0])
+    grammar = grammar_of({"json": SCHEMA})
+    text = tokenizer.tokenize_str('{"name":"ab","age":7,')  # the next key is the schema's: forced
+    constraint = Constraint(LLMatcher(tokenizer, grammar), np.array([], dtype=np.int64))
+    assert constraint.accept(text)
+    forced = constraint.forced(6)
+    assert tokenizer.decode_str(forced) == '"kind":"'
+    fresh = Constraint(LLMatcher(tokenizer, grammar), np.array([], dtype=np.int64))
+    assert fresh.accept(text)
+    for token in forced:
+        assert single(bytearray(fresh.masks([], 1).numpy().tobytes())) == token
+        assert fresh.accept([token])
+    for drafts in ([*forced, 5, 6], [*forced[:1], 9, 9, 9]):
+        again = Constraint(LLMatcher(tokenizer, grammar), np.array([], dtype=np.int64))
+        assert again.accept(text)
+        constraint.forced(6)
+        assert torch.equal(constraint.masks(drafts, len(drafts) + 1), again.masks(drafts, len(drafts) + 1))

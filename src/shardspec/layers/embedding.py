@@ -52,8 +52,16 @@ class ParallelLMHead(nn.Module):
         self.draft_weight: torch.Tensor | None = None  # see use_draft_kernel
         self.draft_scale: torch.Tensor | None = None
 
+    def raw_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """This rank's logits as the matmul gives them (the weight's dtype, padding rows included):
+        what `logits_of` and `argmax_of` take, so that one read of the head serves both."""
+        return linear(h, self.weight, self.block_rows)
+
     def local_logits(self, h: torch.Tensor) -> torch.Tensor:
-        logits = linear(h, self.weight, self.block_rows).float()
+        return self._local(self.raw_logits(h))
+
+    def _local(self, raw: torch.Tensor, copy: bool = False) -> torch.Tensor:
+        logits = raw.to(torch.float32, copy=copy)
         pad = self.end - self.vocab_size  # padding rows must never win an argmax or get mass
         if pad > 0:
             logits[..., max(0, logits.shape[-1] - pad) :] = float("-inf")
@@ -61,12 +69,19 @@ class ParallelLMHead(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary fp32 logits on every rank: [..., vocab_size]."""
-        return self.tp.all_gather(self.local_logits(h), dim=-1)[..., : self.vocab_size]
+        return self.logits_of(self.raw_logits(h))
+
+    def logits_of(self, raw: torch.Tensor) -> torch.Tensor:
+        """`logits` from this rank's raw_logits (a new tensor)."""
+        return self.tp.all_gather(self._local(raw, copy=True), dim=-1)[..., : self.vocab_size]
 
     def argmax(self, h: torch.Tensor) -> torch.Tensor:
         """Global argmax from one (max, index) pair per rank; ties go to the lowest index."""
-        local = self.local_logits(h)
-        value, index = local.max(dim=-1)
+        return self.argmax_of(self.raw_logits(h))
+
+    def argmax_of(self, raw: torch.Tensor) -> torch.Tensor:
+        """`argmax` from this rank's raw_logits."""
+        value, index = self._local(raw).max(dim=-1)
         return self._global(value, index)
 
     def use_draft_kernel(self, mode: str) -> None:

@@ -24,15 +24,39 @@ class Constraint:
         self.special = special  # the special token ids: a mask's special tokens are checked one by one
         self.spent = 0.0
         self.failure = ""
+        # the masks `forced` computed, at the matcher's state and after each forced token: the first
+        # rows of the next `masks`, whose tokens start with those forced ones (cleared by any change)
+        self.known: list[bytearray] = []
+        self.known_tokens: list[int] = []
+
+    def forced(self, most: int) -> list[int]:
+        """The tokens the grammar alone allows next, one after the other (each the only token of its
+        mask), at most `most` of them: drafts the target must accept. The matcher is left as it was."""
+        started = time.perf_counter()
+        tokens: list[int] = []
+        self.known = [allowed_mask(self.matcher, self.special)]
+        while len(tokens) < most and not self._failed() and (token := single(self.known[-1])) is not None:
+            if not self._consume(token):
+                break
+            tokens.append(token)
+            if len(tokens) < most:
+                self.known.append(allowed_mask(self.matcher, self.special))
+        self.matcher.rollback(len(tokens))
+        self.known = self.known[: len(tokens) + 1]
+        self.known_tokens = tokens
+        self.spent += time.perf_counter() - started
+        return tokens
 
     def masks(self, tokens: list[int], rows: int) -> torch.Tensor:
         """[rows, words] int32 bitmasks: row j what the grammar allows after `tokens[:j]` (the rows
         after a token it refuses, or after its end, repeat that token's row, where the token is
-        refused anyway). The matcher is left as it was."""
+        refused anyway). The matcher is left as it was. Rows `forced` computed are taken as they are."""
         started = time.perf_counter()
         masks, consumed = [], 0
+        known = self.known if tokens[: len(self.known_tokens)] == self.known_tokens else []
+        self.known, self.known_tokens = [], []
         for j in range(rows):
-            masks.append(allowed_mask(self.matcher, self.special))
+            masks.append(known[j] if j < len(known) else allowed_mask(self.matcher, self.special))
             if self._failed() or j == rows - 1 or j >= len(tokens) or not self._consume(tokens[j]):
                 masks += masks[-1:] * (rows - j - 1)
                 break
@@ -45,6 +69,7 @@ class Constraint:
     def advance(self, tokens: list[int]) -> int:
         """Consume the tokens the grammar allows, in order, up to the first it refuses or its end (a
         token after the end would not count for rollback); how many it consumed."""
+        self.known, self.known_tokens = [], []
         started = time.perf_counter()
         consumed = 0
         for token in tokens:
@@ -65,6 +90,7 @@ class Constraint:
 
     def rollback(self, n: int) -> None:
         if n:
+            self.known, self.known_tokens = [], []
             self.matcher.rollback(n)
 
     def _consume(self, token: int) -> bool:
@@ -78,6 +104,16 @@ class Constraint:
         if not self.failure and self.matcher.is_error():
             self.failure = "the grammar failed: " + self.matcher.get_error().strip().split("\n", 1)[0][:300]
         return bool(self.failure)
+
+
+def single(mask: bytearray) -> int | None:
+    """The one token a bitmask allows, or None (none, or several)."""
+    words = np.frombuffer(mask, dtype=np.uint32)
+    nonzero = np.flatnonzero(words)
+    if len(nonzero) != 1:
+        return None
+    word = int(words[nonzero[0]])
+    return int(nonzero[0]) * 32 + word.bit_length() - 1 if word & (word - 1) == 0 else None
 
 
 def masked(logits: torch.Tensor, constraint: Constraint, tokens: list[int],

@@ -322,23 +322,24 @@ class Decoder(ModelRunner):
         context = self._context(seqs, chain=self.chain if ahead else k)
         wants_logprobs = any(s.logprobs >= 0 for s in seqs)
         plain = all(s.sampling.greedy and not s.sampling.penalised and not s.shaped for s in seqs)
-        constrained = any(s.grammar is not None or s.bias is not None for s in seqs)  # (its drafts: on the host)
+        biased = any(s.bias is not None for s in seqs)  # (its drafts: from its biased logits, on the host)
         if not want_logits and not wants_logprobs and plain:
             # greedy (or forced) acceptance needs no host decision: the whole step is one pass
             out = self._greedy(seqs, context, x, with_guess, launched)
             accepted, tokens, drafts = [r[0] for r in out], [r[1] for r in out], [r[2:] for r in out]
         else:
             rows = self._rows(seqs, with_guess)
-            hidden, argmax, draft = self.passes.verify(rows, context, x, eager_follow=constrained)
+            hidden, argmax, draft = self.passes.verify(rows, context, x, eager_follow=biased)
+            raw = self.passes.logits
             masks = self._grammar_masks(seqs)  # (on the host, while the device runs the pass)
             accepted, tokens, logits = self._accept(seqs, hidden, argmax, result if want_logits else None,
-                                                    wants_logprobs or not plain, masks)
+                                                    wants_logprobs or not plain, masks, raw)
             for s, n, token in zip(seqs, accepted, tokens):  # (the drafts after them are masked from there)
                 if s.grammar is not None and s.finished != FAILED and not s.grammar.accept([*s.drafts[:n], token]):
                     s.finished = FAILED
             if k:
-                with self._drafting_under(seqs if constrained else []):
-                    drafts = draft([[n, token] for n, token in zip(accepted, tokens)]).tolist()
+                with self._drafting_under(seqs if biased else []):
+                    drafts = draft(self._follow_rows(seqs, accepted, tokens)).tolist()
         if k:
             self.counters.count(accepted, k)
         emitted = []
@@ -400,19 +401,34 @@ class Decoder(ModelRunner):
         rows = [self.sequences[seq] for seq in seqs]
         return all(not s.finished and s.length <= limit for s in rows) and self.passes.can_go_again()
 
+    def _follow_rows(self, seqs: list[Sequence], accepted: list[int], tokens: list[int]) -> list[list[int]]:
+        """The draft pass's rows: [accepted, new token] each, and under a grammar [..., m, f1..fk]:
+        the m tokens the grammar alone allows next (Constraint.forced), which the chain drafts as
+        they are (the target accepts them), the device drafting the others as it does unconstrained."""
+        if all(s.grammar is None for s in seqs):
+            return [[n, token] for n, token in zip(accepted, tokens)]
+        k, rows = self.draft_len, []
+        for s, n, token in zip(seqs, accepted, tokens):
+            forced = s.grammar.forced(k) if s.grammar is not None and not s.finished else []
+            rows.append([n, token, len(forced), *forced, *[0] * (k - len(forced))])
+        return rows
+
     def _grammar_masks(self, seqs: list[Sequence]) -> dict[int, torch.Tensor]:
         """Each constrained sequence's k + 1 verify rows' masks (Constraint.masks), by sequence."""
         rows = self.draft_len + 1
         return {s.seq: s.grammar.masks(s.drafts, rows) for s in seqs if s.grammar is not None}
 
     def _accept(self, seqs: list[Sequence], hidden: torch.Tensor, argmax: torch.Tensor,
-                logits_out: StepResult | None, wants_logits: bool = False, masks: dict | None = None):
+                logits_out: StepResult | None, wants_logits: bool = False, masks: dict | None = None,
+                raw: torch.Tensor | None = None):
         """Per sequence: (drafts accepted, the token after them), and the target's logits [B, k+1, V]
-        where they were computed (None where they were not). `masks`: the grammar rows computed before."""
+        where they were computed (None where they were not). `masks`: the grammar rows computed before;
+        `raw`: the verify pass's raw logits where it kept them (the head is then not read again)."""
         sampled = [i for i, s in enumerate(seqs) if not s.sampling.greedy or s.shaped]
         logits = None
         if logits_out is not None or sampled or wants_logits:
-            logits = self.model.lm_head.logits(hidden)  # [B, k+1, V]
+            head = self.model.lm_head
+            logits = head.logits(hidden) if raw is None else head.logits_of(raw)  # [B, k+1, V]
             if logits_out is not None:
                 logits_out.logits.append(logits.reshape(-1, logits.shape[-1]))
         argmax = argmax.tolist()
@@ -463,8 +479,8 @@ class Decoder(ModelRunner):
         head = heads.gather(1, index[:, None, None].expand(-1, 1, heads.shape[-1]))[:, 0]
         lengths = positions[:, 0] + index + 1
         guess = self.rows.guess(packed)
-        if guess is None:
-            return self._chain(head, slots, lengths, context)
+        if guess is None:  # (accepts past [accepted, token]: the forced drafts of _follow_rows)
+            return self._chain(head, slots, lengths, context, forced=accepts[:, 2:] if accepts.shape[1] > 2 else None)
         # lookahead (one sequence, eagerly): where the guess holds (all drafts kept, the new token the
         # guessed one) the chain keeps the guessed drafts, which the stages before already run the next
         # pass on
@@ -484,7 +500,7 @@ class Decoder(ModelRunner):
     def _fused_pass(self, packed: torch.Tensor, context: int, x: torch.Tensor | None) -> torch.Tensor:
         """Verify, accept on the device (drafts while they equal the target's argmax, or the forced
         count when it is >= 0), and draft: [B, 2 + k] = (accepted, token, drafts)."""
-        hidden, argmax, saved = self._verify_pass(packed, context, x)
+        hidden, argmax, saved, _ = self._verify_pass(packed, context, x)
         k = self.draft_len
         matches = (argmax[:, :k] == self.rows.ids(packed)[:, 1:]).long().cumprod(1).sum(1)
         forced = self.rows.forced(packed)
@@ -506,9 +522,11 @@ class Decoder(ModelRunner):
         return self._chain(head, slots, position + 1, context, self.draft_len + 1)[0].tolist()
 
     def _chain(self, head: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, context: int,
-               length: int | None = None, kept: torch.Tensor | None = None) -> torch.Tensor:
+               length: int | None = None, kept: torch.Tensor | None = None,
+               forced: torch.Tensor | None = None) -> torch.Tensor:
         """Chain the MTP head `length` (default k) times: draft i is its argmax, or kept[:, i] for the
-        drafts `kept` gives; its output and draft i feed draft i+1 ([B, length])."""
+        drafts `kept` gives, or in row b forced[b, 1 + i] for i < forced[b, 0]; its output and draft i
+        feed draft i+1 ([B, length])."""
         length = length or self.draft_len
         rows = self.chain_rows or None
         grammars = [s.grammar for s in rows] if rows else None
@@ -527,6 +545,8 @@ class Decoder(ModelRunner):
                     if s.grammar is not None:
                         logits[b] = masked(logits[b : b + 1], s.grammar, [])[0]
                 token = logits.argmax(-1)
+            if forced is not None and i < forced.shape[1] - 1:
+                token = torch.where(forced[:, 0] > i, forced[:, 1 + i], token)
             if grammars is not None:
                 for b, (grammar, t) in enumerate(zip(grammars, token.tolist())):
                     if grammar is not None and consumed[b] == i:  # (past a refused token: nothing more)

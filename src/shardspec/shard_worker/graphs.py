@@ -35,10 +35,15 @@ from shardspec.shard_worker.sequences import Rows
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MIN_CONTEXT_BUCKET = 256
+# the verify graphs of buckets up to this size keep the LM head's logits as an output (bf16, V / tp a
+# row: 2 MB a row at Qwen3.5's vocabulary, ~250 MB over the buckets to 64 at k = 3), so that a step
+# that samples or masks reads the head once; larger buckets compute them again after the graph
+LOGITS_BUCKET_MAX = 64
 
-# (packed, context, input hidden states or None) -> (hidden, argmax (None before the last stage),
-# what the pass saved for the commit: Batch.saved)
-VerifyFn = Callable[[torch.Tensor, int, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None, dict]]
+# (packed, context, input hidden states or None, keep_logits) -> (hidden, argmax (None before the last
+# stage), what the pass saved for the commit: Batch.saved, the LM head's raw logits where kept, else None)
+VerifyFn = Callable[[torch.Tensor, int, torch.Tensor | None, bool],
+                    tuple[torch.Tensor, torch.Tensor | None, dict, torch.Tensor | None]]
 # (packed, accepts, hidden, saved, context) -> the next drafts [B, k] (before the last stage: the commit, None)
 DraftFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, dict, int], torch.Tensor | None]
 FusedFn = Callable[[torch.Tensor, int, torch.Tensor | None], torch.Tensor]  # (packed, context, input) -> [B, 2 + k]
@@ -124,7 +129,7 @@ class _Bucket:
     copy: int  # its copy index: the graph pool it is captured in
     padding: torch.Tensor  # rows of padding only: what the graphs are captured on
     packed: torch.Tensor  # the input rows every graph reads
-    accepts: torch.Tensor  # the draft graph's second input
+    accepts: torch.Tensor  # the draft graph's second input: [accepted, new token, forced count, k forced drafts]
     inputs: torch.Tensor | None  # a stage after the first: the hidden states the graphs read [size, k + 1, H]
     graphs: dict[str, tuple[torch.cuda.CUDAGraph, Any]] = field(default_factory=dict)
     uploads: dict[str, PinnedUpload] = field(default_factory=dict)  # of packed, accepts and inputs
@@ -138,7 +143,8 @@ class _Bucket:
 class StepPasses:
     """greedy(rows, context, x), or verify(rows, context, x) then its follow(accepts); eager or from
     graphs; outputs are valid until the next call (a held copy's, until its follow). rows:
-    one per sequence, as sequences.Rows lays them out; accepts: [accepted, new token]; x: the
+    one per sequence, as sequences.Rows lays them out; accepts: [accepted, new token] and, for a
+    draft pass under a grammar, [forced count m, m forced drafts, zeros to k] (Decoder._follow_rows); x: the
     stage before's hidden states [B, k + 1, H] on the host, None on the first stage.
 
     `inputs` (hidden size, dtype): the stage reads the stage before's hidden states, not token ids.
@@ -162,6 +168,7 @@ class StepPasses:
         self.pools = [torch.cuda.graph_pool_handle() for _ in range(copies)] if self.graphs else []
         self.held = [False] * copies
         self.last: _Last | None = None  # the last greedy pass of a single stage (`again`)
+        self.logits: torch.Tensor | None = None  # the last verify's raw logits, where kept (verify)
 
     def greedy(self, rows: list[list[int]], context: int, x: torch.Tensor | None = None) -> torch.Tensor:
         """The pass of a step every row of which decodes greedily or under forced acceptance, all on
@@ -196,7 +203,7 @@ class StepPasses:
         k = self.draft_len
         if bucket is None:
             x = self._to_device(x)
-            out = self.fused_fn(packed, context, x) if k else self.verify_fn(packed, context, x)[1]
+            out = self.fused_fn(packed, context, x) if k else self.verify_fn(packed, context, x, False)[1]
         else:
             out = self._replay(bucket, "fused") if k else self._replay(bucket, "verify")[1]
             out = out[:n]
@@ -209,19 +216,23 @@ class StepPasses:
                eager_follow: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, Follow]:
         """(hidden, argmax, the follow pass of this verify: draft, or commit before the last stage);
         `eager_follow`: the follow runs eagerly (it drafts under a grammar's masks, on the host), after
-        the verify pass's graph where there is one."""
+        the verify pass's graph where there is one. On the last stage `self.logits` is then the LM
+        head's raw logits of the pass (valid until the next pass), or None where its graph keeps none."""
         B = len(rows)
         bucket = self._upload(rows, context, x)
         if bucket is None:
             packed, context = upload(rows, self.device), min(context, self.max_context)
-            hidden, argmax, saved = self.verify_fn(packed, context, self._to_device(x))
+            hidden, argmax, saved, self.logits = self.verify_fn(packed, context, self._to_device(x), True)
             return hidden, argmax, lambda accepts: self.draft_fn(packed, upload(accepts, self.device), hidden, saved,
                                                                  context)
-        hidden, argmax, saved = self._replay(bucket, "verify")
+        hidden, argmax, saved, logits = self._replay(bucket, "verify")
+        self.logits = None if logits is None else logits[:B]
         self.held[bucket.copy] = self.draft_len > 0
 
         def follow(accepts: list[list[int]]) -> torch.Tensor | None:
-            bucket.upload("accepts", accepts + [[0, 0]] * (len(bucket.packed) - B))
+            width = bucket.accepts.shape[1]
+            bucket.upload("accepts", [row + [0] * (width - len(row)) for row in accepts]
+                          + [[0] * width] * (len(bucket.packed) - B))
             self.held[bucket.copy] = False
             if eager_follow:
                 out = self.draft_fn(bucket.packed, bucket.accepts, hidden, saved, bucket.context)
@@ -281,7 +292,8 @@ class StepPasses:
         bucket = self.buckets.get((size, context, copy))
         if bucket is None:
             padding = torch.tensor([self.pad_row] * size, dtype=torch.long, device=self.device)
-            accepts = torch.zeros(size, 2, dtype=torch.long, device=self.device)
+            accepts = torch.zeros(size, 3 + self.draft_len if self.draft_len else 2, dtype=torch.long,
+                                  device=self.device)
             inputs = None
             if self.inputs is not None:
                 hidden, dtype = self.inputs
@@ -315,9 +327,10 @@ class StepPasses:
             # verify and draft together: the draft graph reads the verify graph's outputs (hidden
             # states, the saved inputs of the commit); the bucket owns them, so no later capture
             # can take their memory from the pool
-            bucket.graphs["verify"] = self._graph(lambda: self.verify_fn(packed, context, x), bucket.copy)
+            keep = len(packed) <= LOGITS_BUCKET_MAX
+            bucket.graphs["verify"] = self._graph(lambda: self.verify_fn(packed, context, x, keep), bucket.copy)
             if self.draft_len:
-                hidden, _, saved = bucket.graphs["verify"][1]
+                hidden, _, saved, _ = bucket.graphs["verify"][1]
                 bucket.graphs["draft"] = self._graph(lambda: self.draft_fn(packed, accepts, hidden, saved, context),
                                                      bucket.copy)
         bucket.packed.copy_(rows)

@@ -454,14 +454,18 @@ class ModelRunner:
     def _send(self, index: int, hidden: torch.Tensor, kind: str = "pass") -> None:
         """Pass `index`'s output to the next stage (the last stage has none)."""
 
-    def _verify_pass(self, packed: torch.Tensor, context: int,
-                     x: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+    def _verify_pass(self, packed: torch.Tensor, context: int, x: torch.Tensor | None,
+                     keep_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, dict, torch.Tensor | None]:
         """The stage's layers over [pending, d1..dk] of each row, from the ids or the stage before's
         hidden states x: (hidden [B, k+1, H], greedy tokens [B, k+1] (None before the last stage),
-        what the speculative pass saved for the commit)."""
+        what the speculative pass saved for the commit, and with `keep_logits` on the last stage the
+        LM head's raw logits [B, k+1, V / tp] the greedy tokens came from (else None))."""
         batch = Batch(self.rows.slots(packed), self.rows.positions(packed), context, speculative=self.draft_len > 0)
         hidden = self.model(self.rows.ids(packed) if x is None else x, batch)
-        return hidden, self.model.lm_head.argmax(hidden) if self.model.stage.last else None, batch.saved
+        if not self.model.stage.last:
+            return hidden, None, batch.saved, None
+        raw = self.model.lm_head.raw_logits(hidden)
+        return hidden, self.model.lm_head.argmax_of(raw), batch.saved, raw if keep_logits else None
 
     def _follow_pass(self, packed: torch.Tensor, accepts: torch.Tensor, hidden: torch.Tensor, saved: dict,
                      context: int) -> torch.Tensor | None:
