@@ -200,3 +200,29 @@ def test_serve_with_a_hub_id_answers_and_each_worker_log_names_only_its_files(tm
         assert f": {', '.join(files)}\n" in worker.log_text()
         assert cached_weights(tmp_path / f"hf{rank}") == set(files)
     assert cached_weights(tmp_path / "hf-server") == set()
+
+
+@pytest.mark.slow  # two workers and two loads: ~15 s
+def test_workers_without_hub_access_receive_their_stages_of_a_hub_model_from_the_orchestrator(
+        in_process_hub, sharded_model, tmp_path, spawn_worker, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the workers': no Hub, an empty Hub cache
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-worker"))
+    workers = [spawn_worker("--model-dir", str(tmp_path / "no-folders"), "--cache-dir", str(tmp_path / f"c{i}"))
+               for i in range(2)]
+
+    async def tokens() -> list[int]:
+        async with connect(model="org/tiny", workers=[w.address for w in workers], pp=2, dtype="float32",
+                           max_seqs=1) as engine:
+            ids = [int(i) for i in PROMPT.split(",")]
+            return [t async for c in engine.generate(ids, max_tokens=10, temperature=0.0) for t in c.token_ids]
+
+    received = asyncio.run(tokens())
+    assert all("receiving" in w.log_text() for w in workers)
+    assert cached_weights(tmp_path / "hf-worker") == set()
+    checkpoint = Checkpoint.open(sharded_model)
+    needed = set().union(*(hub_files(checkpoint, *stage_of(checkpoint, "auto", [], s, 2)) for s in range(2)))
+    assert {p.name for p in Path(constants.HF_HUB_CACHE).rglob("*.safetensors")} == needed
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    assert received == asyncio.run(_folder_tokens(sharded_model))
