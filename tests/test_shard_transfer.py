@@ -51,7 +51,9 @@ def send(receiver: ShardReceiver, folder: Path, needs: list[ItemNeed], key: str)
                 sent += data.numel()
         return sent
 
-    return asyncio.run(run())
+    sent = asyncio.run(run())
+    receiver.finished()  # (as a load does)
+    return sent
 
 
 @pytest.fixture
@@ -144,15 +146,15 @@ def test_the_cache_size_limit_evicts_the_least_recently_used_blobs(tmp_path):
     digests = []
     for i in range(3):
         data = bytes([i]) * 1000
-        cache.make_room(len(data), keep=set())
+        cache.make_room(len(data), keep=set)
         cache.append("b" * 64, f"file:{i}", 0, memoryview(data))
         digests.append(cache.commit("b" * 64, f"file:{i}", hashlib.sha256(data).hexdigest()).name)
         os.utime(cache.blob(digests[-1]), (1000 + i, 1000 + i))
     cache.touch([digests[0]])  # used just now: the newest
-    cache.make_room(1000, keep=set())
+    cache.make_room(1000, keep=set)
     assert [cache.blob(d).exists() for d in digests] == [True, False, True]
     with pytest.raises(CacheFull, match="--cache-size"):
-        cache.make_room(2500, keep=set(digests))
+        cache.make_room(2500, keep=lambda: set(digests))
 
 
 def test_a_full_disk_is_a_clear_error_and_leaves_the_cache_consistent(receiver, monkeypatch):
@@ -238,3 +240,10 @@ def test_a_blob_larger_than_the_free_disk_is_refused_before_any_byte_is_written(
     assert refused.value.code == ErrorCode.CAPACITY and "0.0 MB free" in refused.value.message
     assert "--cache-dir" in refused.value.message
     assert receiver.cache.held_bytes("a" * 64, "tensor:v") == 0
+
+
+def test_workers_sharing_a_cache_folder_receive_into_partial_files_of_their_own(tmp_path):
+    caches = [ShardCache(tmp_path, tag=f"ipc:///w{i}.sock") for i in range(2)]
+    assert caches[0].partial("a" * 64, "tensor:w") != caches[1].partial("a" * 64, "tensor:w")
+    assert ShardCache(tmp_path, tag="ipc:///w0.sock").partial("a" * 64, "tensor:w") == caches[0].partial("a" * 64,
+                                                                                                          "tensor:w")

@@ -119,7 +119,7 @@ def run_worker(args: argparse.Namespace) -> int:
         logging.getLogger("shardspec.worker").warning("INSECURE: no CURVE keys; anyone who reaches %s can use "
                                                       "this worker", args.listen)
     try:
-        cache = ShardCache(args.cache_dir, args.cache_size)
+        cache = ShardCache(args.cache_dir, args.cache_size, tag=args.listen)
         ShardWorker(args.listen, args.device, keys, allow, args.heartbeat_timeout, args.lease,
                     max_message_bytes, args.threads, cache, args.model_dir).serve_forever()
     except Exception as exc:  # e.g. the address is in use

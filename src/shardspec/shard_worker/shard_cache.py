@@ -22,7 +22,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 log = logging.getLogger("shardspec.worker")
@@ -47,9 +47,14 @@ def is_digest(text: str, length: int = 64) -> bool:
 
 
 class ShardCache:
-    def __init__(self, root: str | Path | None = None, limit: int = DEFAULT_CACHE_SIZE):
+    """`tag` names this worker's partial files (its listen address): workers that share the folder
+    receive into files of their own, and a restarted worker finds its own again."""
+
+    def __init__(self, root: str | Path | None = None, limit: int = DEFAULT_CACHE_SIZE, tag: str = ""):
         self.root = Path(root) if root is not None else default_cache_dir()
         self.limit = limit
+        self.tag = tag
+        self.used: int | None = None  # bytes of blobs and partial files, as last counted plus what came since
         for sub in ("blobs", "partial", "models"):
             (self.root / sub).mkdir(parents=True, exist_ok=True, mode=0o700)
 
@@ -96,7 +101,7 @@ class ShardCache:
                 os.utime(self.blob(digest), (now, now))
 
     def partial(self, key: str, item: str) -> Path:
-        return self.root / "partial" / (hashlib.sha256(f"{key}\0{item}".encode()).hexdigest() + ".part")
+        return self.root / "partial" / (hashlib.sha256(f"{self.tag}\0{key}\0{item}".encode()).hexdigest() + ".part")
 
     def held_bytes(self, key: str, item: str) -> int:
         """Bytes of `item` already received into its partial file."""
@@ -147,18 +152,24 @@ class ShardCache:
         _fsync_dir(target.parent)
         return target
 
-    def make_room(self, incoming: int, keep: set[str], writing: Path | None = None) -> None:
-        """Evict the least recently used blobs and partial files (not the blobs in `keep`, nor the
+    def make_room(self, incoming: int, keep: Callable[[], set[str]], writing: Path | None = None) -> None:
+        """Evict the least recently used blobs and partial files (not the blobs in `keep()`, nor the
         partial file being written) until `incoming` more bytes fit the size limit and the disk;
-        CacheFull if they cannot."""
+        CacheFull if they cannot. The folder is counted again only when the count kept here (other
+        workers may share the folder) says the limit is near."""
+        if self.used is not None and self.used + incoming <= 0.9 * self.limit and \
+                incoming <= shutil.disk_usage(self.root).free:
+            self.used += incoming
+            return
         with self._locked():
+            keep_names = keep()
             files = [(p.stat().st_mtime, p.stat().st_size, p) for sub in ("blobs", "partial")
                      for p in (self.root / sub).iterdir() if p.is_file()]
             used = sum(size for _, size, _ in files)
             for _, size, path in sorted(files, key=lambda entry: entry[0]):
                 if used + incoming <= self.limit and incoming <= shutil.disk_usage(self.root).free:
                     break
-                if path.name in keep or path == writing:
+                if path.name in keep_names or path == writing:
                     continue
                 path.unlink(missing_ok=True)
                 used -= size
@@ -171,6 +182,7 @@ class ShardCache:
                 raise CacheFull(errno.ENOSPC, f"the disk of the shard cache at {self.root} has {free / 1e6:.1f} MB "
                                 f"free, {incoming / 1e6:.1f} MB are needed (free space on that disk, or give the "
                                 "worker another --cache-dir)")
+            self.used = used + incoming
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:

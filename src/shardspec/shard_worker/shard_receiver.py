@@ -28,6 +28,7 @@ from shardspec.shard_worker.shard_cache import CacheFull, ShardCache, is_digest
 
 log = logging.getLogger("shardspec.worker")
 TENSOR, FILE = "tensor:", "file:"
+RECORD_EVERY_S = 2.0
 SMALL_FILE_BYTES = 64 << 20  # a small file (tokenizer.json) sent whole
 
 
@@ -39,9 +40,12 @@ class ShardReceiver:
         self.started = 0.0
         self.received = 0  # bytes of it so far
         self.digests: dict[tuple[str, str], object] = {}  # (key, item) -> sha256 of its partial file so far
+        self.committed: dict[str, dict[str, str]] = {}  # model key -> tensors in blobs, not yet in its tensors.json
+        self.recorded = time.monotonic()
 
     def offer(self, body: ShardsRequest, tensors: dict[str, torch.Tensor], stage: int, stages: int) -> ShardsReply:
         """Where this rank's stage of the offered model will load from, and what it lacks."""
+        self.record()  # (a transfer that stopped before its load)
         if sources.local_folder(body.model, self.model_root) is not None:
             return ShardsReply("folder")
         for name in ("config", "index"):
@@ -87,7 +91,7 @@ class ShardReceiver:
                                 "hash to its sha256 (corrupted on the way); send it again")
         try:
             if body.offset == 0:
-                self.cache.make_room(body.total, keep=set(self.cache.tensors(body.key).values()),
+                self.cache.make_room(body.total, keep=lambda: self._held_blobs(body.key),
                                      writing=self.cache.partial(body.key, body.item))
             digest = self._digest(body)
             held = self.cache.append(body.key, body.item, body.offset, data)
@@ -137,7 +141,9 @@ class ShardReceiver:
                                         f"{SMALL_FILE_BYTES} bytes")
                 self.cache.write_file(body.key, name, path.read_bytes())
             else:
-                self.cache.add_tensors(body.key, {name: body.blob_sha256})
+                self.committed.setdefault(body.key, {})[name] = body.blob_sha256
+                if time.monotonic() - self.recorded >= RECORD_EVERY_S:
+                    self.record()
         except (CacheFull, ValueError) as exc:
             raise ProtocolError(ErrorCode.CAPACITY if isinstance(exc, CacheFull) else ErrorCode.BAD_REQUEST,
                                 str(exc)) from None
@@ -161,8 +167,19 @@ class ShardReceiver:
             return False
         return True
 
+    def record(self) -> None:
+        """Write the tensors received since the last time into the model's tensors.json (one write
+        every RECORD_EVERY_S, not one per tensor: a model may have 100,000 of them)."""
+        for key, tensors in self.committed.items():
+            self.cache.add_tensors(key, tensors)
+        self.committed, self.recorded = {}, time.monotonic()
+
+    def _held_blobs(self, key: str) -> set[str]:
+        return set(self.cache.tensors(key).values()) | set(self.committed.get(key, {}).values())
+
     def finished(self) -> None:
-        """Log the transfer's figures (the load after it)."""
+        """Record and log the transfer (the load after it)."""
+        self.record()
         if self.key and self.received:
             seconds = time.perf_counter() - self.started
             log.info("received %.1f MB from the orchestrator in %.1fs (%.0f MB/s)", self.received / 1e6, seconds,
