@@ -84,6 +84,7 @@ class ShardCache:
         share the cache recorded)."""
         folder = self.model_folder(key)
         folder.mkdir(exist_ok=True, mode=0o700)
+        _fsync_dir(self.root / "blobs")  # their renames first
         with self._locked():
             held = {**self.tensors(key), **added}
             _write_atomic(folder / TENSORS_FILE, json.dumps(held, sort_keys=True).encode())
@@ -148,8 +149,7 @@ class ShardCache:
             path.unlink(missing_ok=True)
             raise ValueError(f"{item}: received bytes hash to {found}, the sender's to {digest}")
         target = self.blob(digest)
-        os.replace(path, target)
-        _fsync_dir(target.parent)
+        os.replace(path, target)  # (the folder is fsynced when the blob is recorded: add_tensors)
         return target
 
     def make_room(self, incoming: int, keep: Callable[[], set[str]], writing: Path | None = None) -> None:
