@@ -41,6 +41,8 @@ def main() -> None:
     parser.add_argument("--size-mb", type=int, default=300, help="the checkpoint's size, about (default 300)")
     parser.add_argument("--rate-mbit", type=float, default=1000.0, help="each link's rate, each way (default 1000)")
     parser.add_argument("--delay-ms", type=float, default=1.0, help="one way, per link (default 1: 2 ms host to host)")
+    parser.add_argument("--device", default="cpu", help="the workers' device (default cpu: the figures are "
+                        "the network's and the disk's)")
     parser.add_argument("--loopback", action="store_true", help="no emulated hosts: everything on 127.0.0.1 "
                         "(the transfer's own limit on this machine; needs no root)")
     parser.add_argument("--orchestrate", metavar="JSON", help=argparse.SUPPRESS)  # the run on host 0
@@ -72,7 +74,7 @@ def run(tmp: Path, args: argparse.Namespace) -> None:
     cores = ["0", "1"] if os.cpu_count() >= 2 else None
     with (Loopback() if args.loopback else EmulatedHosts(2, args.delay_ms, rate=rate, cores=cores)) as hosts:
         raw = raw_throughput(hosts)
-        workers = start_workers(hosts, tmp, disk, keys)
+        workers = start_workers(hosts, tmp, disk, keys, args.device)
         common = {"workers": workers, "keys": str(keys / "orchestrator"), "server_keys": str(keys / "worker")}
         rows = [orchestrate_on(hosts, model=str(model), **common), orchestrate_on(hosts, model=str(model), **common),
                 orchestrate_on(hosts, model=str(disk / "model"), **common)]
@@ -133,12 +135,13 @@ def make_keys(folder: Path) -> Path:
     return folder
 
 
-def start_workers(hosts: EmulatedHosts, tmp: Path, disk: Path, keys: Path) -> list[str]:
+def start_workers(hosts: EmulatedHosts, tmp: Path, disk: Path, keys: Path, device: str) -> list[str]:
     addresses = []
     for i, port in enumerate(PORTS):
         address = f"tcp://{hosts.address(1)}:{port}"
         log = open(tmp / f"worker{i}.log", "wb")  # noqa: SIM115 (open while the worker runs)
         hosts.popen(1, [sys.executable, "-m", "shardspec", "worker", "--listen", address, "--threads", "1",
+                        "--device", device if device == "cpu" or ":" in device else f"{device}:{i}",
                         "--keys", str(keys / "worker"), "--allow", str(keys / "orchestrator" / "orchestrator.key"),
                         "--model-dir", str(disk), "--cache-dir", str(tmp / f"cache{i}")],
                     stdout=log, stderr=subprocess.STDOUT)
