@@ -79,6 +79,9 @@ class ShardReceiver:
         data = self._data(body, tensors)
         if not body.item.startswith((TENSOR, FILE)):
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"chunk item {body.item!r} is neither tensor: nor file:")
+        if body.item.startswith(FILE) and body.total > SMALL_FILE_BYTES:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{body.item}: a model's small file is at most "
+                                f"{SMALL_FILE_BYTES} bytes")
         held = self.cache.held_bytes(body.key, body.item)
         if body.offset not in (0, held):
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"chunk of {body.item} at {body.offset}: this worker holds "
@@ -136,9 +139,6 @@ class ShardReceiver:
         kind, _, name = body.item.partition(":")
         try:
             if kind == "file":
-                if body.total > SMALL_FILE_BYTES:
-                    raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name}: a model's small file is at most "
-                                        f"{SMALL_FILE_BYTES} bytes")
                 self.cache.write_file(body.key, name, path.read_bytes())
             else:
                 self.committed.setdefault(body.key, {})[name] = body.blob_sha256
