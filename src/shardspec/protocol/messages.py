@@ -570,7 +570,6 @@ class Guesses:
             raise ValueError(f"{len(self.seqs)} sequences with {len(self.guesses)} guesses")
 
 
-@dataclass(frozen=True)
 # --- shards: a worker that lacks the model receives its stage's tensors from the orchestrator -----
 
 MAX_CHUNK_BYTES = 16 << 20  # one chunk of a tensor on the wire
@@ -642,6 +641,7 @@ class ChunkReply:
     done: bool  # the item is whole, checked and in the cache
 
 
+@dataclass(frozen=True)
 class ErrorReply:
     OP: ClassVar[str] = "error"
     code: str
