@@ -79,9 +79,11 @@ class ShardReceiver:
         data = self._data(body, tensors)
         if not body.item.startswith((TENSOR, FILE)):
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"chunk item {body.item!r} is neither tensor: nor file:")
-        if body.item.startswith(FILE) and body.total > SMALL_FILE_BYTES:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{body.item}: a model's small file is at most "
-                                f"{SMALL_FILE_BYTES} bytes")
+        name = body.item.removeprefix(FILE)
+        if body.item.startswith(FILE) and (body.total > SMALL_FILE_BYTES or not name or "/" in name
+                                           or name.startswith(".")):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{body.item}: a model's small file has a plain name and "
+                                f"at most {SMALL_FILE_BYTES} bytes")
         held = self.cache.held_bytes(body.key, body.item)
         if body.offset not in (0, held):
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"chunk of {body.item} at {body.offset}: this worker holds "
