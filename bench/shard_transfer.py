@@ -11,8 +11,9 @@ runs two CPU workers (PP = 2) with CURVE keys and empty disks (`--model-dir` whe
 each with its own `--cache-dir`. Rows: (1) first start: the offer, then the transfer of each stage's
 tensors (both workers at once over the one link), then the load from the cache; (2) second start:
 the load from the cache (nothing sent); (3) the same workers loading a copy of the model from a
-folder on host 1 (hard links: the same bytes on disk). Also the raw TCP throughput of the link (one
-connection, 128 MiB), to tell the link's own limit from the transfer's. Each start generates 8
+folder on host 1 (hard links: the same bytes on disk). Also the raw TCP throughput of the link (two
+connections at once, as the transfer has, 128 MiB each), to tell the link's own limit from the
+transfer's. Each start generates 8
 greedy tokens; the three must agree.
 """
 
@@ -181,13 +182,18 @@ async def orchestrate(model: str, workers: list[str], keys: str, server_keys: st
             "sent_mb": float(sent.getMessage().split()[1]) if sent is not None else 0.0}
 
 
-def raw_throughput(hosts: EmulatedHosts) -> float:
-    """Bytes/s of one TCP connection from host 0 to host 1 (RAW_BYTES)."""
-    sink = hosts.popen(1, [sys.executable, __file__, "--receive", "7099"], stdout=subprocess.PIPE)
-    hosts.wait_listening(1, 7099)
-    hosts.popen(0, [sys.executable, __file__, "--send", f"{hosts.address(1)}:7099"]).wait(300)
-    out, _ = sink.communicate(timeout=300)
-    return float(out.decode().strip().splitlines()[-1])
+def raw_throughput(hosts: EmulatedHosts, connections: int = len(PORTS)) -> float:
+    """Bytes/s of `connections` TCP connections at once from host 0 to host 1 (RAW_BYTES each), as
+    many as the transfer has (one per worker)."""
+    ports = [7099 - i for i in range(connections)]
+    sinks = [hosts.popen(1, [sys.executable, __file__, "--receive", str(port)], stdout=subprocess.PIPE)
+             for port in ports]
+    for port in ports:
+        hosts.wait_listening(1, port)
+    senders = [hosts.popen(0, [sys.executable, __file__, "--send", f"{hosts.address(1)}:{port}"]) for port in ports]
+    for sender in senders:
+        sender.wait(300)
+    return sum(float(sink.communicate(timeout=300)[0].decode().strip().splitlines()[-1]) for sink in sinks)
 
 
 def receive(port: int) -> None:
