@@ -121,7 +121,7 @@ class Transfer:
             async for chunk, data in _chunks(self.group.config.model_key, item, _start(item, item_need),
                                              self.rates[worker].bytes):
                 await window.acquire()
-                _raise_failed(in_flight, worker)
+                in_flight = _pending(in_flight, worker)
                 future = worker.submit(chunk, {"data": data})
                 count = data.numel()
                 future.add_done_callback(lambda f, n=count, d=done: self._acked(worker, window, f, n, d))
@@ -161,10 +161,12 @@ class ChunkSize:
         return max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, size))
 
 
-def _raise_failed(futures: list[asyncio.Future], worker: WorkerClient) -> None:
+def _pending(futures: list[asyncio.Future], worker: WorkerClient) -> list[asyncio.Future]:
+    """The chunks not yet acknowledged (at most the window); EngineError if one failed."""
     for future in futures:
         if future.done() and not future.cancelled() and (exc := future.exception()) is not None:
             raise EngineError(f"sending the model to worker {worker.address} failed: {exc}") from None
+    return [future for future in futures if not future.done()]
 
 
 async def _chunks(key: str, item: Item, start: int, chunk_bytes=lambda: MAX_CHUNK_BYTES):
