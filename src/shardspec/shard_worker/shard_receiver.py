@@ -187,3 +187,4 @@ class ShardReceiver:
             log.info("received %.1f MB from the orchestrator in %.1fs (%.0f MB/s)", self.received / 1e6, seconds,
                      self.received / 1e6 / max(seconds, 1e-9))
         self.key, self.received = "", 0
+        self.digests.clear()  # (a transfer resumed later hashes what its partial files hold)
