@@ -19,7 +19,7 @@ import torch
 from shardspec.models.checkpoint import Checkpoint
 from shardspec.models.shard_files import folder_key, weight_map
 from shardspec.orchestrator.engine import connect
-from shardspec.orchestrator.shard_sender import _chunks, _items
+from shardspec.orchestrator.shard_sender import Transfer, _chunks, _items
 from shardspec.protocol.codec import Message, decode, encode
 from shardspec.protocol.errors import ErrorCode, ProtocolError
 from shardspec.protocol.messages import MAX_CHUNK_BYTES, ChunkRequest, ItemNeed, ShardsRequest, to_meta
@@ -247,3 +247,32 @@ def test_workers_sharing_a_cache_folder_receive_into_partial_files_of_their_own(
     assert caches[0].partial("a" * 64, "tensor:w") != caches[1].partial("a" * 64, "tensor:w")
     assert ShardCache(tmp_path, tag="ipc:///w0.sock").partial("a" * 64, "tensor:w") == caches[0].partial("a" * 64,
                                                                                                           "tensor:w")
+
+
+def test_a_start_after_a_stopped_transfer_sends_only_what_the_partial_files_lack(tmp_path, tiny_model, spawn_worker,
+                                                                               monkeypatch):
+    request, frames = offer(tiny_model)
+    needs = ShardReceiver(ShardCache(tmp_path / "scratch"), tmp_path / "none").offer(request, frames, 0, 1).need
+    items = _items(Checkpoint.open(tiny_model), None, [needs])
+    whole = sum(items[n.item].size for n in needs)
+    worker = spawn_worker("--model-dir", str(tmp_path / "none"), "--cache-dir", str(tmp_path / "cache"))
+    # the worker's partial file of the embedding from a transfer that stopped half-way
+    embedding = items["tensor:model.embed_tokens.weight"]
+    half = embedding.read(0, embedding.size // 2)
+    ShardCache(tmp_path / "cache", tag=worker.address).append(request.key, embedding.name, 0, memoryview(half))
+    transfers: list[Transfer] = []
+    run = Transfer.run
+
+    async def counted(self: Transfer) -> None:
+        transfers.append(self)
+        await run(self)
+
+    monkeypatch.setattr(Transfer, "run", counted)
+
+    async def generate() -> list[int]:
+        async with connect(model=str(tiny_model), workers=[worker.address], dtype="float32", max_seqs=1) as engine:
+            return [t async for c in engine.generate(PROMPT, max_tokens=4, temperature=0.0) for t in c.token_ids]
+
+    assert len(asyncio.run(generate())) == 4
+    (transfer,) = transfers
+    assert sum(transfer.sent.values()) == whole - len(half)
