@@ -121,11 +121,16 @@ def masked(logits: torch.Tensor, constraint: Constraint, tokens: list[int],
     """logits [P, V] (fp32 copies) with row j limited to what the grammar allows after `tokens[:j]`
     (`words`: those masks computed before); all -inf once the grammar has failed (its sequence then
     fails: layers.sampling.unusable). The bit masks are unpacked where the logits are."""
-    rows, vocab = logits.shape
-    words = constraint.masks(tokens, rows) if words is None else words
+    words = constraint.masks(tokens, logits.shape[0]) if words is None else words
     if constraint.failure:
         return torch.full_like(logits, float("-inf"), dtype=torch.float32)
+    return apply_masks(logits, words)
+
+
+def apply_masks(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] (an fp32 copy) with -inf where the bit masks words [..., ceil(V / 32)] (int32,
+    on the host) have 0; the masks are unpacked where the logits are."""
     words = words.to(logits.device, non_blocking=True)
     bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((words[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab]
+    allowed = ((words[..., None] >> bits) & 1).bool().flatten(-2)[..., : logits.shape[-1]]
     return logits.float().masked_fill(~allowed, float("-inf"))

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from shardspec.layers.batch import Batch
-from shardspec.layers.grammar import Constraint, masked
+from shardspec.layers.grammar import Constraint, apply_masks, masked
 from shardspec.layers.sampling import accept_greedy, accept_sampled, resample, sample, target_probs, unusable
 from shardspec.protocol.messages import FAILED, LoadRequest, PrefillSpec, StepRequest, WorkerOptions
 from shardspec.shard_worker import branches
@@ -431,18 +431,21 @@ class Decoder(ModelRunner):
             logits = head.logits(hidden) if raw is None else head.logits_of(raw)  # [B, k+1, V]
             if logits_out is not None:
                 logits_out.logits.append(logits.reshape(-1, logits.shape[-1]))
+        grammar_rows = self._grammar_rows(seqs, logits, masks or {})
         argmax = argmax.tolist()
         accepted, tokens = [], []
         for i, s in enumerate(seqs):
-            target = None if logits is None else s.constrain(s.penalise(logits[i], s.drafts), s.drafts,
-                                                             (masks or {}).get(s.seq))
-            if target is not None and (s.shaped or not s.sampling.greedy or s.counts is not None) and unusable(target):
+            target, bad, greedy, single = grammar_rows.get(i, (None, False, None, None))
+            if i not in grammar_rows and logits is not None:
+                target = s.constrain(s.penalise(logits[i], s.drafts), s.drafts, (masks or {}).get(s.seq))
+                bad = (s.shaped or not s.sampling.greedy or s.counts is not None) and unusable(target)
+            if bad:
                 s.finished = FAILED  # its request fails alone; the step goes on for the others
                 accepted.append(0)
                 tokens.append(s.next_token)  # (a placeholder for the draft pass: nothing is emitted)
                 continue
             if (s.counts is not None or s.shaped) and s.sampling.greedy:  # (else target: None)
-                argmax[i] = target.argmax(-1).tolist()
+                argmax[i] = greedy if greedy is not None else target.argmax(-1).tolist()
             probs = None if s.sampling.greedy else target_probs(target, s.sampling)
             if self.forced is not None:
                 n = s.forced(self.forced)
@@ -456,11 +459,33 @@ class Decoder(ModelRunner):
                 token = argmax[i][n]
             else:
                 token = resample(probs, s.drafts, n, s.generator)
-            if s.grammar is not None:
+            if single is not None:
+                self.counters.constrained_counted(n + 1, sum(single[: n + 1]))
+            elif s.grammar is not None:
                 self.counters.constrained(target[: n + 1])
             accepted.append(n)
             tokens.append(token)
         return accepted, tokens, logits
+
+    @staticmethod
+    def _grammar_rows(seqs: list[Sequence], logits: torch.Tensor | None, masks: dict[int, torch.Tensor]
+                      ) -> dict[int, tuple[torch.Tensor, bool, list[int], list[int]]]:
+        """The rows whose logits a grammar alone shapes (no penalties, bias or min_tokens), masked
+        together and read off the device in one copy: {row: (its target logits [k+1, V], unusable,
+        their argmax, which of them allow a single token)}."""
+        if logits is None:
+            return {}
+        rows = [i for i, s in enumerate(seqs) if s.seq in masks and not s.grammar.failure and s.counts is None
+                and s.bias is None and s.early <= 0]
+        if not rows:
+            return {}
+        targets = apply_masks(logits[rows], torch.stack([masks[seqs[i].seq] for i in rows]))  # [R, k+1, V]
+        finite = torch.isfinite(targets)
+        bad = (torch.isnan(targets) | torch.isposinf(targets)).flatten(1).any(1) | ~finite.any(-1).all(-1)
+        facts = torch.cat([bad[:, None].long(), targets.argmax(-1), (finite.sum(-1) == 1).long()], 1).tolist()
+        width = targets.shape[1]
+        return {i: (targets[j], bool(f[0]), f[1 : 1 + width], f[1 + width :])
+                for j, (i, f) in enumerate(zip(rows, facts))}
 
     # --- the device passes (graphs.StepPasses captures them) -------------------------------------
 

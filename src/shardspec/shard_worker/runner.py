@@ -156,6 +156,11 @@ class SpecCounters:
         self.grammar_tokens += logits.shape[0]
         self.forced_tokens += int((torch.isfinite(logits).sum(-1) == 1).sum())
 
+    def constrained_counted(self, tokens: int, forced: int) -> None:
+        """Count `tokens` sampled under a grammar, `forced` of them the only token their mask allowed."""
+        self.grammar_tokens += tokens
+        self.forced_tokens += forced
+
     def count(self, accepted: list[int], draft_len: int) -> None:
         self.drafts += len(accepted)
         self.draft_tokens += len(accepted) * draft_len
