@@ -19,6 +19,7 @@ import torch
 from shardspec.models.checkpoint import Checkpoint
 from shardspec.models.shard_files import folder_key, weight_map
 from shardspec.orchestrator.engine import connect
+from shardspec.orchestrator.requests import EngineError
 from shardspec.orchestrator.shard_sender import Transfer, _chunks, _items
 from shardspec.protocol.codec import Message, decode, encode
 from shardspec.protocol.errors import ErrorCode, ProtocolError
@@ -276,3 +277,19 @@ def test_a_start_after_a_stopped_transfer_sends_only_what_the_partial_files_lack
     assert len(asyncio.run(generate())) == 4
     (transfer,) = transfers
     assert sum(transfer.sent.values()) == whole - len(half)
+
+
+def test_a_stage_over_the_cache_size_limit_fails_the_start_naming_the_flag(tmp_path, tiny_model, spawn_worker):
+    worker = spawn_worker("--model-dir", str(tmp_path / "none"), "--cache-dir", str(tmp_path / "cache"),
+                          "--cache-size", "64KiB")
+
+    async def start() -> None:
+        async with connect(model=str(tiny_model), workers=[worker.address], dtype="float32", max_seqs=1):
+            pass
+
+    with pytest.raises(EngineError, match=r"failed: the shard cache at .* over its limit of 0\.1 MB: raise the "
+                                          r"worker's --cache-size"):
+        asyncio.run(start())
+    assert worker.proc.poll() is None  # and what its cache holds is whole: each blob hashes to its name
+    for blob in (tmp_path / "cache" / "blobs").iterdir():
+        assert hashlib.sha256(blob.read_bytes()).hexdigest() == blob.name

@@ -126,7 +126,9 @@ class Transfer:
                 count = data.numel()
                 future.add_done_callback(lambda f, n=count, d=done: self._acked(worker, window, f, n, d))
                 in_flight.append(future)
-        await asyncio.gather(*in_flight)
+        if in_flight:
+            await asyncio.wait(in_flight)
+        _pending(in_flight, worker)
 
     def _acked(self, worker: WorkerClient, window: asyncio.Semaphore, future: asyncio.Future, count: int,
                done: int) -> None:
@@ -165,7 +167,8 @@ def _pending(futures: list[asyncio.Future], worker: WorkerClient) -> list[asynci
     """The chunks not yet acknowledged (at most the window); EngineError if one failed."""
     for future in futures:
         if future.done() and not future.cancelled() and (exc := future.exception()) is not None:
-            raise EngineError(f"sending the model to worker {worker.address} failed: {exc}") from None
+            why = exc.message if isinstance(exc, RemoteError) else exc
+            raise EngineError(f"sending the model to worker {worker.address} failed: {why}") from None
     return [future for future in futures if not future.done()]
 
 

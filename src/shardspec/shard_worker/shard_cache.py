@@ -14,7 +14,6 @@ and leaves the partial file as long as its last whole chunk.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import hashlib
 import json
@@ -32,7 +31,7 @@ TENSORS_FILE = "tensors.json"
 _HEX = frozenset("0123456789abcdef")
 
 
-class CacheFull(OSError):
+class CacheFull(Exception):
     """The cache cannot take a blob: over its size limit with nothing left to evict, or the disk is full."""
 
 
@@ -124,7 +123,7 @@ class ShardCache:
                     written += os.pwrite(fd, data[written:], offset + written)
             except OSError as exc:
                 os.ftruncate(fd, offset)
-                raise CacheFull(exc.errno, f"cannot write to the shard cache at {self.root}: {exc.strerror} "
+                raise CacheFull(f"cannot write to the shard cache at {self.root}: {exc.strerror} "
                                 "(free space on that disk, or give the worker another --cache-dir)") from None
             return offset + written
         finally:
@@ -175,11 +174,11 @@ class ShardCache:
                 used -= size
                 log.info("shard cache: evicted %s (%.1f MB), the least recently used", path.name[:12], size / 1e6)
             if used + incoming > self.limit:
-                raise CacheFull(0, f"the shard cache at {self.root} holds {used / 1e6:.1f} MB in use and needs "
+                raise CacheFull(f"the shard cache at {self.root} holds {used / 1e6:.1f} MB in use and needs "
                                 f"{incoming / 1e6:.1f} MB more, over its limit of {self.limit / 1e6:.1f} MB: raise "
                                 "the worker's --cache-size")
             if (free := shutil.disk_usage(self.root).free) < incoming:
-                raise CacheFull(errno.ENOSPC, f"the disk of the shard cache at {self.root} has {free / 1e6:.1f} MB "
+                raise CacheFull(f"the disk of the shard cache at {self.root} has {free / 1e6:.1f} MB "
                                 f"free, {incoming / 1e6:.1f} MB are needed (free space on that disk, or give the "
                                 "worker another --cache-dir)")
             self.used = used + incoming
@@ -211,7 +210,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
         os.replace(temporary, path)
     except OSError as exc:
         temporary.unlink(missing_ok=True)
-        raise CacheFull(exc.errno, f"cannot write {path}: {exc.strerror}") from None
+        raise CacheFull(f"cannot write {path}: {exc.strerror}") from None
     _fsync_dir(path.parent)
 
 
