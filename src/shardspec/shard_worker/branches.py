@@ -40,6 +40,7 @@ WIDTHS = (0, 2, 4, 8, 16)  # the widths the adaptive choice measures (0: no tree
 SETTLE = 2  # lone steps after a change of width that still run trees of the width before: not counted
 BLOCK = 6  # lone steps counted per measurement of a width
 EXPLORE_EVERY = 6  # every this many blocks, a width next to the best runs
+MARGIN = 0.05  # a wider tree counts as faster only by more than this share (a tree costs where it does not pay)
 
 
 @dataclass(frozen=True)
@@ -155,8 +156,8 @@ class TreeGuesser:
     the tree's width. Adaptive width: widths of WIDTHS (0: no tree) run for blocks of lone steps and
     the tokens a second of each block are measured (the hit rate, the drafts the branches make, the
     stages' passes over more rows and the link's idle time all show in it): from none, each wider
-    one while the widest so far is the fastest; then the fastest runs on, and one next to it every
-    EXPLORE_EVERY blocks. The ranks of a stage agree on each block's
+    one while the widest so far is the fastest (by MARGIN); then the fastest runs on (the narrowest
+    within MARGIN of it), and one next to it every EXPLORE_EVERY blocks. The ranks of a stage agree on each block's
     time (one all-reduce a block), so that they choose alike."""
 
     def __init__(self, draft_len: int, fixed: int = 0):
@@ -202,7 +203,8 @@ class TreeGuesser:
         self.rates[width] = rate if width not in self.rates else 0.5 * (self.rates[width] + rate)
         self.blocks, self.block = self.blocks + 1, (0, 0, 0.0)
         untried = [w for w in self.order if w not in self.rates]
-        best = max(self.rates, key=self.rates.__getitem__)
+        top = max(self.rates.values())
+        best = min(w for w, r in self.rates.items() if r * (1 + MARGIN) >= top)  # (noise: the narrowest near the top)
         i = self.order.index(best)
         if untried and best == max(self.rates):  # the widest so far is the fastest: one wider
             self.current = untried[0]
