@@ -21,7 +21,7 @@ import torch
 from shardspec.protocol.errors import ErrorCode, ProtocolError
 from shardspec.protocol.messages import OPS
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5  # 5: the shards and chunk ops, LoadRequest.model_key, tree guesses
 
 DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
