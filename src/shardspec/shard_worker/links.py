@@ -102,10 +102,10 @@ class StageLinks:
                 break
         hidden = msg.tensors.get("hidden")
         if hidden is not None and body.kind == "lookahead" and guess_row is not None:
-            if hidden.dim() != 3 or not 0 <= guess_row < hidden.shape[0]:
+            if hidden.dim() != 3 or not (hidden.shape[0] == 1 or 0 <= guess_row < hidden.shape[0]):
                 raise ProtocolError(ErrorCode.BAD_MESSAGE, f"a lookahead of {list(hidden.shape)} has no row "
                                     f"{guess_row}")
-            hidden = hidden[guess_row : guess_row + 1]
+            hidden = hidden[guess_row : guess_row + 1] if hidden.shape[0] > 1 else hidden  # (cut before: one row)
         if (body.step, body.index) != (step, index):
             raise ProtocolError(ErrorCode.INTERNAL, f"stage link out of step: expected pass {index} of step {step}, "
                                 f"got pass {body.index} of step {body.step}")
@@ -130,6 +130,18 @@ class StageLinks:
             raise ProtocolError(ErrorCode.INTERNAL, f"stage link out of step: expected the record of step {step}, "
                                 f"got step {body.step}'s")
         return body
+
+    def has_record(self, step: int) -> bool:
+        """Whether the last stage's record of `step` has come (what arrived is read, without waiting)."""
+        try:
+            for _ in range(64):  # (a carrier's poll reads a message or so at a time)
+                before = sum(map(len, self.pending.values()))
+                self._poll(0)
+                if sum(map(len, self.pending.values())) == before:
+                    break
+        except LinkDropped:
+            return False  # (the wait that follows says so)
+        return any(parse(AcceptRecord, m.meta).step == step for m in self.pending[AcceptRecord.OP])
 
     def send_guesses(self, step: int, guesses: dict[int, list[int]]) -> None:
         meta = to_meta(Guesses(step, list(guesses), list(guesses.values())))

@@ -234,38 +234,62 @@ class ForwardingStage(ModelRunner):
         """Run this step's verify pass once per branch of the last stage's tree, as one batched pass in
         branch slots (each forked from the sequence's state past the drafts its branch keeps of the step
         in flight), send it on, then apply the record of the step in flight: the held branch's blocks
-        and state become the sequence's, or the pass runs again on the record's tokens."""
+        and state become the sequence's, or the pass runs again on the record's tokens. A stage after
+        the first whose record is in when the tree's states come cuts the tree there (_cut_tree)."""
         k, previous, device = self.draft_len, self.forwarded[0], self.device
         tree = branches.unflatten(s.guess, k, self.model.config.vocab_size)
+        self.links.timeline.add(self.steps, "branches started")
+        self.lookaheads, self.branches_run = self.lookaheads + 1, self.branches_run + len(tree)
+        index = self._next_pass()
+        x = self._receive(index, (len(tree), k + 1), "lookahead")
+        if x is not None and self.links.has_record(previous.step):
+            return self._cut_tree(s, tree, index, x)
         starts = [s.length + b.accepted + 1 for b in tree]
         slots = self.branch_slots.fork(self.model, s.slot, starts, k + 1)
         self.model.commit(branches.rows_of(previous.saved, [0] * len(tree)), slots,
                           torch.tensor([b.accepted for b in tree], device=device))
         rows = [[b.token, *b.drafts, start, slot, -1, k] for b, start, slot in zip(tree, starts, slots.tolist())]
-        self.links.timeline.add(self.steps, "branches started")
-        index = self._next_pass()
-        x = self._receive(index, (len(rows), k + 1), "lookahead")
         hidden, _, _ = self.passes.verify(rows, self._context([s], k + 1), x)
         saved = self.last_saved
         self._send(index, hidden, "lookahead")
-        self.lookaheads, self.branches_run = self.lookaheads + 1, self.branches_run + len(tree)
         ahead = Forwarded(self.steps, [], [s], None)
         self._forwarded(ahead)
-        length = s.length
-        self._apply(self.forwarded.popleft())  # the record of the step in flight, committed as it says
-        if s.finished:  # the last stage skips it from now on: no record of this step comes
-            self.forwarded.popleft()
-            self.links.timeline.add(self.steps, "branches cancelled")
-            return
-        row = branches.held(tree, s.length - length - 1, s.next_token, s.drafts)
+        row = self._settle_tree(s, tree)
         if row >= 0:
             self.branch_slots.take(self.model, row, s.slot)
             ahead.saved = branches.rows_of(saved, [row])
             ahead.commit = lambda accepts: self.model.commit(ahead.saved, torch.tensor([s.slot], device=device),
                                                              torch.tensor([accepts[0][0]], device=device))
-            self.lookaheads_right += 1
-            self.links.timeline.add(self.steps, "branch taken")
-        else:
-            self.links.timeline.add(self.steps, "branches cancelled")
+        elif not s.finished:
             ahead.commit = self._stage_verify(0, self._verify_rows([s]), self._context([s]), "redo")
             ahead.saved = self.last_saved
+
+    def _settle_tree(self, s: Sequence, tree: list[branches.Branch]) -> int:
+        """Apply the record of the step in flight (forwarded[0]; the tree's step, if queued, after it):
+        the row of the branch it proves, or -1 (a finished sequence's tree step is dropped: the last
+        stage skips it from now on, no record of it comes)."""
+        length = s.length
+        self._apply(self.forwarded.popleft())
+        row = -1 if s.finished else branches.held(tree, s.length - length - 1, s.next_token, s.drafts)
+        if s.finished and self.forwarded:
+            self.forwarded.popleft()
+        self.lookaheads_right += row >= 0
+        self.links.timeline.add(self.steps, "branch taken" if row >= 0 else "branches cancelled")
+        return row
+
+    def _cut_tree(self, s: Sequence, tree: list[branches.Branch], index: int, x: torch.Tensor) -> None:
+        """The tree's states came after the record of the step in flight: only the branch it proves goes
+        on (its row, a pass on the sequence's own state, which the record committed), sent as a
+        lookahead of one row; none when none did (the stage before sends the pass again)."""
+        self.links.timeline.add(self.steps, "branches cut")
+        row = self._settle_tree(s, tree)
+        if s.finished:
+            return
+        ahead = Forwarded(self.steps, [], [s], None)
+        if row >= 0:
+            hidden, _, ahead.commit = self.passes.verify(self._verify_rows([s]), self._context([s]), x[row : row + 1])
+            self._send(index, hidden, "lookahead")
+        else:
+            ahead.commit = self._stage_verify(0, self._verify_rows([s]), self._context([s]), "redo")
+        ahead.saved = self.last_saved
+        self._forwarded(ahead)
