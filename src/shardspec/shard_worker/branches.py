@@ -170,14 +170,11 @@ class TreeGuesser:
         self.block = (0, 0, 0.0)  # this width's lone steps so far, and the tokens and seconds it counts
         self.last: tuple[int, float] | None = None  # (step, clock) of the last lone step
         self.blocks = 0
-        self.accepts = [1.0] * (draft_len + 1)  # decayed counts of each acceptance length (the prior of a)
         self.hits = [0] * self.max_width  # trees whose held branch had this rank
         self.trees = 0
 
     def observe(self, decoder: Any, accepted: int, rank: int | None) -> None:
         """A lone step's acceptance, and the rank of its tree's held branch (-1: none; None: no tree)."""
-        self.accepts = [0.98 * n for n in self.accepts]
-        self.accepts[accepted] += 1.0
         if rank is not None:
             self.trees += 1
             if rank >= 0:
@@ -232,15 +229,17 @@ class TreeGuesser:
         drafts = [*drafts, None]
         base = position - (k - 1)  # the chain's first MTP position: head a's entry after c sits at base + a
         probs = torch.softmax(model.lm_head.logits(torch.cat(heads)).float(), -1)  # [k + 1, V]
-        prior = sum(self.accepts)
-        scored = []
+        # a branch's score: the head's probability of its path, the drafts it keeps and then c (the
+        # draft a rejection at a refuses is no c: the target's token differs from it)
+        scored, path = [], 1.0
         top = torch.topk(probs, CANDIDATES + 1, -1)
         for a in range(k + 1):
-            rejected = drafts[a]  # the draft a rejection at a refuses (the target's token differs from it)
-            mass = 1.0 - (float(probs[a, rejected]) if rejected is not None else 0.0)
+            rejected = drafts[a]
             for p, c in zip(top.values[a].tolist(), top.indices[a].tolist()):
-                if c != rejected and mass > 0:
-                    scored.append((self.accepts[a] / prior * p / mass, a, c))
+                if c != rejected:
+                    scored.append((path * p, a, c))
+            if rejected is not None:
+                path *= float(probs[a, rejected])
         scored.sort(key=lambda x: -x[0])
         chosen = scored[: self.width()]
         if not chosen:
