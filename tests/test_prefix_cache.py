@@ -61,6 +61,22 @@ def test_the_same_prompt_again_starts_after_its_last_full_block_before_its_last_
     assert again.restore >= 0
 
 
+def test_a_prefill_that_starts_near_its_end_saves_no_state_between_so_it_runs_as_one_pass():
+    """A cached turn (its conversation hit up to its last block or so) prefills a short tail: no
+    state is saved inside it, so the workers run it as one chunk; a tail of SHORT_TAIL or more, or a
+    cold prompt, still saves after its last full block."""
+    c = cache(blocks=256)
+    turn = request(list(range(300)))
+    run(c, turn, [900, 901], 12)  # the state at 301
+    follow = request([*range(300), 900, 901, 902, 903, 904, *range(40)], 1)
+    assert c.admit(follow, 12)
+    assert follow.cached == 301 and follow.cache.saves == []
+    c.release(follow)
+    longer = request([*range(300), 900, 901, *range(1000, 1300)], 2)
+    assert c.admit(longer, 20)
+    assert longer.cached == 301 and [s.position for s in longer.cache.saves] == [(len(longer.prompt) - 1) // BT * BT]
+
+
 def first_blocks(c: PrefixCache, depth: int) -> list[int]:
     node, blocks = c.root, []
     for _ in range(depth):

@@ -6,7 +6,8 @@ state holds for one exact position only, so the workers also save recurrent stat
 the target's hidden state before the position) where a later request is likely to start:
 
 - after the last full block of each prompt before its last token (the same prompt again, a longer
-  one that starts with it);
+  one that starts with it), unless its prefill starts at a hit less than SHORT_TAIL before that: a
+  cached turn's short prefill then runs as one pass, not two;
 - where a prompt leaves the cached chain of blocks deeper than any saved state (a shared system
   prompt: the second request that shares it saves the state at the end of what they share);
 - at the end of each finished sequence, its last block partly full (the next turn of a chat, which
@@ -46,6 +47,7 @@ from shardspec.orchestrator.requests import Request
 from shardspec.protocol.messages import SaveAt, SaveFinished
 
 MAX_CACHE_SALT = 256  # characters of a request's cache_salt (each salt the cache holds is a key of its own)
+SHORT_TAIL = 256  # positions: see PrefixCache._plan_saves
 
 
 @dataclass(eq=False)
@@ -245,7 +247,11 @@ class PrefixCache:
         can be freed for."""
         bt = self.block_tokens
         last = (length - 1) // bt * bt
-        positions = {last, min(len(hit.nodes) * bt, last), *(min(p // bt * bt, last) for p in points)}
+        # (a prefill that starts at a hit within SHORT_TAIL of its last full block saves nothing there:
+        # the same prompt again would start at the hit, at the cost of those few tokens, while the save
+        # would split this prefill, a short one, into two passes)
+        ends = [last] if not hit.length or last - hit.length >= SHORT_TAIL else []
+        positions = {*ends, min(len(hit.nodes) * bt, last), *(min(p // bt * bt, last) for p in points)}
         saves = []
         for position in sorted(p for p in positions if p > hit.length):
             depth = position // bt
