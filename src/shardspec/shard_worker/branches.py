@@ -40,7 +40,7 @@ WIDTHS = (0, 2, 4, 8, 16)  # the widths the adaptive choice measures (0: no tree
 SETTLE = 2  # lone steps after a change of width that still run trees of the width before: not counted
 BLOCK = 6  # lone steps counted per measurement of a width
 EXPLORE_EVERY = 6  # every this many blocks, a width next to the best runs
-MARGIN = 0.05  # a wider tree counts as faster only by more than this share (a tree costs where it does not pay)
+MARGIN = 0.1  # a wider tree counts as faster only by more than this share (a tree costs where it does not pay)
 
 
 @dataclass(frozen=True)
