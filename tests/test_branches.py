@@ -56,7 +56,7 @@ def one_worker(temperature: float) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("pp", [2, pytest.param(3, marks=pytest.mark.slow)])  # (PP = 3: three workers, ~15 s)
+@pytest.mark.parametrize("pp", [2, 3])
 def test_a_tree_of_guesses_gives_one_workers_output_in_deterministic_mode(pp, temperature):
     """Eight branches a step: some hold (their blocks and states become the sequence's), the others
     run the step again; every stage before the last decides alike, and the last runs no tree."""
