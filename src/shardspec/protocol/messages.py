@@ -558,7 +558,9 @@ class AcceptRecord:
 class Guesses:
     """Lookahead: the last stage's guess of the tokens of the step after the next of each sequence
     `seqs` ([pending, d1..dk], if the next step keeps all its drafts), made after step `step`'s
-    record left, for the stages before to run that step's pass on before the next record comes."""
+    record left, for the stages before to run that step's pass on before the next record comes.
+    Lookahead "tree": each entry is a tree's branches, (a, c, e1..ek) after each other
+    (shard_worker/branches.py)."""
 
     OP: ClassVar[str] = "guesses"
     step: int = bounded(0, 2**63 - 1)

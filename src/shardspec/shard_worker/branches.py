@@ -5,13 +5,16 @@ drafts it keeps (a) and the token the target adds after them (c), and the last s
 the k drafts of step n + 2 (e). Without a guess the first stage waits for that record before it can
 run step n + 2. With the tree, the last stage, once step n's record has left, sends its likeliest
 outcomes of step n + 1 as branches (a, c, e): for each acceptance length a, the MTP head's top
-choices for c at that position (not the draft it rejects), each with k drafts chained on from it.
+choices for c at that position (not the draft it rejects), each with k drafts chained on from it,
+ranked by the head's probability of the path (the drafts a keeps, then c).
 A stage before the last runs step n + 2 for every branch at once, as one batched verify pass whose
 rows sit in branch slots (BranchSlots): each a fork of the sequence's recurrent state, committed
 as if step n + 1 kept that branch's a drafts, with private copies of the K/V blocks the branch
 writes. The record of step n + 1 then names the branch that holds (its a, c and drafts), whose
 blocks and state become the sequence's, or none: the pass runs again on the record's tokens, as
-without a guess. The last stage takes the held branch's row of the pass and drops the others.
+without a guess. The last stage takes the held branch's row of the pass and drops the others; a
+middle stage that has the record when the tree comes passes on the held row alone
+(stage.ForwardingStage._cut_tree).
 
 The record, not the guess, decides every token: a branch is only a precomputation. So that the
 output stays the one of one worker bit for bit in deterministic mode (greedy and sampled with a
