@@ -99,7 +99,7 @@ def test_the_adaptive_width_runs_at_the_width_that_gives_the_most_tokens_a_secon
     for _ in range(8 * 12):
         decoder.steps += 1
         clock[0] += seconds[tree.width()] / 1e3
-        tree.observe(decoder, 2, None)
+        tree.observe(decoder, 2)
         widths.append(tree.width())
     if best:  # (from none, each wider width while the widest so far is the fastest; then the fastest)
         assert widths[8:41:8] == [2, 4, 8, 16, 8]

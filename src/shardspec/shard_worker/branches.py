@@ -173,15 +173,9 @@ class TreeGuesser:
         self.block = (0, 0, 0.0)  # this width's lone steps so far, and the tokens and seconds it counts
         self.last: tuple[int, float] | None = None  # (step, clock) of the last lone step
         self.blocks = 0
-        self.hits = [0] * self.max_width  # trees whose held branch had this rank
-        self.trees = 0
 
-    def observe(self, decoder: Any, accepted: int, rank: int | None) -> None:
-        """A lone step's acceptance, and the rank of its tree's held branch (-1: none; None: no tree)."""
-        if rank is not None:
-            self.trees += 1
-            if rank >= 0:
-                self.hits[rank] += 1
+    def observe(self, decoder: Any, accepted: int) -> None:
+        """A lone step of the decoder, which kept `accepted` drafts."""
         now, last = time.perf_counter(), self.last
         self.last = (decoder.steps, now)
         if self.fixed or last is None or decoder.steps != last[0] + 1:

@@ -357,7 +357,7 @@ class Decoder(ModelRunner):
                 if ahead and s.guess:
                     self.held.append(s.guess_row >= 0)
                 if ahead and self.guesser is not None:
-                    self.guesser.observe(self, n, s.guess_row if s.guess else None)
+                    self.guesser.observe(self, n)
                 s.drafts = [] if s.finished else d[:k]
                 s.guess = []
             if ahead:
