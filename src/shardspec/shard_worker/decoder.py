@@ -32,10 +32,11 @@ from pathlib import Path
 import torch
 
 from shardspec.layers.batch import Batch
-from shardspec.layers.grammar import Constraint, apply_masks, masked
+from shardspec.layers.grammar import Constraint, masked
 from shardspec.layers.sampling import accept_greedy, accept_sampled, resample, sample, target_probs, unusable
 from shardspec.protocol.messages import FAILED, LoadRequest, PrefillSpec, StepRequest, WorkerOptions
 from shardspec.shard_worker import branches
+from shardspec.shard_worker.constrained import follow_rows, grammar_masks, grammar_rows, over_budget
 from shardspec.shard_worker.grammars import GrammarStore
 from shardspec.shard_worker.graphs import HostRows
 from shardspec.shard_worker.logprobs import prompt_rows, token_rows
@@ -162,25 +163,12 @@ class Decoder(ModelRunner):
         return {spec.seq: self.grammars.constraint(spec.grammar) for spec in request.prefill if spec.grammar}
 
     def _check_grammar_time(self, result: StepResult) -> None:
-        """Fail the sequences of this step whose grammar work took over the budget, alone. Each rank
-        times its own, so the ranks agree first (one all-reduce, in steps with a grammar only: the
-        same steps on every rank)."""
-        seqs = [s for s in map(self.sequences.get, result.seqs) if s is not None and s.grammar is not None
-                and s.finished != FAILED]
-        if not seqs:
-            return
-        over = torch.tensor([float(s.grammar.spent > self.grammar_budget_s) for s in seqs], device=self.device)
-        spent = [s.grammar.spent for s in seqs]
-        self.counters.grammar_s += sum(spent)
-        self.counters.grammar_steps += 1
-        over = self.model.lm_head.tp.all_reduce(over).tolist()
-        for s, flag, seconds in zip(seqs, over, spent):
-            s.grammar.spent = 0.0
-            if flag:
-                s.grammar.failure = (f"its grammar's masks took {seconds * 1e3:.0f} ms in one step (on some rank), "
-                                     f"over the budget of {self.grammar_budget_s * 1e3:.0f} ms")
-                s.finished, s.drafts = FAILED, []
-                result.fail(s)
+        """Fail the sequences of this step whose grammar work took over the budget, alone."""
+        for seq, why in over_budget(self.sequences, result.seqs, self.grammar_budget_s, self.model.lm_head.tp,
+                                    self.counters, self.device):
+            seq.grammar.failure = why
+            seq.finished, seq.drafts = FAILED, []
+            result.fail(seq)
 
     def stats(self) -> RunnerStats:
         stats = super().stats()
@@ -331,7 +319,7 @@ class Decoder(ModelRunner):
             rows = self._rows(seqs, with_guess)
             hidden, argmax, draft = self.passes.verify(rows, context, x, eager_follow=biased)
             raw = self.passes.logits
-            masks = self._grammar_masks(seqs)  # (on the host, while the device runs the pass)
+            masks = grammar_masks(seqs, self.draft_len + 1)  # (on the host, while the device runs the pass)
             accepted, tokens, logits = self._accept(seqs, hidden, argmax, result if want_logits else None,
                                                     wants_logprobs or not plain, masks, raw)
             for s, n, token in zip(seqs, accepted, tokens):  # (the drafts after them are masked from there)
@@ -339,7 +327,7 @@ class Decoder(ModelRunner):
                     s.finished = FAILED
             if k:
                 with self._drafting_under(seqs if biased else []):
-                    drafts = draft(self._follow_rows(seqs, accepted, tokens)).tolist()
+                    drafts = draft(follow_rows(seqs, accepted, tokens, k)).tolist()
         if k:
             self.counters.count(accepted, k)
         emitted = []
@@ -401,23 +389,6 @@ class Decoder(ModelRunner):
         rows = [self.sequences[seq] for seq in seqs]
         return all(not s.finished and s.length <= limit for s in rows) and self.passes.can_go_again()
 
-    def _follow_rows(self, seqs: list[Sequence], accepted: list[int], tokens: list[int]) -> list[list[int]]:
-        """The draft pass's rows: [accepted, new token] each, and under a grammar [..., m, f1..fk]:
-        the m tokens the grammar alone allows next (Constraint.forced), which the chain drafts as
-        they are (the target accepts them), the device drafting the others as it does unconstrained."""
-        if all(s.grammar is None for s in seqs):
-            return [[n, token] for n, token in zip(accepted, tokens)]
-        k, rows = self.draft_len, []
-        for s, n, token in zip(seqs, accepted, tokens):
-            forced = s.grammar.forced(k) if s.grammar is not None and not s.finished else []
-            rows.append([n, token, len(forced), *forced, *[0] * (k - len(forced))])
-        return rows
-
-    def _grammar_masks(self, seqs: list[Sequence]) -> dict[int, torch.Tensor]:
-        """Each constrained sequence's k + 1 verify rows' masks (Constraint.masks), by sequence."""
-        rows = self.draft_len + 1
-        return {s.seq: s.grammar.masks(s.drafts, rows) for s in seqs if s.grammar is not None}
-
     def _accept(self, seqs: list[Sequence], hidden: torch.Tensor, argmax: torch.Tensor,
                 logits_out: StepResult | None, wants_logits: bool = False, masks: dict | None = None,
                 raw: torch.Tensor | None = None):
@@ -431,12 +402,12 @@ class Decoder(ModelRunner):
             logits = head.logits(hidden) if raw is None else head.logits_of(raw)  # [B, k+1, V]
             if logits_out is not None:
                 logits_out.logits.append(logits.reshape(-1, logits.shape[-1]))
-        grammar_rows = self._grammar_rows(seqs, logits, masks or {})
+        shaped_rows = grammar_rows(seqs, logits, masks or {})
         argmax = argmax.tolist()
         accepted, tokens = [], []
         for i, s in enumerate(seqs):
-            target, bad, greedy, single = grammar_rows.get(i, (None, False, None, None))
-            if i not in grammar_rows and logits is not None:
+            target, bad, greedy, single = shaped_rows.get(i, (None, False, None, None))
+            if i not in shaped_rows and logits is not None:
                 target = s.constrain(s.penalise(logits[i], s.drafts), s.drafts, (masks or {}).get(s.seq))
                 bad = (s.shaped or not s.sampling.greedy or s.counts is not None) and unusable(target)
             if bad:
@@ -467,26 +438,6 @@ class Decoder(ModelRunner):
             tokens.append(token)
         return accepted, tokens, logits
 
-    @staticmethod
-    def _grammar_rows(seqs: list[Sequence], logits: torch.Tensor | None, masks: dict[int, torch.Tensor]
-                      ) -> dict[int, tuple[torch.Tensor, bool, list[int], list[int]]]:
-        """The rows whose logits a grammar alone shapes (no penalties, bias or min_tokens), masked
-        together and read off the device in one copy: {row: (its target logits [k+1, V], unusable,
-        their argmax, which of them allow a single token)}."""
-        if logits is None:
-            return {}
-        rows = [i for i, s in enumerate(seqs) if s.seq in masks and not s.grammar.failure and s.counts is None
-                and s.bias is None and s.early <= 0]
-        if not rows:
-            return {}
-        targets = apply_masks(logits[rows], torch.stack([masks[seqs[i].seq] for i in rows]))  # [R, k+1, V]
-        finite = torch.isfinite(targets)
-        bad = (torch.isnan(targets) | torch.isposinf(targets)).flatten(1).any(1) | ~finite.any(-1).all(-1)
-        facts = torch.cat([bad[:, None].long(), targets.argmax(-1), (finite.sum(-1) == 1).long()], 1).tolist()
-        width = targets.shape[1]
-        return {i: (targets[j], bool(f[0]), f[1 : 1 + width], f[1 + width :])
-                for j, (i, f) in enumerate(zip(rows, facts))}
-
     # --- the device passes (graphs.StepPasses captures them) -------------------------------------
 
     def _follow_pass(self, packed: torch.Tensor, accepts: torch.Tensor, hidden: torch.Tensor, saved: dict,
@@ -504,7 +455,7 @@ class Decoder(ModelRunner):
         head = heads.gather(1, index[:, None, None].expand(-1, 1, heads.shape[-1]))[:, 0]
         lengths = positions[:, 0] + index + 1
         guess = self.rows.guess(packed)
-        if guess is None:  # (accepts past [accepted, token]: the forced drafts of _follow_rows)
+        if guess is None:  # (accepts past [accepted, token]: the forced drafts of constrained.follow_rows)
             return self._chain(head, slots, lengths, context, forced=accepts[:, 2:] if accepts.shape[1] > 2 else None)
         # lookahead (one sequence, eagerly): where the guess holds (all drafts kept, the new token the
         # guessed one) the chain keeps the guessed drafts, which the stages before already run the next
