@@ -91,7 +91,11 @@ def test_prefix_cache_bench_runs_a_tiny_trace_and_writes_every_figure(tmp_path):
         assert set(run) == TRACE_RUN_KEYS
         assert run["requests"] == 4 and run["completion_tokens"] == 4 * 4  # ignore_eos: every reply is 4 tokens
         assert set(run["per_turn"]) == {"1", "2"}
-        assert set(run["per_turn"]["1"]) == {"ttft_p50_ms", "ttft_p95_ms", "reusable_share", "cached_of_reusable"}
+        assert set(run["per_turn"]["1"]) == {"ttft_p50_ms", "ttft_p95_ms", "reusable_share", "cached_of_reusable",
+                                             "phases_p50_ms"}  # (concurrency 1: each turn's phases)
+        phases = run["per_turn"]["1"]["phases_p50_ms"]
+        assert set(phases) == {"prepare", "queue", "first step", "wire", "stream", "HTTP"}
+        assert phases["first step"] > 0 and all(t["phases_ms"]["first step"] > 0 for t in run["turns"])
         assert len(run["turns"]) == 4
         assert run["reusable_prompts_mismatched"] == 0  # the client renders and tokenizes as the server does
         # one conversation at a time: the second's turn 1 can reuse the system prompt, every turn 2 its history
