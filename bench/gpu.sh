@@ -3,7 +3,8 @@
 #
 #   bash bench/gpu.sh WHEELS OUT STAGE...
 #
-# WHEELS: a folder of the wheels the machine lacks (pyzmq; fla-core for the prefill kernel), installed
+# WHEELS: a folder of the wheels the machine lacks (pyzmq; fla-core for the prefill kernel; llguidance; fastapi
+# with starlette, pydantic, annotated-doc and opentelemetry-api, uvicorn, for the serving stages), installed
 # into /tmp/shardspec-site with no index. OUT: where logs and JSON results go. Checkpoints are written
 # under .bench/ (kept while the machine is). Each stage fits in ~10 minutes on 2 × H200 (9b took 6, tests 4) and
 # writes at most 8 files to OUT:
