@@ -105,17 +105,9 @@ class Loopback:
         return self.procs[-1]
 
     def wait_listening(self, _host: int, port: int, timeout: float = 120.0) -> None:
-        import socket
+        from shardspec.testing.network import wait_listening
 
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.3)
+        wait_listening(port, timeout=timeout, poll=0.3)
 
 
 def write_model(folder: Path, size_mb: int) -> None:

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from test_server import Server, start_server, worker_stats
 
 from shardspec.testing.chat_model import write_chat_model
@@ -18,6 +19,18 @@ def serve_chat_model(folder: Path, context: int = 1024) -> Server:
     server = start_server(folder, "--model", str(folder / "model"), "--local", "1", "--max-seq-len", str(context))
     server.model = folder / "model"
     return server
+
+
+def served(context: int = 1024):
+    """A module-scoped fixture of the module's served chat model (serve_chat_model), stopped cleanly
+    after its tests: `chat_server = served()` in a test module."""
+    @pytest.fixture(scope="module")
+    def chat_server(tmp_path_factory) -> Server:
+        started = serve_chat_model(tmp_path_factory.mktemp("chat"), context)
+        yield started
+        assert started.stop() == 0, started.log.read_text(errors="replace")
+
+    return chat_server
 
 
 def leave_a_stream(server: Server, url: str, body: dict, streaming: str) -> tuple[dict, float]:

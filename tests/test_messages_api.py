@@ -10,7 +10,7 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
-from served_chat import leave_a_stream, serve_chat_model
+from served_chat import leave_a_stream, served
 
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 3},
                                          "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -22,11 +22,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 ALL_TOKENS = {"extra_body": {"ignore_eos": True}}  # (a greedy random model may end at once)
 
 
-@pytest.fixture(scope="module")
-def chat_server(tmp_path_factory):
-    started = serve_chat_model(tmp_path_factory.mktemp("messages"))
-    yield started
-    assert started.stop() == 0, started.log.read_text(errors="replace")
+chat_server = served()
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from served_chat import leave_a_stream, serve_chat_model
+from served_chat import leave_a_stream, served
 
 from shardspec.server.response_store import ResponseStore
 
@@ -28,11 +28,7 @@ FORECAST = {"type": "object", "properties": {"sky": {"enum": ["sunny", "rainy"]}
             "required": ["sky", "high"], "additionalProperties": False}
 
 
-@pytest.fixture(scope="module")
-def chat_server(tmp_path_factory):
-    started = serve_chat_model(tmp_path_factory.mktemp("responses"))
-    yield started
-    assert started.stop() == 0, started.log.read_text(errors="replace")
+chat_server = served()
 
 
 @pytest.fixture(scope="module")

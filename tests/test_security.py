@@ -18,6 +18,7 @@ import zmq.auth
 
 import shardspec
 from shardspec.orchestrator.workers import WorkerLost, free_port
+from shardspec.testing.network import wait_listening
 
 
 def shardspec_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -46,19 +47,6 @@ def secure_worker(keys, tmp_path):
     yield address
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(20) == 0
-
-
-def wait_listening(port: int, timeout: float = 90.0) -> None:
-    """Block until something accepts TCP connections on the loopback port (the worker is up)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
 
 
 def test_keys_generate_writes_a_zeromq_certificate_pair_and_never_overwrites_it(tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from served_chat import serve_chat_model
+from served_chat import served
 
 from shardspec.orchestrator.tokenizer import Tokenizer
 
@@ -16,11 +16,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
 
 
-@pytest.fixture(scope="module")
-def chat_server(tmp_path_factory):
-    started = serve_chat_model(tmp_path_factory.mktemp("tokenize"), CONTEXT)
-    yield started
-    assert started.stop() == 0, started.log.read_text(errors="replace")
+chat_server = served(CONTEXT)
 
 
 @pytest.fixture(scope="module")
