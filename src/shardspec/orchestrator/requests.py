@@ -54,8 +54,6 @@ class FirstToken:
     replied: float
     worker_s: float
 
-    PHASES = ("prepare", "queue", "first step", "wire")
-
     def phases(self) -> dict[str, float]:
         """The phases up to the reply: prepare, queue, the first step on the workers, and the wire
         and links around it."""
