@@ -4,6 +4,7 @@ one's (decoder.LaunchAhead). The replies must be those of running every step aft
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections import deque
 from collections.abc import Callable
@@ -152,3 +153,32 @@ def test_the_engine_launches_ahead_and_its_output_is_the_same(small_vocab_model)
     ahead, launched = asyncio.run(run(workers=pooled(1), worker_options=WorkerOptions(launch_ahead="on")))
     assert ahead == plain and none == 0 and launched > 0
 
+
+
+def test_greedy_steps_under_grammars_launch_ahead_and_their_outputs_are_the_same():
+    """Without MTP, greedy rows under a grammar choose their tokens under its masks on the device, so
+    their steps launch ahead too (the masks of a step computed while its pass runs): the outputs, each
+    of which its grammar allows, are those without launch ahead."""
+    from shardspec.cli import BUNDLED_MODEL
+
+    choice = {"choice": ["yes", "no", "maybe so", "not at all"]}
+    schema = {"json": {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}},
+                       "required": ["n", "s"], "additionalProperties": False}}
+
+    async def run(**workers):
+        async with shardspec.connect(model=str(BUNDLED_MODEL), mtp=False, max_seqs=4, deterministic=True,
+                                     **workers) as engine:
+            async def one(prompt, constraint):
+                text = ""
+                async for chunk in engine.generate(prompt, max_tokens=40, temperature=0,
+                                                   **({"structured_output": constraint} if constraint else {})):
+                    text += chunk.text
+                return text
+            out = await asyncio.gather(one("def f():", schema), one("Is it?", choice), one("import os", None),
+                                       one("x = ", schema))
+            return out, sum(s.launched_ahead for s in await engine.stats())
+
+    plain, none = asyncio.run(run(workers=pooled(1)))
+    ahead, launched = asyncio.run(run(workers=pooled(1), worker_options=WorkerOptions(launch_ahead="on")))
+    assert ahead == plain and none == 0 and launched > 10
+    assert plain[1] in choice["choice"] and set(json.loads(plain[0])) == set(json.loads(plain[3])) == {"n", "s"}

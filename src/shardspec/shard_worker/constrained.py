@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import torch
 
-from shardspec.layers.grammar import apply_masks
+from shardspec.layers.grammar import apply_masks, single
 from shardspec.layers.parallel import TPGroup
 from shardspec.protocol.messages import FAILED
 from shardspec.shard_worker.sequences import Sequence
@@ -17,6 +17,21 @@ from shardspec.shard_worker.sequences import Sequence
 def grammar_masks(seqs: list[Sequence], rows: int) -> dict[int, torch.Tensor]:
     """Each constrained sequence's `rows` (k + 1) verify rows' masks (Constraint.masks), by sequence."""
     return {s.seq: s.grammar.masks(s.drafts, rows) for s in seqs if s.grammar is not None}
+
+
+def mask_words(seqs: list[Sequence | None], vocab: int, counters) -> torch.Tensor:
+    """The bit masks [B, ceil(V / 32)] (int32, host) of a greedy pass at k = 0, a row per sequence:
+    its grammar's next mask, or every token where it has none (or the row's sequence is gone). Counts
+    the constrained rows, and those whose mask allows one token, into `counters` (SpecCounters)."""
+    masks = {i: s.grammar.masks([], 1)[0] for i, s in enumerate(seqs)
+             if s is not None and s.grammar is not None and not s.finished}
+    width = max([(vocab + 31) // 32, *(len(m) for m in masks.values())])  # (llguidance's may be wider)
+    words = torch.full((len(seqs), width), -1, dtype=torch.int32)
+    for i, mask in masks.items():
+        words[i] = 0  # (tokens past its mask: refused)
+        words[i, : len(mask)] = mask
+        counters.constrained_counted(1, int(single(mask.numpy()) is not None))
+    return words
 
 
 def grammar_rows(seqs: list[Sequence], logits: torch.Tensor | None, masks: dict[int, torch.Tensor]

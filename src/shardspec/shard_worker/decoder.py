@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 
 from shardspec.layers.batch import Batch
-from shardspec.layers.grammar import Constraint, masked
+from shardspec.layers.grammar import Constraint, apply_masks, masked
 from shardspec.layers.sampling import accept_greedy, accept_sampled, resample, sample, target_probs, unusable
 from shardspec.protocol.messages import FAILED, LoadRequest, PrefillSpec, StepRequest, WorkerOptions
 from shardspec.shard_worker import branches
-from shardspec.shard_worker.constrained import follow_rows, grammar_masks, grammar_rows, over_budget
+from shardspec.shard_worker.constrained import follow_rows, grammar_masks, grammar_rows, mask_words, over_budget
 from shardspec.shard_worker.grammars import GrammarStore
 from shardspec.shard_worker.graphs import HostRows
 from shardspec.shard_worker.logprobs import prompt_rows, token_rows
@@ -65,6 +65,7 @@ class Launched:
 
     seqs: list[int]
     out: HostRows
+    masked: bool = False  # its tokens are chosen under grammar masks (Decoder._masked_greedy), not yet
 
 
 class LaunchAhead:
@@ -92,7 +93,7 @@ class LaunchAhead:
             forced = None
             if decoder.forced is not None:
                 forced = [[decoder.sequences[seq].forced(decoder.forced)] for seq in current.seqs]
-            self.launched = Launched(current.seqs, HostRows.copy(decoder.passes.again(forced)))
+            self.launched = Launched(current.seqs, HostRows.copy(decoder.passes.again(forced)), current.masked)
             self.count += 1
 
     def drop(self) -> None:
@@ -315,6 +316,8 @@ class Decoder(ModelRunner):
             # greedy (or forced) acceptance needs no host decision: the whole step is one pass
             out = self._greedy(seqs, context, x, with_guess, launched)
             accepted, tokens, drafts = [r[0] for r in out], [r[1] for r in out], [r[2:] for r in out]
+        elif not want_logits and not wants_logprobs and self._masks_alone(seqs):
+            accepted, tokens = [0] * len(seqs), self._masked_greedy(seqs, context, x, launched)
         else:
             rows = self._rows(seqs, with_guess)
             hidden, argmax, draft = self.passes.verify(rows, context, x, eager_follow=biased)
@@ -367,6 +370,8 @@ class Decoder(ModelRunner):
         """The greedy pass's [accepted, token, *drafts] of each sequence: the pass launched ahead for
         this step if there is one, else this step's; before reading it, the next step's launched ahead
         where the next request comes while this pass runs and continues this step."""
+        if launched is not None and launched.masked:  # (its rows under a grammar have finished since)
+            return [[0, token] for token in self._masked_greedy(seqs, context, x, launched)]
         if launched is None:
             rows = self._rows(seqs, with_guess, forced=True)
             launched = Launched([s.seq for s in seqs], HostRows.copy(self.passes.greedy(rows, context, x)))
@@ -376,6 +381,45 @@ class Decoder(ModelRunner):
         out = launched.out.rows()
         row = {seq: i for i, seq in enumerate(launched.seqs)}
         return [out[row[s.seq]] for s in seqs]
+
+    def _masks_alone(self, seqs: list[Sequence]) -> bool:
+        """Whether a step's tokens are the argmax of its logits under its grammars' masks alone (k = 0,
+        every row greedy, no penalties, bias or min_tokens): _masked_greedy decides it on the device."""
+        return (not self.draft_len and self.passes.keeps_logits(len(seqs))
+                and all(s.sampling.greedy and not s.sampling.penalised and s.bias is None and s.early <= 0
+                        for s in seqs))
+
+    def _masked_greedy(self, seqs: list[Sequence], context: int, x: torch.Tensor | None,
+                       launched: Launched | None) -> list[int]:
+        """Each sequence's token (k = 0): the argmax of the greedy pass's logits under its grammar's mask,
+        chosen on the device. The pass is the one launched ahead for this step, or this step's; its
+        masks are computed on the host while it runs. Before the tokens are read, the next step's pass
+        is launched ahead on them (LaunchAhead), so that this host work, the reply and the next step's
+        masks run beside the device's next pass. A sequence whose grammar fails fails alone."""
+        if launched is None:
+            self.passes.greedy(self._rows(seqs, False), context, x)
+            order = [s.seq for s in seqs]
+        elif not launched.masked:
+            raise RuntimeError("a pass launched ahead without masks came to a step under a grammar")
+        else:
+            order = launched.seqs
+        raw = self.passes.logits  # [B, 1, V / tp]: the pass's, until the next one (the next launched below)
+        live = {s.seq: s for s in seqs}
+        words = mask_words([live.get(seq) for seq in order], self.model.config.vocab_size, self.counters)
+        for s in seqs:
+            if s.grammar is not None and s.grammar.failure:
+                s.finished = FAILED
+        logits = apply_masks(self.model.lm_head.logits_of(raw)[:, 0], self.passes.device_words(words))
+        out = torch.stack([torch.zeros_like(raw[:, 0, 0], dtype=torch.long), logits.argmax(-1)], 1)
+        self.passes.settle(out)
+        current = Launched(order, HostRows.copy(out), masked=True)
+        self.ahead.follow(self, current)
+        token = dict(zip(order, (row[1] for row in current.out.rows())))
+        tokens = [s.next_token if s.finished == FAILED else token[s.seq] for s in seqs]
+        for s, t in zip(seqs, tokens):
+            if s.grammar is not None and s.finished != FAILED and not s.grammar.accept([t]):
+                s.finished = FAILED
+        return tokens
 
     def _continues(self, request: StepRequest | None, seqs: list[int]) -> bool:
         """Whether `request` is the step after this one over the same rows (the sequences `seqs`, in

@@ -168,12 +168,13 @@ class StepPasses:
         self.pools = [torch.cuda.graph_pool_handle() for _ in range(copies)] if self.graphs else []
         self.held = [False] * copies
         self.last: _Last | None = None  # the last greedy pass of a single stage (`again`)
-        self.logits: torch.Tensor | None = None  # the last verify's raw logits, where kept (verify)
+        self.logits: torch.Tensor | None = None  # the last verify's raw logits, where kept (verify; greedy at k = 0)
+        self.word_uploads: dict[torch.Size, PinnedUpload] = {}  # grammar bit masks by shape (device_words)
 
     def greedy(self, rows: list[list[int]], context: int, x: torch.Tensor | None = None) -> torch.Tensor:
         """The pass of a step every row of which decodes greedily or under forced acceptance, all on
         the device: [B, 2 + k] = (accepted, token, drafts); the fused pass (k > 0), or the verify
-        pass's argmax as (0, token) (k = 0)."""
+        pass's argmax as (0, token) (k = 0; `logits` is then its raw logits, where kept)."""
         bucket = self._upload(rows, context, x)
         packed = upload(rows, self.device) if bucket is None else bucket.packed
         return self._greedy(packed, len(rows), min(context, self.max_context), bucket, x)
@@ -203,14 +204,41 @@ class StepPasses:
         k = self.draft_len
         if bucket is None:
             x = self._to_device(x)
-            out = self.fused_fn(packed, context, x) if k else self.verify_fn(packed, context, x, False)[1]
+            out = self.fused_fn(packed, context, x) if k else self.verify_fn(packed, context, x, True)
         else:
-            out = self._replay(bucket, "fused") if k else self._replay(bucket, "verify")[1]
-            out = out[:n]
+            out = self._replay(bucket, "fused") if k else self._replay(bucket, "verify")
+        if not k:  # (its raw logits, where kept: the tokens a grammar's masks choose, Decoder._masked_greedy)
+            self.logits = None if out[3] is None else out[3][:n]
+            out = out[1]
+        out = out[:n]
         if not k:
             out = torch.cat([torch.zeros_like(out[:, :1]), out[:, :1]], 1)
         self.last = _Last(packed, out, context, bucket) if x is None else None
         return out
+
+    def keeps_logits(self, n: int) -> bool:
+        """Whether a greedy pass of n rows at k = 0 keeps its LM head's raw logits (`logits`): eagerly,
+        and in the graphs of buckets up to LOGITS_BUCKET_MAX."""
+        size = bucket_size(n) if self.graphs else None
+        return size is None or size <= LOGITS_BUCKET_MAX
+
+    def settle(self, out: torch.Tensor) -> None:
+        """The last greedy pass's result (k = 0) replaced with `out` [B, 2] = (0, token): the tokens the
+        caller chose from its `logits` (under a grammar's masks), which `again` then continues."""
+        if self.last is not None:
+            self.last.out = out
+
+    def device_words(self, words: torch.Tensor) -> torch.Tensor:
+        """Host int32 bit masks [B, W] on the device: through a pinned buffer per B on a GPU (one
+        asynchronous copy that does not wait for the passes queued before it), as they are on the CPU."""
+        if self.device.type == "cpu":
+            return words
+        upload = self.word_uploads.get(words.shape)
+        if upload is None:
+            upload = self.word_uploads[words.shape] = PinnedUpload(torch.empty(words.shape, dtype=words.dtype,
+                                                                               device=self.device))
+        upload(words)
+        return upload.target
 
     def verify(self, rows: list[list[int]], context: int, x: torch.Tensor | None = None,
                eager_follow: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, Follow]:
@@ -267,7 +295,8 @@ class StepPasses:
         """Drop every graph and what they hold (the pool's memory goes back once nothing else
         holds it: the caller also drops the layers' references to the last pass)."""
         self.buckets.clear()
-        self.last = None
+        self.word_uploads.clear()
+        self.last = self.logits = None
 
     def _upload(self, rows: list[list[int]], context: int, x: torch.Tensor | None) -> _Bucket | None:
         """The rows, padded, and the input hidden states into a free copy of their bucket (None: no
