@@ -35,8 +35,7 @@ from shardspec.layers.batch import Batch
 from shardspec.layers.grammar import Constraint, apply_masks, masked
 from shardspec.layers.sampling import accept_greedy, accept_sampled, resample, sample, target_probs, unusable
 from shardspec.protocol.messages import FAILED, LoadRequest, PrefillSpec, StepRequest, WorkerOptions
-from shardspec.shard_worker import branches
-from shardspec.shard_worker.constrained import follow_rows, grammar_masks, grammar_rows, mask_words, over_budget
+from shardspec.shard_worker import branches, constrained
 from shardspec.shard_worker.grammars import GrammarStore
 from shardspec.shard_worker.graphs import HostRows
 from shardspec.shard_worker.logprobs import prompt_rows, token_rows
@@ -165,8 +164,8 @@ class Decoder(ModelRunner):
 
     def _check_grammar_time(self, result: StepResult) -> None:
         """Fail the sequences of this step whose grammar work took over the budget, alone."""
-        for seq, why in over_budget(self.sequences, result.seqs, self.grammar_budget_s, self.model.lm_head.tp,
-                                    self.counters, self.device):
+        for seq, why in constrained.over_budget(self.sequences, result.seqs, self.grammar_budget_s,
+                                                self.model.lm_head.tp, self.counters, self.device):
             seq.grammar.failure = why
             seq.finished, seq.drafts = FAILED, []
             result.fail(seq)
@@ -322,15 +321,17 @@ class Decoder(ModelRunner):
             rows = self._rows(seqs, with_guess)
             hidden, argmax, draft = self.passes.verify(rows, context, x, eager_follow=biased)
             raw = self.passes.logits
-            masks = grammar_masks(seqs, self.draft_len + 1)  # (on the host, while the device runs the pass)
+            masks = constrained.grammar_masks(seqs, k + 1)  # (on the host, while the device runs the pass)
             accepted, tokens, logits = self._accept(seqs, hidden, argmax, result if want_logits else None,
                                                     wants_logprobs or not plain, masks, raw)
             for s, n, token in zip(seqs, accepted, tokens):  # (the drafts after them are masked from there)
                 if s.grammar is not None and s.finished != FAILED and not s.grammar.accept([*s.drafts[:n], token]):
                     s.finished = FAILED
-            if k:
-                with self._drafting_under(seqs if biased else []):
-                    drafts = draft(follow_rows(seqs, accepted, tokens, k)).tolist()
+            if k and biased:  # (drafted on the host, from the biased and masked logits, the forced drafts chained)
+                with self._drafting_under(seqs):
+                    drafts = draft(constrained.follow_rows(seqs, accepted, tokens, k)).tolist()
+            elif k:
+                drafts = constrained.forced_over(seqs, draft([[n, token] for n, token in zip(accepted, tokens)]), k)
         if k:
             self.counters.count(accepted, k)
         emitted = []
@@ -405,7 +406,7 @@ class Decoder(ModelRunner):
             order = launched.seqs
         raw = self.passes.logits  # [B, 1, V / tp]: the pass's, until the next one (the next launched below)
         live = {s.seq: s for s in seqs}
-        words = mask_words([live.get(seq) for seq in order], self.model.config.vocab_size, self.counters)
+        words = constrained.mask_words([live.get(seq) for seq in order], self.model.config.vocab_size, self.counters)
         for s in seqs:
             if s.grammar is not None and s.grammar.failure:
                 s.finished = FAILED
@@ -446,7 +447,7 @@ class Decoder(ModelRunner):
             logits = head.logits(hidden) if raw is None else head.logits_of(raw)  # [B, k+1, V]
             if logits_out is not None:
                 logits_out.logits.append(logits.reshape(-1, logits.shape[-1]))
-        shaped_rows = grammar_rows(seqs, logits, masks or {})
+        shaped_rows = constrained.grammar_rows(seqs, logits, masks or {})
         argmax = argmax.tolist()
         accepted, tokens = [], []
         for i, s in enumerate(seqs):
