@@ -1,5 +1,5 @@
 """Launch ahead: a single stage queues the next step's pass on the device before it reads the current
-one's (decoder.LaunchAhead). The replies must be those of running every step after the one before."""
+one's (ahead.LaunchAhead). The replies must be those of running every step after the one before."""
 
 from __future__ import annotations
 

@@ -187,7 +187,7 @@ class RunnerStats:
     lookaheads: int = 0  # verify passes run on a guess
     lookaheads_right: int = 0  # those whose guess held
     branches: int = 0  # rows of the passes run on a tree of guesses (their mean width: branches / lookaheads)
-    launched_ahead: int = 0  # passes queued behind the step before (decoder.LaunchAhead)
+    launched_ahead: int = 0  # passes queued behind the step before (ahead.LaunchAhead)
     grammar_tokens: int = 0
     forced_tokens: int = 0
     grammar_s: float = 0.0

@@ -1,0 +1,82 @@
+"""Launch ahead: the next step's pass queued on the device behind the current one.
+
+A single stage whose next request is already queued (the orchestrator keeps the next step on
+the wire) and continues the current one (the same sequences, greedy, no
+prefill) queues that step's pass on the device right behind the current one, its rows built on the
+device from the current pass's outputs (graphs.StepPasses.again). The host then reads this step's
+outputs, replies and takes the next request while the device runs the next pass, instead of the
+device waiting for the host between steps. The next step's rows hold the sequences this one may
+finish; their rows run on and are dropped (a finished sequence's caches are never read again).
+
+Under a grammar at k = 0 the tokens are chosen under its masks on the device (Decoder._masked_greedy),
+so those steps launch ahead too: the masks of a step are computed while its pass runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from shardspec.protocol.messages import StepRequest
+from shardspec.shard_worker.graphs import HostRows
+
+if TYPE_CHECKING:
+    from shardspec.shard_worker.decoder import Decoder
+
+# the next request as soon as it is queued, or None once until() is true (the current pass is done)
+Peek = Callable[[Callable[[], bool]], StepRequest | None]
+
+
+@dataclass
+class Launched:
+    """A pass queued ahead of its step: the sequences of its rows, its outputs' copy."""
+
+    seqs: list[int]
+    out: HostRows
+    masked: bool = False  # its tokens are chosen under grammar masks (Decoder._masked_greedy), not yet
+
+
+class LaunchAhead:
+    """Queues the next step's greedy pass behind the current one when the next request, seen through
+    `peek` while the current pass runs, continues it (Decoder._continues)."""
+
+    def __init__(self, peek: Peek):
+        self.peek = peek
+        self.launched: Launched | None = None  # the pass queued for the next step
+        self.count = 0  # passes launched ahead
+
+    def take(self, request: StepRequest) -> Launched | None:
+        """The pass launched for this step, if any (a step that is not the one it was launched for is
+        a bug: said as one)."""
+        launched, self.launched = self.launched, None
+        if launched is not None and (request.prefill or request.return_logits or request.grow
+                                     or request.decode != launched.seqs):
+            raise RuntimeError("a pass was launched ahead for a step that did not come next")
+        return launched
+
+    def follow(self, decoder: Decoder, current: Launched) -> None:
+        """While `current` runs: queue the next step's pass if the next request continues it."""
+        following = self.peek(current.out.ready)
+        if decoder._continues(following, current.seqs):
+            forced = None
+            if decoder.forced is not None:
+                forced = [[decoder.sequences[seq].forced(decoder.forced)] for seq in current.seqs]
+            self.launched = Launched(current.seqs, HostRows.copy(decoder.passes.again(forced)), current.masked)
+            self.count += 1
+
+    def drop(self) -> None:
+        self.launched = None
+
+
+class NoLaunchAhead:
+    count = 0
+
+    def take(self, request: StepRequest) -> None:
+        return None
+
+    def follow(self, decoder: Decoder, current: Launched) -> None:
+        pass
+
+    def drop(self) -> None:
+        pass
