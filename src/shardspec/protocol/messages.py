@@ -2,8 +2,8 @@
 
 Each op has a request and a reply dataclass, checked on arrival by `parse` (protocol.fields, which
 also holds the field metadata: `bounded`, `one_of`, `switch`) and written by `to_meta`. The step op
-(protocol.step) and the model-transfer ops (protocol.shards) have modules of their own; this one
-re-exports them and holds the op set.
+(protocol.step), the model-transfer ops (protocol.shards) and the stage-link messages
+(protocol.stage_link) have modules of their own; this one re-exports them and holds the op set.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from shardspec.protocol.fields import to_meta as to_meta
 from shardspec.protocol.shards import MAX_CHUNK_BYTES as MAX_CHUNK_BYTES  # (the shard ops, re-exported)
 from shardspec.protocol.shards import ChunkReply, ChunkRequest, ShardsReply, ShardsRequest
 from shardspec.protocol.shards import ItemNeed as ItemNeed
+from shardspec.protocol.stage_link import AcceptRecord, Guesses, HiddenStates  # (the links, re-exported)
 from shardspec.protocol.step import FAILED as FAILED  # (the step op, re-exported)
 from shardspec.protocol.step import GRAMMAR_KEY_CHARS, MAX_PREFIX_STATES, StepReply, StepRequest
 from shardspec.protocol.step import MAX_LOGPROBS as MAX_LOGPROBS
@@ -396,58 +397,6 @@ class ShutdownRequest:
 @dataclass(frozen=True)
 class ShutdownReply:
     OP: ClassVar[str] = "shutdown"
-
-
-# --- stage links: worker to worker, between pipeline stages ------------------------------------
-
-
-@dataclass(frozen=True)
-class HiddenStates:
-    """One pass's output of a stage for the next stage (tensor `hidden`, [B, T, H]): the `index`-th
-    pass of step `step` (the id of the orchestrator's step request). `kind`: "pass" (the pass
-    itself), "lookahead" (the verify pass run early on the last stage's guess of its tokens: the next
-    stage uses it only if its record of the step before proves the guess right) or "redo" (the
-    verify pass again, on the right tokens, after a wrong guess)."""
-
-    OP: ClassVar[str] = "hidden"
-    KINDS: ClassVar[tuple[str, ...]] = ("pass", "lookahead", "redo")
-    step: int = bounded(0, 2**63 - 1)
-    index: int = bounded(0, 1 << 20)
-    kind: str = "pass"
-
-    def __post_init__(self) -> None:
-        if self.kind not in self.KINDS:
-            raise ValueError(f"kind must be one of {', '.join(self.KINDS)}, got {self.kind!r}")
-
-
-@dataclass(frozen=True)
-class AcceptRecord:
-    """What the last stage decided in step `step`, for the stages before it to commit and to feed
-    the next pass: the step's reply (accepted drafts, emitted tokens, next drafts, finished).
-    `guessed` (lookahead): a `Guesses` message of this step follows."""
-
-    OP: ClassVar[str] = "accepts"
-    step: int = bounded(0, 2**63 - 1)
-    reply: StepReply
-    guessed: bool = False
-
-
-@dataclass(frozen=True)
-class Guesses:
-    """Lookahead: the last stage's guess of the tokens of the step after the next of each sequence
-    `seqs` ([pending, d1..dk], if the next step keeps all its drafts), made after step `step`'s
-    record left, for the stages before to run that step's pass on before the next record comes.
-    Lookahead "tree": each entry is a tree's branches, (a, c, e1..ek) after each other
-    (shard_worker/branches.py)."""
-
-    OP: ClassVar[str] = "guesses"
-    step: int = bounded(0, 2**63 - 1)
-    seqs: list[int] = field(default_factory=list)
-    guesses: list[list[int]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if len(self.seqs) != len(self.guesses):
-            raise ValueError(f"{len(self.seqs)} sequences with {len(self.guesses)} guesses")
 
 
 @dataclass(frozen=True)
