@@ -89,6 +89,22 @@ def test_greedy_output_under_a_grammar_is_the_same_with_mtp_as_without(constrain
         assert len(with_mtp[1]) >= 6 and with_mtp[1][3] == "-"
 
 
+def test_greedy_output_under_a_grammar_without_mtp_is_the_same_at_tp_2_and_pp_2_as_on_one_worker():
+    """Without MTP the tokens are chosen under the masks on the device (Decoder._masked_greedy): at TP = 2
+    from the gathered logits of both ranks, at PP = 2 on the last stage; both give one worker's output."""
+    async def run(**layout):
+        workers = pooled(layout.get("tp", 1) * layout.get("pp", 1))
+        async with shardspec.connect(model=str(BUNDLED_MODEL), workers=workers, mtp=False, deterministic=True,
+                                     dtype="float32", max_seqs=2, **layout) as engine:
+            return await asyncio.gather(*(generate(engine, prompt, max_tokens=48, temperature=0,
+                                                   structured_output={"json": SCHEMA}) for prompt in ("def f():", "{")))
+
+    one = [out[:2] for out in asyncio.run(run())]  # (tokens, text)
+    assert [out[:2] for out in asyncio.run(run(tp=2))] == one
+    assert [out[:2] for out in asyncio.run(run(pp=2))] == one
+    assert all(text.startswith("{") for _, text in one)
+
+
 @pytest.mark.parametrize(("constraint", "message"), [
     ({"json": {"type": "object", "properties": 5}}, "does not compile"),
     ({"json": "{not json"}, "not JSON"),
