@@ -1,14 +1,16 @@
 """Structured output's cost: tokens/s and mean acceptance length (MAL) with a JSON schema against
 without, MTP on and off, and the share of tokens the grammar forced (one token allowed).
 
-    python bench/structured.py [--model DIR] [--device DEVICE] [--local N] [--mtp both] [--requests 8]
-        [--max-tokens 128] [--json PATH]
+    python bench/structured.py [--model DIR] [--device DEVICE] [--local N] [--mtp both] [--batch 1]
+        [--requests 8] [--max-tokens 128] [--json PATH]
 
 One engine per MTP setting on --device (as `shardspec.connect`: the GPU where there is one), its
-`--local` workers (one GPU; on the CPU two, the main job's layout); each row runs
---requests greedy generations one after the other (one prompt each) and reports its tokens after
-each request's first ÷ the time after the first token (decode speed: a JSON object ends sooner
-than free text, so whole-request rates would weigh prefill differently), the MAL of its MTP steps,
+`--local` workers (one GPU; on the CPU two, the main job's layout); each row runs --requests greedy
+generations (one prompt each), --batch of them at once (waves of that many, started together),
+and reports the decode speed: each request's tokens after its first ÷ its time after the first
+token, summed over the requests of a wave that run at once (at batch 1 one request's speed; a JSON
+object ends sooner than free text, so whole-request rates would weigh prefill differently; at
+batch B the requests of a wave that end first leave the others a smaller batch), the MAL of its MTP steps,
 and, under the schema, the share of output tokens where the grammar allowed a single token (which
 MTP drafts, and the target accepts, as they are: jump-forward within the k drafts of a step), and the
 last stage's host time in grammar work (masks, advances, rollbacks) per step that had any. The
@@ -41,24 +43,31 @@ PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def", "for i i
            "x = [", "try:\n    import", "# Copyright"]
 
 
-async def row(engine, args: argparse.Namespace, constrained: bool) -> dict:
+async def one(engine, prompt: str, max_tokens: int, constrained: bool) -> tuple[list[int], dict]:
+    ids, stats = [], None
+    async for chunk in engine.generate(prompt, max_tokens=max_tokens, temperature=0,
+                                       structured_output={"json": SCHEMA} if constrained else None):
+        ids += chunk.token_ids
+        stats = chunk.stats or stats
+    return ids, stats
+
+
+async def row(engine, args: argparse.Namespace, constrained: bool, batch: int = 1) -> dict:
     tokens = steps = accepted = 0
     decode_tokens, decode_s = 0, 0.0
     outputs = []
     before = (await engine.stats())[-1]  # the last stage: the grammars' host time
-    for i in range(args.requests):
-        ids, stats = [], None
-        async for chunk in engine.generate(PROMPTS[i % len(PROMPTS)], max_tokens=args.max_tokens, temperature=0,
-                                           structured_output={"json": SCHEMA} if constrained else None):
-            ids += chunk.token_ids
-            stats = chunk.stats or stats
-        outputs.append(ids)
-        tokens += len(ids)
-        steps += stats.get("drafts", 0)
-        accepted += stats.get("accepted_tokens", 0)
-        if len(ids) > 1:
-            decode_tokens += len(ids) - 1
-            decode_s += (len(ids) - 1) / stats["decode_tokens_per_s"]
+    for start in range(0, args.requests, batch):
+        wave = await asyncio.gather(*(one(engine, PROMPTS[i % len(PROMPTS)], args.max_tokens, constrained)
+                                      for i in range(start, min(start + batch, args.requests))))
+        for ids, stats in wave:
+            outputs.append(ids)
+            tokens += len(ids)
+            steps += stats.get("drafts", 0)
+            accepted += stats.get("accepted_tokens", 0)
+            if len(ids) > 1:
+                decode_tokens += len(ids) - 1
+                decode_s += (len(ids) - 1) / stats["decode_tokens_per_s"] / len(wave)  # (they run at once)
     after = (await engine.stats())[-1]
     grammar_steps = after.grammar_steps - before.grammar_steps
     grammar_ms = 1e3 * (after.grammar_s - before.grammar_s) / grammar_steps if grammar_steps else 0.0
@@ -83,18 +92,23 @@ def forced_share(model: Path, outputs: list[list[int]], vocab: int, eos: list[in
 async def main(args: argparse.Namespace) -> dict:
     results = {}
     for mtp in {"both": (True, False), "on": (True,), "off": (False,)}[args.mtp]:
-        async with shardspec.connect(model=str(args.model), device=args.device, local=args.local, mtp=mtp) as engine:
+        async with shardspec.connect(model=str(args.model), device=args.device, local=args.local, mtp=mtp,
+                                     max_seqs=max(args.batch)) as engine:
             await row(engine, argparse.Namespace(requests=1, max_tokens=8), False)  # warm-up
-            plain, constrained = await row(engine, args, False), await row(engine, args, True)
+            for batch in args.batch:
+                plain, constrained = await row(engine, args, False, batch), await row(engine, args, True, batch)
+                results[f"{'on' if mtp else 'off'}, batch {batch}"] = {"plain": plain, "schema": constrained}
             vocab, eos = engine.load_info.vocab_size, list(engine.load_info.eos_token_ids)
-        constrained["complete"] = sum(complete(engine.tokenizer.decode(output, skip_special_tokens=True),
-                                               len(output), args.max_tokens) for output in constrained["outputs"])
-        share = forced_share(Path(args.model), constrained.pop("outputs"), vocab, eos)
-        plain.pop("outputs")
-        results["on" if mtp else "off"] = {"plain": plain, "schema": constrained, "forced_share": share}
+            tokenizer = engine.tokenizer
+    for r in results.values():
+        outputs = r["schema"].pop("outputs")
+        r["schema"]["complete"] = sum(complete(tokenizer.decode(output, skip_special_tokens=True), len(output),
+                                               args.max_tokens) for output in outputs)
+        r["forced_share"] = forced_share(Path(args.model), outputs, vocab, eos)
+        r["plain"].pop("outputs")
     print(f"{args.requests} greedy requests of up to {args.max_tokens} tokens, {args.local} local worker(s) on "
           f"{args.device}\n")
-    print("| MTP | tokens/s, no schema | tokens/s, JSON schema | ratio | MAL, no schema | MAL, schema | "
+    print("| MTP, batch | tokens/s, no schema | tokens/s, JSON schema | ratio | MAL, no schema | MAL, schema | "
           "tokens the grammar forced | grammar host ms a step |")
     print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
@@ -130,6 +144,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "CPU: the main job's layout)")
     parser.add_argument("--mtp", choices=["both", "on", "off"], default="both",
                         help="the engines to run: MTP on, off or both (default both)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1], help="requests at once, a row each (default 1; "
+                        "the engine takes the largest as max_seqs)")
     parser.add_argument("--requests", type=int, default=8, help="generations per row (default 8)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per generation at most (default 128)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures to this file")
@@ -139,6 +155,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("local", "requests", "max_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if min(args.batch) < 1:
+        parser.error("--batch must be at least 1")
     return args
 
 
