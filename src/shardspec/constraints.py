@@ -181,11 +181,18 @@ def special_ids(tokenizer: LLTokenizer, vocab_size: int, eos_ids: Collection[int
                     dtype=np.int64)
 
 
-def allowed_mask(matcher: LLMatcher, special: np.ndarray) -> bytearray:
+def allowed_mask(matcher: LLMatcher, special: np.ndarray, words: int | None = None) -> bytearray:
     """The tokens the grammar allows next, a bit each (bit t of 32-bit word t // 32), with every
     special token (`special`: their ids, int64) llguidance's mask allows but its matcher refuses taken
-    out (a regex naming "</think>" gets the token allowed by the mask, then refused)."""
-    mask = bytearray(matcher.compute_bitmask())
+    out (a regex naming "</think>" gets the token allowed by the mask, then refused). `words`: the
+    mask's 32-bit words (ceil(V / 32) of the matcher's tokenizer), written then in place into the
+    mask (half the host time of a step's masks: bench/structured.py's schema, 8 sequences x 4 rows,
+    0.28 ms against 0.53), without the GIL."""
+    if words is None:
+        mask = bytearray(matcher.compute_bitmask())
+    else:
+        mask = bytearray(4 * words)
+        matcher.unsafe_compute_mask_ptr(ctypes.addressof((ctypes.c_char * len(mask)).from_buffer(mask)), len(mask))
     bits = np.frombuffer(mask, dtype=np.uint8)[special >> 3] >> (special & 7) & 1  # (one read of them all)
     for token in special[bits.nonzero()[0]].tolist():
         if matcher.validate_tokens([token]) != 1:

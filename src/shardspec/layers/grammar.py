@@ -19,9 +19,10 @@ class Constraint:
     error the matcher met ("" while none). llguidance errors are the same on every rank (its limits
     count work, not time); `spent` is this rank's own."""
 
-    def __init__(self, matcher: LLMatcher, special: np.ndarray):
+    def __init__(self, matcher: LLMatcher, special: np.ndarray, words: int | None = None):
         self.matcher = matcher
         self.special = special  # the special token ids: a mask's special tokens are checked one by one
+        self.words = words  # its masks' 32-bit words, computed without the GIL (None: with it; allowed_mask)
         self.spent = 0.0
         self.failure = ""
         # the masks `forced` computed, at the matcher's state and after each forced token: the first
@@ -34,13 +35,13 @@ class Constraint:
         mask), at most `most` of them: drafts the target must accept. The matcher is left as it was."""
         started = time.perf_counter()
         tokens: list[int] = []
-        self.known = [allowed_mask(self.matcher, self.special)]
+        self.known = [allowed_mask(self.matcher, self.special, self.words)]
         while len(tokens) < most and not self._failed() and (token := single(self.known[-1])) is not None:
             if not self._consume(token):
                 break
             tokens.append(token)
             if len(tokens) < most:
-                self.known.append(allowed_mask(self.matcher, self.special))
+                self.known.append(allowed_mask(self.matcher, self.special, self.words))
         self.matcher.rollback(len(tokens))
         self.known = self.known[: len(tokens) + 1]
         self.known_tokens = tokens
@@ -56,7 +57,7 @@ class Constraint:
         known = self.known if tokens[: len(self.known_tokens)] == self.known_tokens else []
         self.known, self.known_tokens = [], []
         for j in range(rows):
-            masks.append(known[j] if j < len(known) else allowed_mask(self.matcher, self.special))
+            masks.append(known[j] if j < len(known) else allowed_mask(self.matcher, self.special, self.words))
             if self._failed() or j == rows - 1 or j >= len(tokens) or not self._consume(tokens[j]):
                 masks += masks[-1:] * (rows - j - 1)
                 break

@@ -112,7 +112,7 @@ class GrammarStore:
         if template is None:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"grammar {key[:64]!r} is not built on this worker (send "
                                 "its grammar request first)")
-        return Constraint(template.deep_copy(), self.special)
+        return Constraint(template.deep_copy(), self.special, (self.vocab_size + 31) // 32)
 
     def close(self) -> None:
         self.todo.put(None)
