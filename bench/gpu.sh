@@ -64,8 +64,8 @@
 #           --cached-turn, in-process, MTP off and k = 3, while the 9B-class checkpoint is written), then
 #           bench/prefix_cache.py's two conversations of an 8,000-token system prompt (cache on and off, where each
 #           turn's time to first token goes)
-#   grammar one H200 or H100, ~4 minutes: bench/structured.py on the 9B-class weights with the bundled tokenizer, MTP
-#           on and off (with the grammar's host time a step)
+#   grammar one H200 or H100, ~5 minutes: bench/structured.py on the 9B-class weights with the bundled tokenizer, MTP
+#           on and off, batch 1 and 8 (with the grammar's host time a step)
 #   serving-tests  one H200 or H100, ~5 minutes: the GPU tests of the prefix cache, of JSON under CUDA graphs and of
 #           PP = 2 at the 9B widths (the 9B-class checkpoint written meanwhile, for a stage after it)
 # Then, where matplotlib is: python bench/plot_decode.py OUT/decode-9b-tp1.json ... --out docs/decode.png
@@ -294,7 +294,7 @@ for stage in "$@"; do
     grammar)
         [ -f .bench/9b-chat/config.json ] || write_9b > "$out/write-9b.log" 2>&1 || failed=1
         for mtp in on off; do   # the target (MTP on) first
-            timeout 110 python3 bench/structured.py --model .bench/9b-chat --local 1 --mtp $mtp \
+            timeout 140 python3 bench/structured.py --model .bench/9b-chat --local 1 --mtp $mtp --batch 1 8 \
                 --json "$out/structured-9b-mtp-$mtp.json" 2>&1 | tee "$out/structured-9b-mtp-$mtp.log" || failed=1
         done
         ;;
