@@ -66,15 +66,6 @@ def follow_rows(seqs: list[Sequence], accepted: list[int], tokens: list[int], k:
     return rows
 
 
-def forced_over(seqs: list[Sequence], drafts: torch.Tensor, k: int) -> list[list[int]]:
-    """The next drafts of each row: the draft pass's `drafts` [B, k] (queued on the device, drafting
-    freely), under a grammar with the m tokens it alone allows next (Constraint.forced) in place of
-    the first m, which the target then accepts. The forced tokens are found on the host while the
-    device drafts; the drafts after them were chained from the device's own first m."""
-    forced = [s.grammar.forced(k) if s.grammar is not None and not s.finished else [] for s in seqs]
-    return [[*f, *d[len(f) :]] for f, d in zip(forced, drafts.tolist())]
-
-
 def over_budget(sequences: dict[int, Sequence], step: list[int], budget_s: float, tp: TPGroup, counters,
                 device: torch.device) -> Iterator[tuple[Sequence, str]]:
     """The sequences of a step (ids `step`) whose grammar work in it took over `budget_s`, with why;

@@ -263,11 +263,9 @@ class Decoder(ModelRunner):
             for s, n, token in zip(seqs, accepted, tokens):  # (the drafts after them are masked from there)
                 if s.grammar is not None and s.finished != FAILED and not s.grammar.accept([*s.drafts[:n], token]):
                     s.finished = FAILED
-            if k and biased:  # (drafted on the host, from the biased and masked logits, the forced drafts chained)
-                with self._drafting_under(seqs):
+            if k:
+                with self._drafting_under(seqs if biased else []):
                     drafts = draft(constrained.follow_rows(seqs, accepted, tokens, k)).tolist()
-            elif k:
-                drafts = constrained.forced_over(seqs, draft([[n, token] for n, token in zip(accepted, tokens)]), k)
         if k:
             self.counters.count(accepted, k)
         emitted = []
