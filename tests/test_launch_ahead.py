@@ -155,10 +155,12 @@ def test_the_engine_launches_ahead_and_its_output_is_the_same(small_vocab_model)
 
 
 
-def test_greedy_steps_under_grammars_launch_ahead_and_their_outputs_are_the_same():
+@pytest.mark.parametrize("mtp", [False, True])
+def test_greedy_steps_under_grammars_launch_ahead_and_their_outputs_are_the_same(mtp):
     """Without MTP, greedy rows under a grammar choose their tokens under its masks on the device, so
-    their steps launch ahead too (the masks of a step computed while its pass runs): the outputs, each
-    of which its grammar allows, are those without launch ahead."""
+    their steps launch ahead too (the masks of a step computed while its pass runs); with MTP the host
+    decides each step and launches the next step's verify before it replies. The outputs, each of
+    which its grammar allows, are those without launch ahead."""
     from shardspec.cli import BUNDLED_MODEL
 
     choice = {"choice": ["yes", "no", "maybe so", "not at all"]}
@@ -166,7 +168,7 @@ def test_greedy_steps_under_grammars_launch_ahead_and_their_outputs_are_the_same
                        "required": ["n", "s"], "additionalProperties": False}}
 
     async def run(**workers):
-        async with shardspec.connect(model=str(BUNDLED_MODEL), mtp=False, max_seqs=4, deterministic=True,
+        async with shardspec.connect(model=str(BUNDLED_MODEL), mtp=mtp, max_seqs=4, deterministic=True,
                                      **workers) as engine:
             async def one(prompt, constraint):
                 text = ""
@@ -182,3 +184,30 @@ def test_greedy_steps_under_grammars_launch_ahead_and_their_outputs_are_the_same
     ahead, launched = asyncio.run(run(workers=pooled(1), worker_options=WorkerOptions(launch_ahead="on")))
     assert ahead == plain and none == 0 and launched > 10
     assert plain[1] in choice["choice"] and set(json.loads(plain[0])) == set(json.loads(plain[3])) == {"n", "s"}
+
+
+@pytest.mark.parametrize("draft_len", [3, 0])
+def test_steps_the_host_decides_launch_the_next_verify_ahead_and_their_replies_are_the_same(small_vocab_model,
+                                                                                            draft_len):
+    """Sampled sequences (seeded) and one with a repetition penalty: the host decides each step, then
+    queues the next step's verify pass on the rows it has built before it replies (verify_next). The
+    replies are those without launch ahead."""
+    model = load_model(small_vocab_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=True)
+    rng = random.Random(5)
+
+    def spec(seq: int, max_tokens: int, **sampling) -> tuple[PrefillSpec, list[int]]:
+        prompt = rng.choices(range(16), k=rng.randint(1, 9))
+        return PrefillSpec(seq=seq, length=len(prompt), sampling=SamplingParams(seed=seq + 1, **sampling),
+                           max_tokens=max_tokens), prompt
+
+    arrivals = {0: [spec(0, 9, temperature=0.9), spec(1, 40, temperature=0.7, top_k=5)],
+                3: [spec(2, 17, temperature=1.0, repetition_penalty=1.3)]}
+
+    def replies(launch_ahead: str) -> tuple[list, int]:
+        return drive(lambda peek: Decoder(model, torch.device("cpu"), 4, 60, 512, draft_len, deterministic=True,
+                                          launch_ahead=launch_ahead, peek=peek), arrivals)
+
+    ahead, launched = replies("on")
+    plain, none = replies("off")
+    assert ahead == plain
+    assert none == 0 and launched > len(plain) // 2

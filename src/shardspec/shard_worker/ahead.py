@@ -9,7 +9,10 @@ device waiting for the host between steps. The next step's rows hold the sequenc
 finish; their rows run on and are dropped (a finished sequence's caches are never read again).
 
 Under a grammar at k = 0 the tokens are chosen under its masks on the device (Decoder._masked_greedy),
-so those steps launch ahead too: the masks of a step are computed while its pass runs.
+so those steps launch ahead too: the masks of a step are computed while its pass runs. A step the
+host decides (sampled, penalised, under a grammar with MTP, with log-probabilities) launches the next
+step's verify pass once it has decided, on the rows it has just built, before its reply
+(LaunchAhead.verify_next): the reply, the next request and the next masks then run beside that pass.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from shardspec.shard_worker.graphs import HostRows
 
 if TYPE_CHECKING:
     from shardspec.shard_worker.decoder import Decoder
+    from shardspec.shard_worker.sequences import Sequence
 
 # the next request as soon as it is queued, or None once until() is true (the current pass is done)
 Peek = Callable[[Callable[[], bool]], StepRequest | None]
@@ -30,11 +34,13 @@ Peek = Callable[[Callable[[], bool]], StepRequest | None]
 
 @dataclass
 class Launched:
-    """A pass queued ahead of its step: the sequences of its rows, its outputs' copy."""
+    """A pass queued ahead of its step: the sequences of its rows, and its outputs' copy (a greedy
+    pass) or what graphs.StepPasses.verify returned and its raw logits (a verify pass)."""
 
     seqs: list[int]
-    out: HostRows
+    out: HostRows | None
     masked: bool = False  # its tokens are chosen under grammar masks (Decoder._masked_greedy), not yet
+    verify: tuple | None = None  # (hidden, argmax, follow, raw logits)
 
 
 class LaunchAhead:
@@ -65,6 +71,16 @@ class LaunchAhead:
             self.launched = Launched(current.seqs, HostRows.copy(decoder.passes.again(forced)), current.masked)
             self.count += 1
 
+    def verify_next(self, decoder: Decoder, seqs: list[Sequence]) -> None:
+        """After a step the host decided (a verify pass, then its acceptance on the host: sampled,
+        penalised, shaped, logprobs): queue the next step's verify pass on the rows the host has just
+        built, if the next request, queued already, continues this step; the host then replies and
+        takes that request (and computes its masks) while the device runs it."""
+        order = [s.seq for s in seqs]
+        if decoder._continues(self.peek(lambda: True), order, greedy=False):
+            self.launched = Launched(order, None, verify=decoder._launch_verify(seqs))
+            self.count += 1
+
     def drop(self) -> None:
         self.launched = None
 
@@ -76,6 +92,9 @@ class NoLaunchAhead:
         return None
 
     def follow(self, decoder: Decoder, current: Launched) -> None:
+        pass
+
+    def verify_next(self, decoder: Decoder, seqs: list[Sequence]) -> None:
         pass
 
     def drop(self) -> None:

@@ -120,11 +120,12 @@ class Decoder(ModelRunner):
         launched = self.ahead.take(request)
         self._prefill_all(request, prompts, result)
         running = self.table.running(request)
-        if running:
-            self._verify(running, result, request.return_logits, launched)
-        else:
+        decided = bool(running) and self._verify(running, result, request.return_logits, launched)
+        if not running:
             self.ahead.drop()  # (all its rows' sequences have finished)
         self._check_grammar_time(result)
+        if decided:
+            self.ahead.verify_next(self, running)
         if self.links is not None and result.seqs:  # a step of finished sequences only has no record
             due, self.guess_due = self.guess_due, None
             self.links.send_record(self.steps, result.reply(), guessed=due is not None)
@@ -232,7 +233,9 @@ class Decoder(ModelRunner):
 
     # --- verify, accept, draft ------------------------------------------------------------------
 
-    def _verify(self, seqs: list[Sequence], result: StepResult, want_logits: bool, launched: Launched | None) -> None:
+    def _verify(self, seqs: list[Sequence], result: StepResult, want_logits: bool, launched: Launched | None) -> bool:
+        """The step of the running sequences; whether the host decided it (a verify pass, then the
+        host's acceptance: LaunchAhead.verify_next may then launch the next step's verify)."""
         k = self.draft_len
         # lookahead: after the record, the chain of the one live sequence goes on for the guess of the step
         # after the next, for the stages before to run that step's pass on before this step's record
@@ -247,16 +250,23 @@ class Decoder(ModelRunner):
         wants_logprobs = any(s.logprobs >= 0 for s in seqs)
         plain = all(s.sampling.greedy and not s.sampling.penalised and not s.shaped for s in seqs)
         biased = any(s.bias is not None for s in seqs)  # (its drafts: from its biased logits, on the host)
-        if not want_logits and not wants_logprobs and plain:
+        verified = launched is not None and launched.verify is not None  # (its verify pass launched ahead)
+        decided = verified or want_logits or wants_logprobs or not (plain or self._masks_alone(seqs))
+        if not decided and plain:
             # greedy (or forced) acceptance needs no host decision: the whole step is one pass
             out = self._greedy(seqs, context, x, with_guess, launched)
             accepted, tokens, drafts = [r[0] for r in out], [r[1] for r in out], [r[2:] for r in out]
-        elif not want_logits and not wants_logprobs and self._masks_alone(seqs):
+        elif not decided:
             accepted, tokens = [0] * len(seqs), self._masked_greedy(seqs, context, x, launched)
         else:
-            rows = self._rows(seqs, with_guess)
-            hidden, argmax, draft = self.passes.verify(rows, context, x, eager_follow=biased)
-            raw = self.passes.logits
+            if verified:
+                if launched.seqs != [s.seq for s in seqs]:
+                    raise RuntimeError("a verify pass launched ahead came to a step of other rows")
+                hidden, argmax, draft, raw = launched.verify
+            else:
+                hidden, argmax, draft = self.passes.verify(self._rows(seqs, with_guess), context, x,
+                                                           eager_follow=biased)
+                raw = self.passes.logits
             masks = constrained.grammar_masks(seqs, k + 1)  # (on the host, while the device runs the pass)
             accepted, tokens, logits = self._accept(seqs, hidden, argmax, result if want_logits else None,
                                                     wants_logprobs or not plain, masks, raw)
@@ -293,6 +303,15 @@ class Decoder(ModelRunner):
             if s.logprobs >= 0 and new:  # token j of [d1..dn, bonus] was drawn from the target's logits at position j
                 result.pending_rows[s.seq] = [token_rows(logits[i, : len(new)], torch.tensor(new), s.logprobs)]
             result.add(s, new, n if k else -1)
+        return decided
+
+    def _launch_verify(self, seqs: list[Sequence]) -> tuple:
+        """The verify pass of the step after this one, on the rows the host has built (LaunchAhead.verify_next):
+        (hidden, argmax, its follow, its raw logits)."""
+        biased = any(s.bias is not None for s in seqs)
+        hidden, argmax, draft = self.passes.verify(self._rows(seqs, False), self._context(seqs), None,
+                                                   eager_follow=biased)
+        return hidden, argmax, draft, self.passes.logits
 
     def _rows(self, seqs: list[Sequence], with_guess: bool, forced: bool = False) -> list[list[int]]:
         """The verify rows (sequences.Rows), with each row's forced count when `forced` and its guess
@@ -356,17 +375,17 @@ class Decoder(ModelRunner):
                 s.finished = FAILED
         return tokens
 
-    def _continues(self, request: StepRequest | None, seqs: list[int]) -> bool:
+    def _continues(self, request: StepRequest | None, seqs: list[int], greedy: bool = True) -> bool:
         """Whether `request` is the step after this one over the same rows (the sequences `seqs`, in
         order, no prefill, no logits, no blocks granted), none of them known to be finished (a finished sequence's row
         would run on past its length, which the host no longer advances), none that can run past the
         caches (the pass runs before the host knows how far this step took them: at most k + 1
-        positions), and the graph serves the next context."""
+        positions), and, for a `greedy` pass run `again`, the graph serves the next context."""
         if request is None or request.prefill or request.return_logits or request.grow or request.decode != seqs:
             return False  # (a grant changes the block tables after the pass would have been queued)
         limit = self.max_seq_len - 2 * (self.draft_len + 1)
         rows = [self.sequences[seq] for seq in seqs]
-        return all(not s.finished and s.length <= limit for s in rows) and self.passes.can_go_again()
+        return all(not s.finished and s.length <= limit for s in rows) and (not greedy or self.passes.can_go_again())
 
     def _accept(self, seqs: list[Sequence], hidden: torch.Tensor, argmax: torch.Tensor,
                 logits_out: StepResult | None, wants_logits: bool = False, masks: dict | None = None,
