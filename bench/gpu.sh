@@ -66,8 +66,9 @@
 #           turn's time to first token goes)
 #   grammar one H200 or H100, ~5 minutes: bench/structured.py on the 9B-class weights with the bundled tokenizer, MTP
 #           on and off, batch 1 and 8 (with the grammar's host time a step)
-#   serving-tests  one H200 or H100, ~5 minutes: the GPU tests of the prefix cache, of JSON under CUDA graphs and of
-#           PP = 2 at the 9B widths (the 9B-class checkpoint written meanwhile, for a stage after it)
+#   serving-tests  one H200 or H100, ~6 minutes: tests/test_cuda.py (6 xdist workers: the prefix cache, JSON under
+#           CUDA graphs, PP = 2 at the 9B widths, launch ahead, ...; the 9B-class checkpoint written meanwhile, for a
+#           stage after it)
 # Then, where matplotlib is: python bench/plot_decode.py OUT/decode-9b-tp1.json ... --out docs/decode.png
 set -euo pipefail
 if [ $# -lt 3 ]; then
@@ -300,8 +301,8 @@ for stage in "$@"; do
         ;;
     serving-tests)
         [ -f .bench/9b-chat/config.json ] || { write_9b > "$out/write-9b.log" 2>&1 & }   # for a stage after it
-        timeout 300 python3 -m pytest -q tests/test_cuda.py -k "prefix or json_under_cuda_graphs or 9b_widths" \
-            --durations=5 2>&1 | tee "$out/tests-serving.log" || failed=1
+        timeout 330 python3 -m pytest -q -n 6 -rf tests/test_cuda.py --durations=10 --timeout 300 2>&1 \
+            | tee "$out/tests-serving.log" || failed=1
         wait
         ;;
     pp-b1)
