@@ -38,14 +38,15 @@ class Launched:
     pass) or what graphs.StepPasses.verify returned and its raw logits (a verify pass)."""
 
     seqs: list[int]
-    out: HostRows | None
-    masked: bool = False  # its tokens are chosen under grammar masks (Decoder._masked_greedy), not yet
-    verify: tuple | None = None  # (hidden, argmax, follow, raw logits)
+    out: HostRows | None  # a greedy pass's (None: a verify pass)
+    masked: bool = False  # a greedy pass whose tokens its step chooses under grammar masks (Decoder._masked_greedy)
+    verify: tuple | None = None  # a verify pass's (hidden, argmax, follow, raw logits)
 
 
 class LaunchAhead:
-    """Queues the next step's greedy pass behind the current one when the next request, seen through
-    `peek` while the current pass runs, continues it (Decoder._continues)."""
+    """Queues the next step's pass behind the current one when the next request, seen through `peek`,
+    continues it (Decoder.continues): a greedy pass while the current greedy pass runs (follow), or a
+    verify pass once the host has decided the current step (verify_next)."""
 
     def __init__(self, peek: Peek):
         self.peek = peek
@@ -64,11 +65,12 @@ class LaunchAhead:
     def follow(self, decoder: Decoder, current: Launched) -> None:
         """While `current` runs: queue the next step's pass if the next request continues it."""
         following = self.peek(current.out.ready)
-        if decoder._continues(following, current.seqs):
+        if decoder.continues(following, current.seqs):
             forced = None
             if decoder.forced is not None:
                 forced = [[decoder.sequences[seq].forced(decoder.forced)] for seq in current.seqs]
-            self.launched = Launched(current.seqs, HostRows.copy(decoder.passes.again(forced)), current.masked)
+            out = decoder.passes.again(forced, keep_logits=current.masked)
+            self.launched = Launched(current.seqs, HostRows.copy(out), current.masked)
             self.count += 1
 
     def verify_next(self, decoder: Decoder, seqs: list[Sequence]) -> None:
@@ -77,8 +79,8 @@ class LaunchAhead:
         built, if the next request, queued already, continues this step; the host then replies and
         takes that request (and computes its masks) while the device runs it."""
         order = [s.seq for s in seqs]
-        if decoder._continues(self.peek(lambda: True), order, greedy=False):
-            self.launched = Launched(order, None, verify=decoder._launch_verify(seqs))
+        if decoder.passes.replays(len(seqs)) and decoder.continues(self.peek(lambda: True), order, greedy=False):
+            self.launched = Launched(order, None, verify=decoder.launch_verify(seqs))
             self.count += 1
 
     def drop(self) -> None:

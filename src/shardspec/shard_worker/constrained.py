@@ -30,7 +30,8 @@ def mask_words(seqs: list[Sequence | None], vocab: int, counters) -> torch.Tenso
     for i, mask in masks.items():
         words[i] = 0  # (tokens past its mask: refused)
         words[i, : len(mask)] = mask
-        counters.constrained_counted(1, int(single(mask.numpy()) is not None))
+        if not seqs[i].grammar.failure:
+            counters.constrained_counted(1, int(single(mask.numpy()) is not None))
     return words
 
 

@@ -75,6 +75,10 @@ class Decoder(ModelRunner):
         self.chain_heads: list[torch.Tensor] = []  # with lookahead: the last chain's MTP heads, one per draft
         self.guesser = branches.TreeGuesser(self.draft_len, self.tree_width) if self.branching else None
 
+    def release(self, seqs: list[int], saves=()) -> list[int]:
+        self.ahead.drop()  # (a release comes between steps: never before the step a pass was launched for)
+        return super().release(seqs, saves)
+
     def close(self) -> None:
         self.ahead.drop()
         if self.grammars is not None:
@@ -113,18 +117,16 @@ class Decoder(ModelRunner):
 
     @torch.inference_mode()
     def step(self, request: StepRequest, prompt_ids: torch.Tensor) -> StepResult:
+        launched = self.ahead.take(request)  # (first: a step that fails does not leave it to the next)
         grammars = self._new_grammars(request)  # (a grammar not built here refuses the step before it runs)
         prompts = self._begin(request, prompt_ids)
         self.new_grammars = grammars
         result = StepResult()
-        launched = self.ahead.take(request)
         self._prefill_all(request, prompts, result)
         running = self.table.running(request)
         decided = bool(running) and self._verify(running, result, request.return_logits, launched)
-        if not running:
-            self.ahead.drop()  # (all its rows' sequences have finished)
         self._check_grammar_time(result)
-        if decided:
+        if decided and self._decides(running):  # (a step the host will decide again: its verify, now)
             self.ahead.verify_next(self, running)
         if self.links is not None and result.seqs:  # a step of finished sequences only has no record
             due, self.guess_due = self.guess_due, None
@@ -250,16 +252,17 @@ class Decoder(ModelRunner):
         wants_logprobs = any(s.logprobs >= 0 for s in seqs)
         plain = all(s.sampling.greedy and not s.sampling.penalised and not s.shaped for s in seqs)
         biased = any(s.bias is not None for s in seqs)  # (its drafts: from its biased logits, on the host)
-        verified = launched is not None and launched.verify is not None  # (its verify pass launched ahead)
-        decided = verified or want_logits or wants_logprobs or not (plain or self._masks_alone(seqs))
-        if not decided and plain:
+        # a pass launched ahead for this step sets its route (the step must take it: it has run; a masked
+        # pass stays masked when its rows under a grammar have finished since)
+        decided = want_logits or self._decides(seqs) if launched is None else launched.verify is not None
+        if not decided and (plain if launched is None else not launched.masked):
             # greedy (or forced) acceptance needs no host decision: the whole step is one pass
             out = self._greedy(seqs, context, x, with_guess, launched)
             accepted, tokens, drafts = [r[0] for r in out], [r[1] for r in out], [r[2:] for r in out]
         elif not decided:
             accepted, tokens = [0] * len(seqs), self._masked_greedy(seqs, context, x, launched)
         else:
-            if verified:
+            if launched is not None:
                 if launched.seqs != [s.seq for s in seqs]:
                     raise RuntimeError("a verify pass launched ahead came to a step of other rows")
                 hidden, argmax, draft, raw = launched.verify
@@ -305,7 +308,7 @@ class Decoder(ModelRunner):
             result.add(s, new, n if k else -1)
         return decided
 
-    def _launch_verify(self, seqs: list[Sequence]) -> tuple:
+    def launch_verify(self, seqs: list[Sequence]) -> tuple:
         """The verify pass of the step after this one, on the rows the host has built (LaunchAhead.verify_next):
         (hidden, argmax, its follow, its raw logits)."""
         biased = any(s.bias is not None for s in seqs)
@@ -324,8 +327,6 @@ class Decoder(ModelRunner):
         """The greedy pass's [accepted, token, *drafts] of each sequence: the pass launched ahead for
         this step if there is one, else this step's; before reading it, the next step's launched ahead
         where the next request comes while this pass runs and continues this step."""
-        if launched is not None and launched.masked:  # (its rows under a grammar have finished since)
-            return [[0, token] for token in self._masked_greedy(seqs, context, x, launched)]
         if launched is None:
             rows = self._rows(seqs, with_guess, forced=True)
             launched = Launched([s.seq for s in seqs], HostRows.copy(self.passes.greedy(rows, context, x)))
@@ -335,6 +336,12 @@ class Decoder(ModelRunner):
         out = launched.out.rows()
         row = {seq: i for i, seq in enumerate(launched.seqs)}
         return [out[row[s.seq]] for s in seqs]
+
+    def _decides(self, seqs: list[Sequence]) -> bool:
+        """Whether the host decides a step of these sequences (a verify pass, then the host's acceptance:
+        sampled, penalised, shaped, log-probabilities), not one greedy pass (_greedy, _masked_greedy)."""
+        plain = all(s.sampling.greedy and not s.sampling.penalised and not s.shaped for s in seqs)
+        return any(s.logprobs >= 0 for s in seqs) or not (plain or self._masks_alone(seqs))
 
     def _masks_alone(self, seqs: list[Sequence]) -> bool:
         """Whether a step's tokens are the argmax of its logits under its grammars' masks alone (k = 0,
@@ -351,7 +358,7 @@ class Decoder(ModelRunner):
         is launched ahead on them (LaunchAhead), so that this host work, the reply and the next step's
         masks run beside the device's next pass. A sequence whose grammar fails fails alone."""
         if launched is None:
-            self.passes.greedy(self._rows(seqs, False), context, x)
+            self.passes.greedy(self._rows(seqs, False), context, x, keep_logits=True)
             order = [s.seq for s in seqs]
         elif not launched.masked:
             raise RuntimeError("a pass launched ahead without masks came to a step under a grammar")
@@ -366,16 +373,21 @@ class Decoder(ModelRunner):
         logits = apply_masks(self.model.lm_head.logits_of(raw)[:, 0], self.passes.device_words(words))
         out = torch.stack([torch.zeros_like(raw[:, 0, 0], dtype=torch.long), logits.argmax(-1)], 1)
         self.passes.settle(out)
-        current = Launched(order, HostRows.copy(out), masked=True)
+        # a row is unusable (its sequence fails, as on the host: sampling.unusable) with a NaN or +inf
+        # logit or none its mask allows
+        bad = (torch.isnan(logits) | torch.isposinf(logits)).any(-1) | ~torch.isfinite(logits).any(-1)
+        current = Launched(order, HostRows.copy(torch.cat([out, bad[:, None].long()], 1)), masked=True)
         self.ahead.follow(self, current)
-        token = dict(zip(order, (row[1] for row in current.out.rows())))
-        tokens = [s.next_token if s.finished == FAILED else token[s.seq] for s in seqs]
-        for s, t in zip(seqs, tokens):
-            if s.grammar is not None and s.finished != FAILED and not s.grammar.accept([t]):
+        row = {seq: (token, unusable) for seq, (_, token, unusable) in zip(order, current.out.rows())}
+        tokens = []
+        for s in seqs:
+            token, unusable = row[s.seq]
+            if s.finished != FAILED and (unusable or (s.grammar is not None and not s.grammar.accept([token]))):
                 s.finished = FAILED
+            tokens.append(s.next_token if s.finished == FAILED else token)  # (a placeholder: nothing is emitted)
         return tokens
 
-    def _continues(self, request: StepRequest | None, seqs: list[int], greedy: bool = True) -> bool:
+    def continues(self, request: StepRequest | None, seqs: list[int], greedy: bool = True) -> bool:
         """Whether `request` is the step after this one over the same rows (the sequences `seqs`, in
         order, no prefill, no logits, no blocks granted), none of them known to be finished (a finished sequence's row
         would run on past its length, which the host no longer advances), none that can run past the

@@ -171,13 +171,14 @@ class StepPasses:
         self.logits: torch.Tensor | None = None  # the last verify's raw logits, where kept (verify; greedy at k = 0)
         self.word_uploads: dict[torch.Size, PinnedUpload] = {}  # grammar bit masks by shape (device_words)
 
-    def greedy(self, rows: list[list[int]], context: int, x: torch.Tensor | None = None) -> torch.Tensor:
+    def greedy(self, rows: list[list[int]], context: int, x: torch.Tensor | None = None,
+               keep_logits: bool = False) -> torch.Tensor:
         """The pass of a step every row of which decodes greedily or under forced acceptance, all on
         the device: [B, 2 + k] = (accepted, token, drafts); the fused pass (k > 0), or the verify
-        pass's argmax as (0, token) (k = 0; `logits` is then its raw logits, where kept)."""
+        pass's argmax as (0, token) (k = 0; with `keep_logits`, `logits` is then its raw logits)."""
         bucket = self._upload(rows, context, x)
         packed = upload(rows, self.device) if bucket is None else bucket.packed
-        return self._greedy(packed, len(rows), min(context, self.max_context), bucket, x)
+        return self._greedy(packed, len(rows), min(context, self.max_context), bucket, x, keep_logits)
 
     def can_go_again(self) -> bool:
         """Whether `again` can continue the last greedy pass: there is one, and its graph serves the
@@ -187,7 +188,7 @@ class StepPasses:
             return last is not None
         return self._context_bucket(last.context + self.draft_len + 1) == last.bucket.context
 
-    def again(self, forced: list[list[int]] | None = None) -> torch.Tensor:
+    def again(self, forced: list[list[int]] | None = None, keep_logits: bool = False) -> torch.Tensor:
         """The last greedy pass of a single stage once more, on the rows of the step after it, built on
         the device from its rows and result (Rows.following; `forced` [[n]] per row, k > 0; None: as
         before). The caller has queued the copy of the result it
@@ -197,24 +198,30 @@ class StepPasses:
             raise RuntimeError("again() continues a greedy pass of a single stage; there is none")
         rows = last.packed[: len(last.out)]  # (at k = 0 the result's accepted column is 0)
         rows.copy_(self.rows.following(rows, last.out, None if forced is None else upload(forced, self.device)))
-        return self._greedy(last.packed, len(last.out), min(last.context + k + 1, self.max_context), last.bucket)
+        return self._greedy(last.packed, len(last.out), min(last.context + k + 1, self.max_context), last.bucket,
+                            keep_logits=keep_logits)
 
     def _greedy(self, packed: torch.Tensor, n: int, context: int, bucket: _Bucket | None,
-                x: torch.Tensor | None = None) -> torch.Tensor:
+                x: torch.Tensor | None = None, keep_logits: bool = False) -> torch.Tensor:
         k = self.draft_len
         if bucket is None:
             x = self._to_device(x)
-            out = self.fused_fn(packed, context, x) if k else self.verify_fn(packed, context, x, True)
+            out = self.fused_fn(packed, context, x) if k else self.verify_fn(packed, context, x, keep_logits)
         else:
             out = self._replay(bucket, "fused") if k else self._replay(bucket, "verify")
-        if not k:  # (its raw logits, where kept: the tokens a grammar's masks choose, Decoder._masked_greedy)
-            self.logits = None if out[3] is None else out[3][:n]
+        if not k:  # (its raw logits: the tokens a grammar's masks choose, Decoder._masked_greedy)
+            self.logits = out[3][:n] if keep_logits and out[3] is not None else None
             out = out[1]
         out = out[:n]
         if not k:
             out = torch.cat([torch.zeros_like(out[:, :1]), out[:, :1]], 1)
         self.last = _Last(packed, out, context, bucket) if x is None else None
         return out
+
+    def replays(self, n: int) -> bool:
+        """Whether a pass of n rows replays a graph (or, without graphs, runs as every pass does): a
+        pass launched ahead is worth queueing then, not where dispatching it eagerly delays the reply."""
+        return not self.graphs or bucket_size(n) is not None
 
     def keeps_logits(self, n: int) -> bool:
         """Whether a greedy pass of n rows at k = 0 keeps its LM head's raw logits (`logits`): eagerly,
