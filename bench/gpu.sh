@@ -64,8 +64,9 @@
 #           --cached-turn, in-process, MTP off and k = 3, while the 9B-class checkpoint is written), then
 #           bench/prefix_cache.py's two conversations of an 8,000-token system prompt (cache on and off, where each
 #           turn's time to first token goes)
-#   grammar one H200 or H100, ~5 minutes: bench/structured.py on the 9B-class weights with the bundled tokenizer, MTP
-#           on and off, batch 1 and 8 (with the grammar's host time a step)
+#   grammar one H200 or H100, ~8 minutes: where the 9B-class checkpoint is still to write, the GPU tests of launch
+#           ahead, grammars and the prefix cache while it is written; then bench/structured.py on the 9B-class weights
+#           with the bundled tokenizer, MTP on and off, batch 1 and 8 (with the grammar's host time a step)
 #   serving-tests  one H200 or H100, ~6 minutes: tests/test_cuda.py (6 xdist workers: the prefix cache, JSON under
 #           CUDA graphs, PP = 2 at the 9B widths, launch ahead, ...; the 9B-class checkpoint written meanwhile, for a
 #           stage after it)
@@ -293,7 +294,12 @@ for stage in "$@"; do
             | tee "$out/prefix-cache-9b-8000.log" || failed=1
         ;;
     grammar)
-        [ -f .bench/9b-chat/config.json ] || write_9b > "$out/write-9b.log" 2>&1 || failed=1
+        if [ ! -f .bench/9b-chat/config.json ]; then   # the GPU tests of launch ahead and grammars meanwhile
+            write_9b > "$out/write-9b.log" 2>&1 &
+            timeout 200 python3 -m pytest -q -n 4 -rf tests/test_cuda.py --timeout 180 \
+                -k "launch or json or sampled_and_constrained or prefix" 2>&1 | tee "$out/tests-grammar.log" || failed=1
+            wait $! || failed=1
+        fi
         for mtp in on off; do   # the target (MTP on) first
             timeout 140 python3 bench/structured.py --model .bench/9b-chat --local 1 --mtp $mtp --batch 1 8 \
                 --json "$out/structured-9b-mtp-$mtp.json" 2>&1 | tee "$out/structured-9b-mtp-$mtp.log" || failed=1

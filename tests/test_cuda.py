@@ -496,6 +496,29 @@ def test_greedy_json_under_cuda_graphs_with_mtp_equals_without_and_parses():
         assert set(value) == {"name", "kind", "age"} and value["kind"] in ("cat", "dog", "owl")
 
 
+@pytest.mark.parametrize("mtp", [False, True])
+def test_sampled_and_constrained_steps_launched_ahead_under_cuda_graphs_equal_those_without(mtp):
+    """Steps the host decides (sampled, seeded) launch the next verify ahead, and greedy steps under a
+    grammar without MTP choose their tokens under the masks on the device and launch ahead; both
+    under the graphs give the outputs of launch ahead off (deterministic fp32)."""
+    async def run(launch_ahead: str):
+        options = dataclasses.replace(kernels.settings, launch_ahead=launch_ahead)
+        async with shardspec.connect(model=str(BUNDLED_MODEL), local=1, device="cuda", dtype="float32", mtp=mtp,
+                                     max_seqs=8, deterministic=True, cache_memory=CACHE, worker_options=options) as e:
+            async def one(prompt: str, **options) -> str:
+                return "".join([c.text async for c in e.generate(prompt, max_tokens=64, **options)])
+            sampled = [one(p, temperature=0.8, seed=i + 1) for i, p in enumerate(PROMPTS)]
+            constrained = [one(p, temperature=0, structured_output={"json": SCHEMA}) for p in PROMPTS]
+            outputs = await asyncio.gather(*sampled)  # (apart: a batch of sampled rows, then one of greedy ones)
+            outputs += await asyncio.gather(*constrained)
+            return outputs, sum(s.launched_ahead for s in await e.stats())
+
+    ahead, launched = asyncio.run(run("auto"))
+    plain, none = asyncio.run(run("off"))
+    assert ahead == plain and launched > 0 and none == 0
+    assert all(set(json.loads(text)) == {"name", "kind", "age"} for text in plain[len(PROMPTS):])
+
+
 @pytest.fixture(scope="module")
 def moe_model(tmp_path_factory) -> Path:
     """A tiny random mixture of experts (8 experts, top 3), fused experts in the layers and per expert in the
