@@ -177,17 +177,17 @@ def test_forced_drafts_are_the_grammars_only_tokens_and_their_masks_are_the_fres
     tokenizer = llg_tokenizer(Path(BUNDLED_MODEL) / "tokenizer.json", 4096, [0])
     grammar = grammar_of({"json": SCHEMA})
     text = tokenizer.tokenize_str('{"name":"ab","age":7,')  # the next key is the schema's: forced
-    constraint = Constraint(LLMatcher(tokenizer, grammar), np.array([], dtype=np.int64))
+    constraint = Constraint(LLMatcher(tokenizer, grammar), np.zeros(0, dtype=np.uint8))
     assert constraint.accept(text)
     forced = constraint.forced(6)
     assert tokenizer.decode_str(forced) == '"kind":"'
-    fresh = Constraint(LLMatcher(tokenizer, grammar), np.array([], dtype=np.int64))
+    fresh = Constraint(LLMatcher(tokenizer, grammar), np.zeros(0, dtype=np.uint8))
     assert fresh.accept(text)
     for token in forced:
         assert single(bytearray(fresh.masks([], 1).numpy().tobytes())) == token
         assert fresh.accept([token])
     for drafts in ([*forced, 5, 6], [*forced[:1], 9, 9, 9]):
-        again = Constraint(LLMatcher(tokenizer, grammar), np.array([], dtype=np.int64))
+        again = Constraint(LLMatcher(tokenizer, grammar), np.zeros(0, dtype=np.uint8))
         assert again.accept(text)
         constraint.forced(6)
         assert torch.equal(constraint.masks(drafts, len(drafts) + 1), again.masks(drafts, len(drafts) + 1))

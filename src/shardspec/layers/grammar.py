@@ -21,7 +21,7 @@ class Constraint:
 
     def __init__(self, matcher: LLMatcher, special: np.ndarray, words: int | None = None):
         self.matcher = matcher
-        self.special = special  # the special token ids: a mask's special tokens are checked one by one
+        self.special = special  # the special tokens' bit mask: those a mask allows are checked one by one
         self.words = words  # its masks' 32-bit words, computed without the GIL (None: with it; allowed_mask)
         self.spent = 0.0
         self.failure = ""
