@@ -32,6 +32,8 @@ from llguidance import LLMatcher
 import shardspec
 from shardspec.cli import BUNDLED_MODEL
 from shardspec.constraints import grammar_of, llg_tokenizer
+from shardspec.option_flags import add_flags, from_flags
+from shardspec.protocol.messages import WorkerOptions
 from shardspec.utils import default_device
 
 SCHEMA = {"type": "object",
@@ -91,9 +93,10 @@ def forced_share(model: Path, outputs: list[list[int]], vocab: int, eos: list[in
 
 async def main(args: argparse.Namespace) -> dict:
     results = {}
+    options = from_flags(args, WorkerOptions)
     for mtp in {"both": (True, False), "on": (True,), "off": (False,)}[args.mtp]:
         async with shardspec.connect(model=str(args.model), device=args.device, local=args.local, mtp=mtp,
-                                     max_seqs=max(args.batch)) as engine:
+                                     max_seqs=max(args.batch), worker_options=options) as engine:
             await row(engine, argparse.Namespace(requests=1, max_tokens=8), False)  # warm-up
             for batch in args.batch:
                 plain, constrained = await row(engine, args, False, batch), await row(engine, args, True, batch)
@@ -149,6 +152,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=8, help="generations per row (default 8)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per generation at most (default 128)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures to this file")
+    add_flags(parser, WorkerOptions, "worker options", "how the workers compute, as `shardspec generate` takes them "
+              "(--launch-ahead off: the peer of launch ahead)")
     args = parser.parse_args(argv)
     if args.local is None:
         args.local = 2 if args.device == "cpu" else 1
