@@ -68,7 +68,7 @@
 #           ahead, grammars and the prefix cache while it is written; then bench/structured.py on the 9B-class weights
 #           with the bundled tokenizer, MTP on and off, batch 1 and 8 (with the grammar's host time a step)
 #   grammar-ab  one H200 or H100, ~6 minutes: bench/structured.py on the 9B-class weights (up to 64 tokens a request),
-#           MTP off at batch 1 and MTP on at batch 1 and 8 with launch ahead, then MTP off at batch 1 without (its peer)
+#           MTP off at batch 1 with launch ahead and without (its peer), then MTP on at batch 1 and 8 with it
 #   serving-tests  one H200 or H100, ~6 minutes: tests/test_cuda.py (6 xdist workers: the prefix cache, JSON under
 #           CUDA graphs, PP = 2 at the 9B widths, launch ahead, ...; the 9B-class checkpoint written meanwhile, for a
 #           stage after it)
@@ -309,7 +309,7 @@ for stage in "$@"; do
         ;;
     grammar-ab)
         [ -f .bench/9b-chat/config.json ] || write_9b > "$out/write-9b.log" 2>&1 || failed=1
-        for run in "off 1 auto" "on 1 8 auto" "off 1 off"; do   # MTP, batches, launch ahead (its peer last)
+        for run in "off 1 auto" "off 1 off" "on 1 8 auto"; do   # MTP, batches, launch ahead (and its peer)
             set -- $run
             mtp=$1 ahead=${!#} batches=${*:2:$#-2}
             timeout 100 python3 bench/structured.py --model .bench/9b-chat --local 1 --mtp $mtp --batch $batches \
