@@ -166,7 +166,7 @@ def test_a_sequence_over_the_grammar_budget_in_a_step_fails_alone_with_its_reaso
     result = StepResult()
     for s in seqs.values():
         result.add(s, [7, 8], 1)
-    tp = types.SimpleNamespace(all_reduce=lambda x: x)  # (one rank)
+    tp = types.SimpleNamespace(size=1, all_reduce=lambda x: x)  # (one rank)
     decoder = types.SimpleNamespace(sequences=seqs, device=torch.device("cpu"), grammar_budget_s=0.2,
                                     model=types.SimpleNamespace(lm_head=types.SimpleNamespace(tp=tp)),
                                     counters=SpecCounters())

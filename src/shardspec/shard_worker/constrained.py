@@ -71,14 +71,16 @@ def over_budget(sequences: dict[int, Sequence], step: list[int], budget_s: float
                 device: torch.device) -> Iterator[tuple[Sequence, str]]:
     """The sequences of a step (ids `step`) whose grammar work in it took over `budget_s`, with why;
     each rank times its own, so the ranks agree first (one all-reduce, in steps with a grammar only:
-    the same steps on every rank). Counts the step's grammar time into `counters` (SpecCounters)."""
+    the same steps on every rank; none at TP = 1). Counts the step's grammar time into `counters` (SpecCounters)."""
     seqs = [s for s in map(sequences.get, step) if s is not None and s.grammar is not None and s.finished != FAILED]
     if not seqs:
         return
     spent = [s.grammar.spent for s in seqs]
     counters.grammar_s += sum(spent)
     counters.grammar_steps += 1
-    over = tp.all_reduce(torch.tensor([float(t > budget_s) for t in spent], device=device)).tolist()
+    over = [float(t > budget_s) for t in spent]
+    if tp.size > 1:  # (never a device round trip alone: it would wait for a pass launched ahead behind this step)
+        over = tp.all_reduce(torch.tensor(over, device=device)).tolist()
     for s, flag, seconds in zip(seqs, over, spent):
         s.grammar.spent = 0.0
         if flag:
