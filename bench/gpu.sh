@@ -69,6 +69,8 @@
 #           with the bundled tokenizer, MTP on and off, batch 1 and 8 (with the grammar's host time a step)
 #   grammar-ab  one H200 or H100, ~6 minutes: bench/structured.py on the 9B-class weights (up to 64 tokens a request),
 #           MTP off at batch 1 with launch ahead and without (its peer), then MTP on at batch 1 and 8 with it
+#   grammar-bundled  one H200 or H100, ~2 minutes: bench/structured.py on the bundled model (no checkpoint to write),
+#           MTP off at batch 1 with launch ahead and without (its peer), then MTP on at batch 1 and 8 with it
 #   serving-tests  one H200 or H100, ~6 minutes: tests/test_cuda.py (6 xdist workers: the prefix cache, JSON under
 #           CUDA graphs, PP = 2 at the 9B widths, launch ahead, ...; the 9B-class checkpoint written meanwhile, for a
 #           stage after it)
@@ -83,8 +85,8 @@ shift 2
 for stage in "$@"; do
     case $stage in
     tests | 9b | 9b-tp2 | tp2-profile | 27b | floor | deterministic | pp | moe | moe-wide | fp8 | parts | gemv | paged \
-        | serving | pp-b1 | cached-turn | grammar | grammar-ab | serving-tests) ;;
-    *) echo "gpu.sh: unknown stage '$stage' (tests, 9b, 9b-tp2, tp2-profile, 27b, floor, deterministic, pp, moe, moe-wide, fp8, parts, gemv, paged, serving, pp-b1, cached-turn, grammar, grammar-ab, serving-tests)" >&2
+        | serving | pp-b1 | cached-turn | grammar | grammar-ab | grammar-bundled | serving-tests) ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, 9b, 9b-tp2, tp2-profile, 27b, floor, deterministic, pp, moe, moe-wide, fp8, parts, gemv, paged, serving, pp-b1, cached-turn, grammar, grammar-ab, grammar-bundled, serving-tests)" >&2
        exit 2 ;;
     esac
 done
@@ -315,6 +317,15 @@ for stage in "$@"; do
             timeout 100 python3 bench/structured.py --model .bench/9b-chat --local 1 --mtp $mtp --batch $batches \
                 --max-tokens 64 --launch-ahead $ahead --json "$out/structured-9b-mtp-$mtp-ahead-$ahead.json" 2>&1 \
                 | tee "$out/structured-9b-mtp-$mtp-ahead-$ahead.log" || failed=1
+        done
+        ;;
+    grammar-bundled)
+        for run in "off 1 auto" "off 1 off" "on 1 8 auto"; do   # MTP, batches, launch ahead (and its peer)
+            set -- $run
+            mtp=$1 ahead=${!#} batches=${*:2:$#-2}
+            timeout 60 python3 bench/structured.py --local 1 --mtp $mtp --batch $batches --launch-ahead $ahead \
+                --json "$out/structured-bundled-mtp-$mtp-ahead-$ahead.json" 2>&1 \
+                | tee "$out/structured-bundled-mtp-$mtp-ahead-$ahead.log" || failed=1
         done
         ;;
     serving-tests)
