@@ -8,11 +8,14 @@ supervisor.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
+import random
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -22,7 +25,6 @@ from test_server import _alive, _parent, _pids, start_server
 
 import shardspec
 from shardspec.orchestrator.engine import EngineError
-from shardspec.orchestrator.workers import free_port
 from shardspec.protocol import Message, decode, encode
 
 PROMPT = [5, 17, 300, 42, 7, 99]
@@ -31,11 +33,28 @@ SLACK_S = 1.5  # scheduling on a loaded 2-core machine
 
 
 def free_port_pair() -> int:
-    """A loopback port p with p + 1 free too (the worker's port and its rendezvous port)."""
+    """A loopback port p with p + 1 free too (the worker's port and its rendezvous port), both below
+    the ephemeral range: in it, any outgoing connection may take p + 1 as its source port before
+    rank 0 binds it (Linux's bind(0) gives odd ports, connect() even ones first; a closed one stays
+    60 s in TIME_WAIT). Odd ports of this xdist worker's slice, from a random one on, so that no two
+    pairs overlap (threads, xdist workers, runs)."""
     while True:
-        port = free_port()
-        if port < 65535 and _bindable(port + 1):
+        port = next(_PAIRS)
+        if _bindable(port) and _bindable(port + 1):
             return port
+
+
+def _port_pairs() -> Iterator[int]:
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as ranges:  # (Linux: "32768\t60999")
+        ephemeral = int(ranges.read().split()[0])
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    width = (ephemeral - 10000) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    odd = list(range(10001 + worker * width, 10000 + (worker + 1) * width - 1, 2))
+    start = random.randrange(len(odd))
+    return itertools.cycle(odd[start:] + odd[:start])  # (next() on it is atomic: Workers are made on threads)
+
+
+_PAIRS = _port_pairs()
 
 
 def _bindable(port: int) -> bool:
