@@ -156,6 +156,7 @@ def test_the_engine_launches_ahead_and_its_output_is_the_same(small_vocab_model)
     assert ahead == plain and none == 0 and launched > 0
 
 
+@pytest.mark.slow  # (two engines a parameter; the driven test below checks the same in the default suite)
 @pytest.mark.parametrize("mtp", [False, True])
 def test_greedy_steps_under_grammars_launch_ahead_and_their_outputs_are_the_same(mtp):
     """Without MTP, greedy rows under a grammar choose their tokens under its masks on the device, so

@@ -89,6 +89,7 @@ def test_greedy_output_under_a_grammar_is_the_same_with_mtp_as_without(constrain
         assert len(with_mtp[1]) >= 6 and with_mtp[1][3] == "-"
 
 
+@pytest.mark.slow  # (three engines, five workers)
 def test_greedy_output_under_a_grammar_without_mtp_is_the_same_at_tp_2_and_pp_2_as_on_one_worker():
     """Without MTP the tokens are chosen under the masks on the device (Decoder._masked_greedy): at TP = 2
     from the gathered logits of both ranks, at PP = 2 on the last stage; both give one worker's output."""
