@@ -250,7 +250,7 @@ class Decoder(ModelRunner):
         x = self._receive(self._next_pass(), (len(seqs), k + 1), guess_row=seqs[0].guess_row if ahead else -1)
         context = self._context(seqs, chain=self.chain if ahead else k)
         wants_logprobs = any(s.logprobs >= 0 for s in seqs)
-        plain = all(s.sampling.greedy and not s.sampling.penalised and not s.shaped for s in seqs)
+        plain = self._plain(seqs)
         biased = any(s.bias is not None for s in seqs)  # (its drafts: from its biased logits, on the host)
         # a pass launched ahead for this step sets its route (the step must take it: it has run; a masked
         # pass stays masked when its rows under a grammar have finished since)
@@ -267,9 +267,7 @@ class Decoder(ModelRunner):
                     raise RuntimeError("a verify pass launched ahead came to a step of other rows")
                 hidden, argmax, draft, raw = launched.verify
             else:
-                hidden, argmax, draft = self.passes.verify(self._rows(seqs, with_guess), context, x,
-                                                           eager_follow=biased)
-                raw = self.passes.logits
+                hidden, argmax, draft, raw = self.launch_verify(seqs, context, x, with_guess)
             masks = constrained.grammar_masks(seqs, k + 1)  # (on the host, while the device runs the pass)
             accepted, tokens, logits = self._accept(seqs, hidden, argmax, result if want_logits else None,
                                                     wants_logprobs or not plain, masks, raw)
@@ -308,11 +306,13 @@ class Decoder(ModelRunner):
             result.add(s, new, n if k else -1)
         return decided
 
-    def launch_verify(self, seqs: list[Sequence]) -> tuple:
-        """The verify pass of the step after this one, on the rows the host has built (LaunchAhead.verify_next):
-        (hidden, argmax, its follow, its raw logits)."""
+    def launch_verify(self, seqs: list[Sequence], context: int | None = None, x: torch.Tensor | None = None,
+                      with_guess: bool = False) -> tuple:
+        """The verify pass over the sequences' rows (this step's, or the next step's launched ahead:
+        LaunchAhead.verify_next): (hidden, argmax, its follow, its raw logits). A biased row drafts on
+        the host (its follow runs eagerly)."""
         biased = any(s.bias is not None for s in seqs)
-        hidden, argmax, draft = self.passes.verify(self._rows(seqs, False), self._context(seqs), None,
+        hidden, argmax, draft = self.passes.verify(self._rows(seqs, with_guess), context or self._context(seqs), x,
                                                    eager_follow=biased)
         return hidden, argmax, draft, self.passes.logits
 
@@ -337,11 +337,15 @@ class Decoder(ModelRunner):
         row = {seq: i for i, seq in enumerate(launched.seqs)}
         return [out[row[s.seq]] for s in seqs]
 
+    @staticmethod
+    def _plain(seqs: list[Sequence]) -> bool:
+        """Every row greedy, unpenalised and unshaped: the step is one fused pass (_greedy)."""
+        return all(s.sampling.greedy and not s.sampling.penalised and not s.shaped for s in seqs)
+
     def _decides(self, seqs: list[Sequence]) -> bool:
         """Whether the host decides a step of these sequences (a verify pass, then the host's acceptance:
         sampled, penalised, shaped, log-probabilities), not one greedy pass (_greedy, _masked_greedy)."""
-        plain = all(s.sampling.greedy and not s.sampling.penalised and not s.shaped for s in seqs)
-        return any(s.logprobs >= 0 for s in seqs) or not (plain or self._masks_alone(seqs))
+        return any(s.logprobs >= 0 for s in seqs) or not (self._plain(seqs) or self._masks_alone(seqs))
 
     def _masks_alone(self, seqs: list[Sequence]) -> bool:
         """Whether a step's tokens are the argmax of its logits under its grammars' masks alone (k = 0,
