@@ -55,8 +55,10 @@ def one_worker(temperature: float) -> list[list[int]]:
     return asyncio.run(run(1, temperature))[0]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("pp", [2, 3])
+# PP = 2 greedy and PP = 3 sampled in the default run; the other two pairs with the slow tests
+@pytest.mark.parametrize(("pp", "temperature"), [(2, 0.0), pytest.param(2, 0.8, marks=pytest.mark.slow),
+                                                 pytest.param(3, 0.0, marks=pytest.mark.slow), (3, 0.8)],
+                         ids=["2-greedy", "2-sampled", "3-greedy", "3-sampled"])
 def test_a_tree_of_guesses_gives_one_workers_output_in_deterministic_mode(pp, temperature):
     """Eight branches a step: some hold (their blocks and states become the sequence's), the others
     run the step again; every stage before the last decides alike, and the last runs no tree."""

@@ -33,10 +33,6 @@ def test_generate_json_reports_tokens_reason_and_stats(tiny_model):
     assert out["stats"]["prompt_tokens"] == 3 and out["stats"]["generated_tokens"] == 9
     assert "text" not in out  # this checkpoint has no tokenizer
 
-    again = shardspec("generate", "--model", str(tiny_model), "--prompt-ids", "1,2,3", "--max-tokens", "9",
-                      "--local", "1", "--json", "--temperature", "0")
-    assert json.loads(again.stdout)["token_ids"] == out["token_ids"]  # TP = 1 gives the same greedy output
-
 
 def test_generate_streams_token_ids_and_a_summary_without_json(tiny_model):
     result = shardspec("generate", "--model", str(tiny_model), "--prompt-ids", "4,5", "--max-tokens", "5")

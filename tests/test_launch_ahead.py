@@ -248,8 +248,8 @@ def test_driven_steps_under_grammars_launch_ahead_and_their_replies_are_the_same
     model = load_model(Path(BUNDLED_MODEL), TPGroup(), torch.float32, torch.device("cpu"), with_mtp=True)
     schema = grammar_of({"json": {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}},
                                   "required": ["n", "s"], "additionalProperties": False}})
-    arrivals = {0: [text_spec(0, "def f():", grammar="g"), text_spec(1, "import os")],
-                2: [text_spec(2, "x = ", grammar="g")]}
+    arrivals = {0: [text_spec(0, "def f():", 24, grammar="g"), text_spec(1, "import os", 24)],
+                2: [text_spec(2, "x = ", 24, grammar="g")]}
     ahead, launched = drive(grammar_decoder(model, draft_len, "on", schema), arrivals)
     plain, none = drive(grammar_decoder(model, draft_len, "off", schema), arrivals)
     assert ahead == plain

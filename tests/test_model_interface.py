@@ -102,7 +102,7 @@ def reference_greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt):]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_second_model_family_generates_through_workers_and_engine(toy_model, tp):
     prompts = [[5, 17, 3, 60, 2], [9, 9, 41]]
     expected = [reference_greedy(toy_model, p, 12) for p in prompts]

@@ -66,7 +66,7 @@ def curve_options(keys: Path) -> tuple[list[str], list[str]]:
             ["--keys", str(keys / "orchestrator"), "--server-keys", str(keys / "worker" / "worker.key")])
 
 
-@pytest.mark.parametrize("relay", [False, True], ids=["direct-curve", "relayed"])
+@pytest.mark.parametrize("relay", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["direct-curve", "relayed"])
 def test_pp2_across_two_emulated_hosts_equals_transformers_with_mtp(tiny_model, tmp_path, curve_keys, relay):
     workers, orchestrator = curve_options(curve_keys) if not relay else (["--insecure"], [])
     options = ["--pp", "2", *(["--relay"] if relay else ["--no-relay"])]
