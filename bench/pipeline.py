@@ -182,6 +182,8 @@ def main() -> None:
         workers = [hosts.popen(i, [sys.executable, "-m", "shardspec", "worker", "--listen", address, "--insecure",
                                    "--device", args.device, "--threads", "1", "--log-level", "WARNING"])
                    for i, address in enumerate((a, b))]
+        for i in range(2):  # (a worker pinned to one core may take longer to start than the connect timeout)
+            hosts.wait_listening(i, PORT)
         timelines: list[tuple[str, dict]] = []
         try:
             options_of = {"far": {"workers": [b]}, "tp": {"workers": [a, b]}, "pp": {"workers": [a, b], "pp": 2},

@@ -10,16 +10,14 @@ acceptance record (links.StageLinks.send_record).
 Launch ahead (ahead.LaunchAhead): a single stage queues the next step's pass on the device behind the
 current one, its rows built from the current pass's outputs, and reads this step's while it runs.
 
-Lookahead (pipeline stages, eager passes): while one sequence decodes alone, the chain goes on
-after the step's record has left for k + 1 more drafts, a guess of the step after the next, on which
-the stages before run that step's pass before this step's record reaches them
-(stage.ForwardingStage). The guess costs the last stage time it would spend waiting for the next pass.
+Lookahead (pipeline stages, eager passes): while one sequence decodes alone, the last stage sends
+a guess of its next step once the step's record has left (guessing.Guessing), on which the stages
+before run that step's pass before this step's record reaches them (stage.ForwardingStage).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections import deque
 from pathlib import Path
 
 import torch
@@ -32,21 +30,12 @@ from shardspec.shard_worker import branches, constrained
 from shardspec.shard_worker.ahead import LaunchAhead, Launched, NoLaunchAhead, Peek
 from shardspec.shard_worker.grammars import GrammarStore
 from shardspec.shard_worker.graphs import HostRows
+from shardspec.shard_worker.guessing import Guessing
 from shardspec.shard_worker.logprobs import prompt_rows, token_rows
 from shardspec.shard_worker.penalties import TokenCounts
 from shardspec.shard_worker.runner import ModelRunner, RunnerStats, StepResult
 from shardspec.shard_worker.sequences import Sequence
 
-# lookahead "auto": the last stage guesses for its first GUESS_FIRST guesses, then while at least
-# GUESS_TO_PAY of its last (up to GUESS_WINDOW) guesses held; below that, at one lone step in
-# GUESS_PROBE_EVERY, so that the share follows the text. A guess that holds saves the stages a link
-# round trip; one that does not costs the stage before a state snapshot and restore, and the stages
-# time they would have spent waiting (bench/pipeline.py: at 10 ms one way, guesses that held 12 %
-# of the time made "on" faster than "off").
-GUESS_FIRST = 16
-GUESS_TO_PAY = 0.05
-GUESS_WINDOW = 64
-GUESS_PROBE_EVERY = 16
 
 class Decoder(ModelRunner):
     """The last stage: samples, accepts and drafts, replies, and sends the earlier stages the step's
@@ -68,12 +57,9 @@ class Decoder(ModelRunner):
         whole = self.model.stage.first
         wanted = launch_ahead == "on" or (launch_ahead == "auto" and self.graphed)
         self.ahead = LaunchAhead(peek) if whole and wanted and peek is not None else NoLaunchAhead()
-        self.held: deque[bool] = deque(maxlen=GUESS_WINDOW)  # whether each of the last guesses held
-        self.unguessed = 0  # lone steps since the last guess
-        self.guess_due: Sequence | None = None  # the sequence this step guesses for, once its record has left
-        self.chain_end: tuple | None = None  # with lookahead: where the last chain stopped (_guess_on)
+        self.guessing = Guessing(self.draft_len, self.always_guess, self.branching, self.tree_width)
+        self.chain_end: tuple | None = None  # with lookahead: where the last chain stopped (Guessing.guess)
         self.chain_heads: list[torch.Tensor] = []  # with lookahead: the last chain's MTP heads, one per draft
-        self.guesser = branches.TreeGuesser(self.draft_len, self.tree_width) if self.branching else None
 
     def release(self, seqs: list[int], saves=()) -> list[int]:
         self.ahead.drop()  # (a release comes between steps: never before the step a pass was launched for)
@@ -129,11 +115,10 @@ class Decoder(ModelRunner):
         if decided and self._decides(running):  # (a step the host will decide again: its verify, now)
             self.ahead.verify_next(self, running)
         if self.links is not None and result.seqs:  # a step of finished sequences only has no record
-            due, self.guess_due = self.guess_due, None
+            due = self.guessing.take_due()
             self.links.send_record(self.steps, result.reply(), guessed=due is not None)
             if due is not None:
-                due.guess = self._guess_on() if self.guesser is None else branches.flatten(
-                    self.guesser.make(self, due.drafts))
+                due.guess = self.guessing.guess(self, due)
                 self.links.send_guesses(self.steps, {due.seq: due.guess})
         return result
 
@@ -243,8 +228,7 @@ class Decoder(ModelRunner):
         # after the next, for the stages before to run that step's pass on before this step's record
         # reaches them (with more live sequences, even in micro-batches of one, they have other work)
         ahead = self.lookahead and self.table.live() == 1  # (seqs: that one)
-        pays = len(self.held) < GUESS_FIRST or sum(self.held) >= GUESS_TO_PAY * len(self.held)
-        guessing = ahead and (self.always_guess or pays or self.unguessed + 1 >= GUESS_PROBE_EVERY)
+        guessing = ahead and self.guessing.now()
         # the rows carry the guess made before when it may hold: the chain must then keep the guessed drafts
         with_guess = ahead and bool(seqs[0].guess)
         x = self._receive(self._next_pass(), (len(seqs), k + 1), guess_row=seqs[0].guess_row if ahead else -1)
@@ -287,19 +271,11 @@ class Decoder(ModelRunner):
             s.next_token = token
             s.drafts = []
         if k:
-            for s, n, token, d in zip(seqs, accepted, tokens, drafts):
-                # the guess the stages before ran this step's successor on holds when this step kept all
-                # its drafts and its new token is the guessed one (the chain then kept the guessed drafts)
-                s.guess_row = self._guess_row(s, n, token, d[:k]) if ahead else -1
-                if ahead and s.guess:
-                    self.held.append(s.guess_row >= 0)
-                if ahead and self.guesser is not None:
-                    self.guesser.observe(self, n)
-                s.drafts = [] if s.finished else d[:k]
-                s.guess = []
-            if ahead:
-                self.unguessed = 0 if guessing else self.unguessed + 1
-                self.guess_due = seqs[0] if guessing and not seqs[0].finished else None
+            if ahead:  # (one sequence) whether the stages' pass on its guess holds; whether to guess on
+                self.guessing.after(self, seqs[0], accepted[0], tokens[0], drafts[0][:k], guessing)
+            for s, d in zip(seqs, drafts):
+                s.guess_row = s.guess_row if ahead else -1
+                s.drafts, s.guess = [] if s.finished else d[:k], []
         for i, (s, n, new) in enumerate(zip(seqs, accepted, emitted)):
             if s.logprobs >= 0 and new:  # token j of [d1..dn, bonus] was drawn from the target's logits at position j
                 result.pending_rows[s.seq] = [token_rows(logits[i, : len(new)], torch.tensor(new), s.logprobs)]
@@ -474,18 +450,11 @@ class Decoder(ModelRunner):
         # lookahead (one sequence, eagerly): where the guess holds (all drafts kept, the new token the
         # guessed one) the chain keeps the guessed drafts, which the stages before already run the next
         # pass on
-        if self.guesser is not None:  # (deterministic: a branch holds only with the drafts chained anyway)
+        if self.guessing.tree is not None:  # (deterministic: a branch holds only with the drafts chained anyway)
             kept = None if self.deterministic else branches.kept_drafts(guess, index, new_tokens, self.draft_len)
             return self._chain(head, slots, lengths, context, kept=kept)
         holds = bool(guess[0, 0] == new_tokens[0]) and int(index[0]) == self.draft_len
         return self._chain(head, slots, lengths, context, kept=guess[:, 1:] if holds else None)
-
-    def _guess_row(self, s: Sequence, accepted: int, token: int, drafts: list[int]) -> int:
-        """The row of the stages' pass on a guess of `s`'s next step that this step's outcome proves, or -1."""
-        if self.guesser is not None:
-            return branches.held(branches.unflatten(s.guess, self.draft_len, self.model.config.vocab_size),
-                                 accepted, token, drafts)
-        return 0 if s.guess and accepted == self.draft_len and token == s.guess[0] else -1
 
     def _fused_pass(self, packed: torch.Tensor, context: int, x: torch.Tensor | None) -> torch.Tensor:
         """Verify, accept on the device (drafts while they equal the target's argmax, or the forced
@@ -502,14 +471,6 @@ class Decoder(ModelRunner):
              context: int, tail: bool = False):
         """MTP layer over (token t+1, target hidden t) pairs at positions t < context; -> its normed output."""
         return self.model.draft(next_ids, hidden, Batch(slots, positions, context, tail=tail))
-
-    def _guess_on(self) -> list[int]:
-        """Lookahead: the one live sequence's chain on from where the step's chain stopped, k + 1 more
-        drafts, its guess of the step after the next ([pending, d1..dk], if the next keeps all its
-        drafts)."""
-        head, token, slots, position, context = self.chain_end
-        head = self._mtp(token[:, None], head[:, None], slots, position[:, None], context)[:, 0]
-        return self._chain(head, slots, position + 1, context, self.draft_len + 1)[0].tolist()
 
     def _chain(self, head: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, context: int,
                length: int | None = None, kept: torch.Tensor | None = None,
