@@ -74,8 +74,8 @@ async def generate_all(engine, prompts: list[list[int]], max_tokens: int, **pena
 PENALTIES = {"frequency_penalty": 0.7, "presence_penalty": 0.3}
 
 
-@pytest.mark.parametrize(("tp", "pp", "penalties"), [(1, 1, {}), (2, 1, {}), (1, 2, {}),
-                                                    pytest.param(1, 1, PENALTIES, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(("tp", "pp", "penalties"), [(1, 1, {}), pytest.param(2, 1, {}, marks=pytest.mark.slow),
+                                                    (1, 2, {}), pytest.param(1, 1, PENALTIES, marks=pytest.mark.slow)])
 def test_a_full_pool_preempts_the_newest_request_which_ends_with_its_tokens_alone(small_vocab_model, tp, pp,
                                                                                    penalties):
     """Deterministic mode: four requests whose blocks the pool holds only half of at their full

@@ -25,6 +25,7 @@ def run(out, **kw) -> bool:
                             lr=3e-3, warmup=1, mtp_weight=0.5, eval_every=500, gdn="torch", seed=0, **kw)
 
 
+@pytest.mark.slow  # (10 s: with the slow tests)
 def test_a_paused_and_resumed_run_ends_with_the_weights_of_a_run_that_did_not_stop(tmp_path):
     straight, paused = tmp_path / "straight", tmp_path / "paused"
     tiny_data(straight)
