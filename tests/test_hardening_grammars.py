@@ -34,7 +34,7 @@ from shardspec.orchestrator.grammars import GrammarCompiler
 from shardspec.orchestrator.requests import GrammarError, Request, deliver
 from shardspec.protocol import messages
 from shardspec.protocol.messages import FAILED, SamplingParams, SequenceError, StepReply
-from shardspec.shard_worker.decoder import Decoder
+from shardspec.shard_worker import constrained
 from shardspec.shard_worker.runner import SpecCounters, StepResult
 
 TOKENIZER = Path(BUNDLED_MODEL) / "tokenizer.json"
@@ -155,7 +155,7 @@ def test_masks_never_allow_a_special_token_the_matcher_refuses():
 
 
 def test_a_sequence_over_the_grammar_budget_in_a_step_fails_alone_with_its_reason():
-    """Decoder._check_grammar_time on a step of two constrained sequences and one free one: the one
+    """constrained.fail_over_budget on a step of two constrained sequences and one free one: the one
     whose masks took longer than the budget fails (no tokens, FAILED, its reason), the others are
     untouched and every clock starts again."""
     def seq(n: int, spent: float | None) -> types.SimpleNamespace:
@@ -167,10 +167,8 @@ def test_a_sequence_over_the_grammar_budget_in_a_step_fails_alone_with_its_reaso
     for s in seqs.values():
         result.add(s, [7, 8], 1)
     tp = types.SimpleNamespace(size=1, all_reduce=lambda x: x)  # (one rank)
-    decoder = types.SimpleNamespace(sequences=seqs, device=torch.device("cpu"), grammar_budget_s=0.2,
-                                    model=types.SimpleNamespace(lm_head=types.SimpleNamespace(tp=tp)),
-                                    counters=SpecCounters())
-    Decoder._check_grammar_time(decoder, result)
+    decoder = types.SimpleNamespace(counters=SpecCounters())
+    constrained.fail_over_budget(seqs, result, 0.2, tp, decoder.counters, torch.device("cpu"))
     assert result.finished == [FAILED, "", ""] and result.tokens == [[], [7, 8], [7, 8]]
     assert [e.seq for e in result.errors] == [1] and "over the budget of 200 ms" in result.errors[0].message
     assert seqs[1].grammar.spent == seqs[2].grammar.spent == 0.0

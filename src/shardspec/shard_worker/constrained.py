@@ -4,8 +4,6 @@ host time. The matchers themselves are layers.grammar.Constraint."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 
 from shardspec.layers.grammar import apply_masks, single
@@ -67,12 +65,14 @@ def follow_rows(seqs: list[Sequence], accepted: list[int], tokens: list[int], k:
     return rows
 
 
-def over_budget(sequences: dict[int, Sequence], step: list[int], budget_s: float, tp: TPGroup, counters,
-                device: torch.device) -> Iterator[tuple[Sequence, str]]:
-    """The sequences of a step (ids `step`) whose grammar work in it took over `budget_s`, with why;
-    each rank times its own, so the ranks agree first (one all-reduce, in steps with a grammar only:
-    the same steps on every rank; none at TP = 1). Counts the step's grammar time into `counters` (SpecCounters)."""
-    seqs = [s for s in map(sequences.get, step) if s is not None and s.grammar is not None and s.finished != FAILED]
+def fail_over_budget(sequences: dict[int, Sequence], result, budget_s: float, tp: TPGroup, counters,
+                     device: torch.device) -> None:
+    """Fail, alone, the sequences of a step (its StepResult) whose grammar work in it took over
+    `budget_s`, saying why; each rank times its own, so the ranks agree first (one all-reduce, in steps
+    with a grammar only: the same steps on every rank; none at TP = 1). Counts the step's grammar time
+    into `counters` (SpecCounters)."""
+    seqs = [s for s in map(sequences.get, result.seqs)
+            if s is not None and s.grammar is not None and s.finished != FAILED]
     if not seqs:
         return
     spent = [s.grammar.spent for s in seqs]
@@ -84,5 +84,7 @@ def over_budget(sequences: dict[int, Sequence], step: list[int], budget_s: float
     for s, flag, seconds in zip(seqs, over, spent):
         s.grammar.spent = 0.0
         if flag:
-            yield s, (f"its grammar's masks took {seconds * 1e3:.0f} ms in one step (on some rank), over the budget "
-                      f"of {budget_s * 1e3:.0f} ms")
+            s.grammar.failure = (f"its grammar's masks took {seconds * 1e3:.0f} ms in one step (on some rank), over "
+                                 f"the budget of {budget_s * 1e3:.0f} ms")
+            s.finished, s.drafts = FAILED, []
+            result.fail(s)

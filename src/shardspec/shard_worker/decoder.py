@@ -31,7 +31,7 @@ from shardspec.shard_worker.ahead import LaunchAhead, Launched, NoLaunchAhead, P
 from shardspec.shard_worker.grammars import GrammarStore
 from shardspec.shard_worker.graphs import HostRows
 from shardspec.shard_worker.guessing import Guessing
-from shardspec.shard_worker.logprobs import prompt_rows, token_rows
+from shardspec.shard_worker.logprobs import chunk_prompt_rows, token_rows
 from shardspec.shard_worker.penalties import TokenCounts
 from shardspec.shard_worker.runner import ModelRunner, RunnerStats, StepResult
 from shardspec.shard_worker.sequences import Sequence
@@ -88,14 +88,6 @@ class Decoder(ModelRunner):
         (GrammarRequest): a copy of its matcher."""
         return {spec.seq: self.grammars.constraint(spec.grammar) for spec in request.prefill if spec.grammar}
 
-    def _check_grammar_time(self, result: StepResult) -> None:
-        """Fail the sequences of this step whose grammar work took over the budget, alone."""
-        for seq, why in constrained.over_budget(self.sequences, result.seqs, self.grammar_budget_s,
-                                                self.model.lm_head.tp, self.counters, self.device):
-            seq.grammar.failure = why
-            seq.finished, seq.drafts = FAILED, []
-            result.fail(seq)
-
     def stats(self) -> RunnerStats:
         stats = super().stats()
         stats.launched_ahead = self.ahead.count
@@ -111,7 +103,8 @@ class Decoder(ModelRunner):
         self._prefill_all(request, prompts, result)
         running = self.table.running(request)
         decided = bool(running) and self._verify(running, result, request.return_logits, launched)
-        self._check_grammar_time(result)
+        constrained.fail_over_budget(self.sequences, result, self.grammar_budget_s, self.model.lm_head.tp,
+                                     self.counters, self.device)
         if decided and self._decides(running):  # (a step the host will decide again: its verify, now)
             self.ahead.verify_next(self, running)
         if self.links is not None and result.seqs:  # a step of finished sequences only has no record
@@ -138,7 +131,7 @@ class Decoder(ModelRunner):
             chunk_start = batch.kv_len - ids.shape[1]
             if want_logits:
                 result.logits.append(self.model.lm_head.logits(hidden).reshape(-1, self.model.config.vocab_size))
-            self._prompt_logprobs(specs, prompts, chunk_start, hidden, result)
+            chunk_prompt_rows(self.model.lm_head.logits, specs, prompts, chunk_start, hidden, result.pending_rows)
             if self.draft_len:  # MTP entry i pairs hidden i with token i+1: one position behind
                 pairs = hidden[:, :-1] if hidden_before is None else torch.cat([hidden_before, hidden[:, :-1]], 1)
                 if pairs.shape[1]:
@@ -207,16 +200,6 @@ class Decoder(ModelRunner):
     def keeps_finished_state(self) -> bool:
         """Not where a pass launched ahead may run on past a sequence that finished (LaunchAhead)."""
         return isinstance(self.ahead, NoLaunchAhead)
-
-    def _prompt_logprobs(self, specs: list[PrefillSpec], prompts: torch.Tensor, start: int, hidden: torch.Tensor,
-                         result: StepResult) -> None:
-        """The rows of the prompt tokens after this prefill chunk's positions, for the sequences that
-        asked (every rank takes the same branch: the specs are the same on all)."""
-        for b, spec in enumerate(specs):
-            if spec.prompt_logprobs >= 0:
-                targets = prompts[b, start + 1 : start + 1 + hidden.shape[1]]
-                rows = prompt_rows(self.model.lm_head.logits, hidden[b, : len(targets)], targets, spec.prompt_logprobs)
-                result.pending_rows.setdefault(spec.seq, []).extend(rows)
 
     # --- verify, accept, draft ------------------------------------------------------------------
 

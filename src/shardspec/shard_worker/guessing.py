@@ -40,6 +40,7 @@ class Guessing:
         self.unguessed = 0  # lone steps since the last guess
         self.due: Sequence | None = None  # the sequence this step guesses for, once its record has left
         self.tree = branches.TreeGuesser(draft_len, tree_width) if tree else None
+        self.sent: list[branches.Branch] = []  # the tree's branches of the last guess (its Guesses entry)
 
     def now(self) -> bool:
         """Whether this lone step guesses."""
@@ -50,7 +51,7 @@ class Guessing:
         """The lone step of `s` kept `accepted` drafts, added `token` and drafted `drafts` next: the row
         of the stages' pass on its guess that this proves (s.guess_row, -1: none), and whether to guess
         once its record has left (`guessing`: this step guesses)."""
-        s.guess_row = self.row(s, accepted, token, drafts, decoder.model.config.vocab_size)
+        s.guess_row = self.row(s, accepted, token, drafts)
         if s.guess:
             self.held.append(s.guess_row >= 0)
         if self.tree is not None:
@@ -58,10 +59,10 @@ class Guessing:
         self.unguessed = 0 if guessing else self.unguessed + 1
         self.due = s if guessing and not s.finished else None
 
-    def row(self, s: Sequence, accepted: int, token: int, drafts: list[int], vocab: int) -> int:
+    def row(self, s: Sequence, accepted: int, token: int, drafts: list[int]) -> int:
         """The row of the stages' pass on a guess of `s`'s next step that this step's outcome proves, or -1."""
         if self.tree is not None:
-            return branches.held(branches.unflatten(s.guess, self.k, vocab), accepted, token, drafts)
+            return branches.held(self.sent, accepted, token, drafts) if s.guess else -1
         return 0 if s.guess and accepted == self.k and token == s.guess[0] else -1
 
     def take_due(self) -> Sequence | None:
@@ -73,7 +74,8 @@ class Guessing:
         """`s`'s guess as a Guesses message carries it, from where the step's chain stopped: the lone
         guess [pending, d1..dk] (the chain k + 1 drafts on), or the tree's branches flattened."""
         if self.tree is not None:
-            return branches.flatten(self.tree.make(decoder, s.drafts))
+            self.sent = self.tree.make(decoder, s.drafts)
+            return branches.flatten(self.sent)
         head, token, slots, position, context = decoder.chain_end
         head = decoder._mtp(token[:, None], head[:, None], slots, position[:, None], context)[:, 0]
         return decoder._chain(head, slots, position + 1, context, self.k + 1)[0].tolist()

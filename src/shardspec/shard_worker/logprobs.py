@@ -37,6 +37,18 @@ def prompt_rows(logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: torch
             for i in range(0, len(targets), ROWS_PER_PASS)]
 
 
+def chunk_prompt_rows(logits_of: Callable[[torch.Tensor], torch.Tensor], specs: list, prompts: torch.Tensor,
+                      start: int, hidden: torch.Tensor, pending: dict[int, list[LogprobRows]]) -> None:
+    """Into `pending` (per sequence): the rows of the prompt tokens after a prefill chunk's positions
+    (from `start`; hidden [B, T, H]), for the sequences whose spec (PrefillSpec) asked (every rank
+    takes the same branch: the specs are the same on all)."""
+    for b, spec in enumerate(specs):
+        if spec.prompt_logprobs >= 0:
+            targets = prompts[b, start + 1 : start + 1 + hidden.shape[1]]
+            pending.setdefault(spec.seq, []).extend(prompt_rows(logits_of, hidden[b, : len(targets)], targets,
+                                                                spec.prompt_logprobs))
+
+
 def reply_tensors(rows: list[LogprobRows]) -> dict[str, torch.Tensor]:
     """The step reply's tensors from every row group, top columns padded to the widest."""
     width = max(r.top_ids.shape[1] for r in rows)
