@@ -160,6 +160,9 @@ def main() -> None:
                         help="MTP k = 3 and/or off (default both)")
     parser.add_argument("--tree-widths", type=int, nargs="+", default=[0],
                         help="the pp-tree rows' --tree-width values, 0 adaptive (default 0)")
+    parser.add_argument("--layer-splits", nargs="+", default=[None], type=lambda v: [int(n) for n in v.split(",")],
+                        help="the PP rows' layers per stage, each split as A,B (the bundled model has 8 layers); "
+                             "several: every PP row once per split (default: the engine's even split)")
     parser.add_argument("--device", default="cpu",
                         help="the workers' device, cpu, cuda or cuda:N (default cpu: a core per emulated host)")
     parser.add_argument("--client", help=argparse.SUPPRESS)
@@ -197,6 +200,9 @@ def main() -> None:
             if "pp-tree" in args.setups:
                 setups += [(SETUPS["pp-tree"] + (f", width {w}" if w else ", adaptive width"),
                             {**options_of["pp-tree"], "tree_width": w}) for w in args.tree_widths]
+            setups = [(name + (f", layers {split[0]} + {split[1]}" if split else ""),
+                       {**options, "layer_split": split} if split else options)
+                      for name, options in setups for split in (args.layer_splits if options.get("pp") else [None])]
             for batch, (name, options) in itertools.product(args.batch * args.rounds, setups):
                 if batch == 1 and "micro_batches" in options:  # one sequence is one micro-batch anyway
                     continue
