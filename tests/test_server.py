@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -581,14 +583,16 @@ def test_stop_matching_time_is_linear_in_the_text():
     assert time.perf_counter() - start < 5  # matching the whole tail again each piece: minutes
 
 
-@pytest.fixture()
-def guarded_server() -> str:
-    """uvicorn, configured as `serve` configures it (read timeout 0.5 s), over an app that echoes the body size."""
-    async def app(scope, receive, send):
-        body = (await receive())["body"]
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"%d" % len(body)})
+async def echo_body_size(scope, receive, send):
+    body = (await receive())["body"]
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"%d" % len(body)})
 
+
+@contextlib.contextmanager
+def guarded(app) -> Iterator[tuple[uvicorn.Server, str]]:
+    """uvicorn on a socket of run.bind, configured as `serve` configures it (read timeout 0.5 s): the
+    server and its host:port."""
     sock = bind("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn_config(app, HttpLimits(read_timeout_s=0.5), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
@@ -596,11 +600,30 @@ def guarded_server() -> str:
     try:
         while not server.started and thread.is_alive():
             time.sleep(0.01)
-        yield f"127.0.0.1:{sock.getsockname()[1]}"
+        yield server, f"127.0.0.1:{sock.getsockname()[1]}"
     finally:
         server.should_exit = True
         thread.join()
         sock.close()
+
+
+@pytest.fixture()
+def guarded_server() -> Iterator[str]:
+    """A guarded uvicorn over an app that echoes the body size."""
+    with guarded(echo_body_size) as (_, address):
+        yield address
+
+
+def test_the_server_s_connections_send_each_write_at_once():
+    # Nagle's algorithm holds a small write while an earlier one is unacknowledged: a stream's first
+    # event, written right after its headers, waited for the client's delayed ACK (~40 ms) on a
+    # kept-alive connection. asyncio turns it off only on sockets made with IPPROTO_TCP; run.bind's
+    # socket is made without, so the protocol turns it off on each connection.
+    with guarded(echo_body_size) as (server, address), httpx.Client() as client:
+        for _ in range(2):  # (the second on the kept-alive connection)
+            assert client.post(f"http://{address}/", json={}).text == "2"
+        sockets = [c.transport.get_extra_info("socket") for c in server.server_state.connections]
+        assert len(sockets) == 1 and sockets[0].getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
 
 
 def test_a_half_sent_request_is_closed_after_the_read_timeout(guarded_server):
