@@ -23,9 +23,10 @@ from shardspec.cli import main
 from shardspec.orchestrator.requests import Chunk, TokenLogprob
 from shardspec.orchestrator.tokenizer import Tokenizer
 from shardspec.server.api import ApiError
-from shardspec.server.app import create_app, encode_chat
+from shardspec.server.app import create_app
 from shardspec.server.chat import ChatTemplate
 from shardspec.server.chat_output import ChatOutput, Delta
+from shardspec.server.encoding import ChatEncoder
 from shardspec.server.jobs import Job, check_logprob_entries
 from shardspec.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES
 from shardspec.server.tools import calls_grammar, parse_tools, typed_value
@@ -169,7 +170,7 @@ def ids_of(messages: list[dict], tools: list | None = None, kwargs: dict | None 
     """The ids the server prompts the model with for a conversation."""
     tokenizer = chat_model_tokenizer()
     added = {t.content for t in tokenizer.inner.get_added_tokens_decoder().values()}
-    return encode_chat(tokenizer, template().render_request(messages, tools, kwargs, added), limit)
+    return ChatEncoder(tokenizer).encode(template().render_request(messages, tools, kwargs, added), limit)
 
 
 @pytest.mark.parametrize("role", ["user", "tool", "system"])

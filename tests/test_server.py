@@ -24,17 +24,20 @@ import openai
 import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
+from tokenizers import Tokenizer as HFTokenizer
 
 from shardspec.cli import BUNDLED_MODEL, main
 from shardspec.orchestrator.tokenizer import Tokenizer
-from shardspec.server import app as server_app
+from shardspec.server import encoding
 from shardspec.server.api import MAX_STOP_CHARS
-from shardspec.server.app import Service, encode_within
+from shardspec.server.app import Service
 from shardspec.server.chat import ChatTemplate
+from shardspec.server.encoding import ChatEncoder, encode_within
 from shardspec.server.generation import StopText
 from shardspec.server.guard import uvicorn_config
 from shardspec.server.limits import DEFAULT_MAX_BODY_BYTES, HttpLimits
 from shardspec.server.run import bind
+from shardspec.testing.chat_model import CHAT_TEMPLATE, chat_tokenizer
 
 MODEL = "shardspec-tiny-stdlib"
 MAX_SLOTS = 32  # the 64-request test also overflows the cache: half of it must queue
@@ -508,11 +511,55 @@ def test_a_prompt_is_counted_against_the_context_as_it_is_tokenized(monkeypatch)
         for limit in (len(ids) - 1, len(ids), len(ids) + 1, len(ids) // 3, 2 * len(ids)):
             assert encode_within(tokenizer, text, limit) == (ids if len(ids) <= limit else None), (n, limit)
     tokenized = []
-    encode = server_app._encode_without_the_gil
-    monkeypatch.setattr(server_app, "_encode_without_the_gil", lambda t, x: tokenized.append(len(x)) or encode(t, x))
+    encode = encoding.encode_without_the_gil
+    monkeypatch.setattr(encoding, "encode_without_the_gil", lambda t, x: tokenized.append(len(x)) or encode(t, x))
     huge = "def f(x):\n    return x + 1\n" * 150_000  # 4.2 MB
     assert encode_within(tokenizer, huge, 2048) is None
     assert sum(tokenized) < 64 * 2048, tokenized
+
+
+def test_a_conversation_s_next_turn_tokenizes_only_the_text_it_adds(monkeypatch):
+    """ChatEncoder keeps the ids of the pieces between the template's added tokens: the second turn of
+    a conversation with a long system prompt tokenizes its new messages, not the turns before, and
+    gives the ids of its whole text."""
+    tokenizer = Tokenizer(HFTokenizer.from_str(json.dumps(chat_tokenizer())))  # Qwen3.5's added tokens
+    chat = ChatTemplate(CHAT_TEMPLATE, {"eos_token": "<|im_end|>"})
+    added = {t.content for t in tokenizer.inner.get_added_tokens_decoder().values()}
+    system = "You answer in one line, citing the manual. " * 400
+    turn_1 = [{"role": "system", "content": system}, {"role": "user", "content": "How do I list files?"}]
+    turn_2 = [*turn_1, {"role": "assistant", "content": "Use ls."}, {"role": "user", "content": "And hidden ones?"}]
+    tokenized = []
+    encode = encoding.encode_without_the_gil
+    monkeypatch.setattr(encoding, "encode_without_the_gil", lambda t, x: tokenized.append(x) or encode(t, x))
+    encoder = ChatEncoder(tokenizer)
+    for messages in (turn_1, turn_2):
+        tokenized.clear()
+        prompt = chat.render_request(messages, None, None, added)
+        assert encoder.encode(prompt, 100_000) == tokenizer.encode(prompt.marked)
+    assert tokenized and not any("citing the manual" in text or "list files" in text for text in tokenized)
+    assert encoder.encode(prompt, len(tokenizer.encode(prompt.marked)) - 1) is None  # kept pieces count too
+
+
+def test_the_kept_chat_pieces_stay_within_their_bound():
+    """The least recently used pieces go first; a piece of more than an eighth of the bound is not kept."""
+    tokenizer = Tokenizer.from_folder(BUNDLED_MODEL)
+    added = {t.content for t in tokenizer.inner.get_added_tokens_decoder().values()}
+    chat = ChatTemplate.from_folder(BUNDLED_MODEL)
+    encoder = ChatEncoder(tokenizer, kept_bytes=2000)
+
+    def encode(content: str) -> None:
+        prompt = chat.render_request([{"role": "user", "content": content}], None, None, added)
+        assert encoder.encode(prompt, 10_000) == tokenizer.encode(prompt.marked)
+        assert encoder.holds == sum(len(text) + 4 * len(ids) for text, ids in encoder.kept.items()) <= 2000
+
+    for i in range(60):
+        encode(f"question {i}: " + "why? " * (i % 5))
+        if i >= 30:
+            encode("question 0: ")  # used again and again: stays
+    kept = "".join(encoder.kept)
+    assert "question 59:" in kept and "question 0:" in kept and "question 1:" not in kept
+    encode("why? " * 60)  # 300 characters, ~120 tokens: over 2000 / 8
+    assert "why? " * 60 not in "".join(encoder.kept)
 
 
 def test_twelve_4_mib_prompts_at_once_are_refused_and_leave_the_servers_memory_as_it_was(server):

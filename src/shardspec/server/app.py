@@ -21,16 +21,15 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException
-from tokenizers import Tokenizer as HFTokenizer
 
 from shardspec.orchestrator.engine import ENGINE_ERRORS, Engine
 from shardspec.orchestrator.metrics import CONTENT_TYPE, ServingMetrics
-from shardspec.orchestrator.tokenizer import Tokenizer
 from shardspec.server import status
 from shardspec.server.api import ApiError, ChatBody, ChatShape, CompletionBody, GenerationBody, Shape, parse_body
 from shardspec.server.cache_salts import CacheSalts
 from shardspec.server.chat import ChatPrompt, ChatTemplate, ChatTemplateError
 from shardspec.server.chat_output import THINK_CLOSE, THINK_OPEN, ChatOutput
+from shardspec.server.encoding import ChatEncoder, encode_within
 from shardspec.server.generation import Choices, Event, Generation
 from shardspec.server.jobs import Job, check_logprob_entries, request_jobs
 from shardspec.server.limits import HttpLimits
@@ -45,58 +44,6 @@ log = logging.getLogger("shardspec.server")
 
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-PREFIX_MARGIN = 64  # tokens a cut text's prefix may have beyond the whole text's over the same words
-SYSTEM_PROMPTS_KEPT = 32  # system prompts' token ids remembered (a shared one is tokenized once)
-
-
-def _encode_without_the_gil(tokenizer: Tokenizer, text: str) -> list[int]:
-    """`tokenizer.encode(text)`; the `tokenizers` library holds the GIL through `encode` (the event loop
-    would stall for the whole prompt even with it in a thread), but releases it in `encode_batch`."""
-    return tokenizer.inner.encode_batch([text], add_special_tokens=False)[0].ids
-
-
-def encode_within(tokenizer: Tokenizer, text: str, limit: int) -> list[int] | None:
-    """The token ids of `text`, or None once there are more than `limit`. A text longer than a few
-    times `limit` is counted on growing prefixes (each twice the last, cut before a space, where a
-    pre-tokenizer splits anyway): one far past the context costs the tokens of a few contexts, not
-    its own (a 4 MiB prompt is 2.4M tokens, seconds and a gigabyte)."""
-    size = 4 * (limit + 1)
-    while len(text) > size:
-        cut = text.rfind(" ", size // 2, size)
-        if len(_encode_without_the_gil(tokenizer, text[: cut if cut > 0 else size])) > limit + PREFIX_MARGIN:
-            return None  # (the tokens of the prefix's last words may differ from the whole text's: a margin)
-        size *= 2
-    ids = _encode_without_the_gil(tokenizer, text)
-    return ids if len(ids) <= limit else None
-
-
-def encode_chat(tokenizer: Tokenizer, prompt: ChatPrompt, limit: int) -> list[int] | None:
-    """A chat prompt's ids, or None once there are more than `limit`: as `encode_within` gives them
-    when no text of the request holds an added token's text; else the prompt is split at the
-    template's own added tokens and the text between them tokenized as if there were none."""
-    if not prompt.literals:
-        return encode_within(tokenizer, prompt.marked, limit)
-    ids: list[int] = []
-    for piece in prompt.pieces(_added_ids(tokenizer)):
-        part = [piece] if isinstance(piece, int) else encode_within(_text_only(tokenizer), piece, limit - len(ids))
-        if part is None or len(ids) + len(part) > limit:
-            return None
-        ids += part
-    return ids
-
-
-def _added_ids(tokenizer: Tokenizer) -> dict[str, int]:
-    return {token.content: i for i, token in tokenizer.inner.get_added_tokens_decoder().items()}
-
-
-@functools.lru_cache(maxsize=2)
-def _text_only(tokenizer: Tokenizer) -> Tokenizer:
-    """The tokenizer without its added tokens: their texts are tokenized as any text."""
-    config = json.loads(tokenizer.inner.to_str())
-    config["added_tokens"] = []
-    return Tokenizer(HFTokenizer.from_str(json.dumps(config)))
-
-
 @dataclass
 class ChatJobs:
     """A chat request's jobs, and `output()`: a fresh split of one choice's text (server.chat_output)."""
@@ -116,7 +63,6 @@ class Service:
         self.limits = limits or HttpLimits()
         self.salts = salts or CacheSalts()
         self.created = int(time.time())
-        self.system_prompts: dict[str, list[int]] = {}  # a system prompt's turn, rendered -> its token ids
         self.metrics = ServingMetrics(engine.draft_tokens)
         self.logged_failure: str | None = None
         engine.observer = self.metrics
@@ -125,6 +71,7 @@ class Service:
         self.added_tokens = frozenset() if tokenizer is None else frozenset(
             token.content for token in tokenizer.inner.get_added_tokens_decoder().values())
         self.thinks = {THINK_OPEN, THINK_CLOSE} <= self.added_tokens
+        self.chat_encoder = None if tokenizer is None else ChatEncoder(tokenizer)
 
     @property
     def context(self) -> int:
@@ -175,8 +122,10 @@ class Service:
         and counted against the context as they come."""
         if self.engine.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer.json: send the prompt as token ids", param)
-        encode = encode_within if isinstance(text, str) else encode_chat
-        ids = await asyncio.to_thread(encode, self.engine.tokenizer, text, self.context)
+        if isinstance(text, str):
+            ids = await asyncio.to_thread(encode_within, self.engine.tokenizer, text, self.context)
+        else:
+            ids = await asyncio.to_thread(self.chat_encoder.encode, text, self.context)
         if ids is None:
             raise ApiError(400, f"the prompt (over {self.context} tokens) does not fit the context of "
                            f"{self.context} tokens", param)
@@ -265,13 +214,7 @@ class Service:
             return []
         head = await asyncio.to_thread(self.chat.render_request, messages[:1], body.tools, body.chat_template_kwargs,
                                        self.added_tokens, False)
-        text = head.unmark(head.marked)
-        head_ids = self.system_prompts.get(text)
-        if head_ids is None:
-            head_ids = await self.encode(head, "messages")
-            self.system_prompts[text] = head_ids
-            while len(self.system_prompts) > SYSTEM_PROMPTS_KEPT:
-                self.system_prompts.pop(next(iter(self.system_prompts)))
+        head_ids = await self.encode(head, "messages")  # (its pieces are the prompt's first: kept, not tokenized again)
         n = len(head_ids)
         return [n] if 0 < n < len(ids) and ids[:n] == head_ids else []
 
