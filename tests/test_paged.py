@@ -25,9 +25,10 @@ MAX_SEQ_LEN = 96
 DRAFTS = 3
 
 
-def runner_outputs(model, prompts: list[list[int]], shuffle: bool) -> list[list[int]]:
+def runner_outputs(model, prompts: list[list[int]], shuffle: bool, warm: bool = False) -> list[list[int]]:
     """Greedy tokens of the prompts decoded together by one runner, each sequence's blocks taken in
-    pool order or scattered over the pool at random."""
+    pool order or scattered over the pool at random; `warm`: with the load's prefill warm-up run
+    (a GPU's, ModelRunner._warm_prefill) once they are prefilled."""
     runner = Decoder(model, torch.device("cpu"), len(prompts), MAX_SEQ_LEN, 512, DRAFTS)
     grants = Grants(runner)
     if shuffle:
@@ -35,6 +36,9 @@ def runner_outputs(model, prompts: list[list[int]], shuffle: bool) -> list[list[
     specs = [PrefillSpec(seq=i, length=len(p), max_tokens=MAX_SEQ_LEN - 30) for i, p in enumerate(prompts)]
     result = grants.step(StepRequest(prefill=specs), torch.tensor([t for p in prompts for t in p]))
     outputs = {seq: list(tokens) for seq, tokens in zip(result.seqs, result.tokens)}
+    if warm:
+        with torch.inference_mode():
+            assert runner._warm_prefill(len(prompts)) == 4
     while live := [s for s in range(len(prompts)) if not runner.sequences[s].finished]:
         result = runner.step(StepRequest(decode=live), torch.empty(0, dtype=torch.long))
         for seq, tokens in zip(result.seqs, result.tokens):
@@ -50,6 +54,15 @@ def test_blocks_scattered_over_the_pool_give_the_tokens_of_blocks_in_order(small
     ordered = runner_outputs(model, prompts, shuffle=False)
     assert ordered == runner_outputs(model, prompts, shuffle=True)
     assert [len(t) for t in ordered] == [min(MAX_SEQ_LEN - 30, MAX_SEQ_LEN - len(p)) for p in prompts]
+
+
+def test_the_prefill_warm_up_leaves_the_sequences_as_they_were(small_vocab_model):
+    """Its passes write only the scratch slot's state and the scratch block: sequences decoding
+    around them give the tokens they give without."""
+    model = load_model(small_vocab_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=True)
+    rng = random.Random(2)
+    prompts = [rng.choices(range(16), k=rng.randint(3, 40)) for _ in range(3)]
+    assert runner_outputs(model, prompts, shuffle=False, warm=True) == runner_outputs(model, prompts, shuffle=False)
 
 
 def cache_memory_for(model_dir, blocks: int, max_seqs: int, tp: int = 1, pp: int = 1) -> int:

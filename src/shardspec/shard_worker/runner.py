@@ -194,6 +194,12 @@ class RunnerStats:
     grammar_steps: int = 0
 
 
+# prefill passes (start position, tokens) run at load on a GPU besides a whole chunk from 0: fla's
+# chunked form on a length that is not a multiple of 16, and a cached turn's short tails
+# (kernels.gdn.FLA_MIN_TOKENS: 64), each kind of length once (ModelRunner._warm_prefill)
+WARM_PREFILLS = ((0, 77), (37, 61), (5, 48))
+
+
 class ModelRunner:
     """What both roles share: the sequence table, the caches, the passes, the prefill chunks and the
     stage links' hidden states. A role supplies `step`, `_prefill_slots`, `_follow_pass` (after a
@@ -282,12 +288,42 @@ class ModelRunner:
             started = time.perf_counter()
             with torch.inference_mode():
                 captured = self.passes.capture_all(max_seqs)
+                warmed = time.perf_counter()
+                shapes = self._warm_prefill(max_seqs) if device.type == "cuda" else 0
         except BaseException:
             self.close()
             raise
         if captured:
             log.info("captured %d CUDA graphs (batch buckets for up to %d sequences) in %.1fs; drafts' LM head: %s",
-                     captured, max_seqs, time.perf_counter() - started, self.draft_head)
+                     captured, max_seqs, warmed - started, self.draft_head)
+        if shapes:
+            log.info("ran %d prefill shapes to compile their kernels in %.1fs", shapes, time.perf_counter() - warmed)
+
+    def _warm_prefill(self, scratch_slot: int) -> int:
+        """A prefill pass of each of WARM_PREFILLS (start, tokens) on the scratch slot (its state and
+        block are scratch space), through this stage's layers, its LM head and MTP layer: a GPU kernel is
+        compiled the first time it meets a kind of shape (Triton specializes a length on its divisibility
+        by 16; fla's chunked form, from FLA_MIN_TOKENS tokens on, also autotunes), which on a 9B-class
+        model takes longer than the step watchdog gives a step; here it runs before the load's reply
+        instead of inside a request's first step. Returns the passes run."""
+        model, device = self.model, self.device
+        slots = torch.tensor([scratch_slot], device=device)
+        chunk = self.chunk_length(1)
+        shapes = sorted({(0, min(chunk, self.context)), *((s, t) for s, t in WARM_PREFILLS if s + t <= self.context)})
+        for start, tokens in shapes:
+            positions = torch.arange(start, start + tokens, device=device)[None]
+            ids = torch.zeros(1, tokens, dtype=torch.long, device=device)
+            x = ids if model.stage.first else torch.zeros(1, tokens, model.config.hidden_size, dtype=self.cache_dtype,
+                                                            device=device)
+            hidden = model(x, Batch(slots, positions, start + tokens, tail=True))
+            if model.stage.last:
+                model.lm_head.logits(hidden[:, -1])
+                if self.draft_len and tokens > 1:  # the MTP layer's prefill, one position behind
+                    model.draft(ids[:, 1:], hidden[:, :-1], Batch(slots, positions[:, 1:] - 1, start + tokens - 1,
+                                                                  tail=True))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return len(shapes)
 
     @property
     def sequences(self) -> dict[int, Sequence]:
