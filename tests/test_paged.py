@@ -38,7 +38,7 @@ def runner_outputs(model, prompts: list[list[int]], shuffle: bool, warm: bool = 
     outputs = {seq: list(tokens) for seq, tokens in zip(result.seqs, result.tokens)}
     if warm:
         with torch.inference_mode():
-            assert runner._warm_prefill(len(prompts)) == 4
+            assert runner._warm_prefill(len(prompts)) == 5
     while live := [s for s in range(len(prompts)) if not runner.sequences[s].finished]:
         result = runner.step(StepRequest(decode=live), torch.empty(0, dtype=torch.long))
         for seq, tokens in zip(result.seqs, result.tokens):

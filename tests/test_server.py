@@ -518,48 +518,92 @@ def test_a_prompt_is_counted_against_the_context_as_it_is_tokenized(monkeypatch)
     assert sum(tokenized) < 64 * 2048, tokenized
 
 
-def test_a_conversation_s_next_turn_tokenizes_only_the_text_it_adds(monkeypatch):
+def qwen_chat() -> tuple[Tokenizer, ChatTemplate, set[str]]:
+    """The chat model's tokenizer (Qwen3.5's added tokens), template and added tokens' texts."""
+    tokenizer = Tokenizer(HFTokenizer.from_str(json.dumps(chat_tokenizer())))
+    return tokenizer, ChatTemplate(CHAT_TEMPLATE, {"eos_token": "<|im_end|>"}), {
+        t.content for t in tokenizer.inner.get_added_tokens_decoder().values()}
+
+
+@pytest.fixture()
+def tokenized(monkeypatch) -> list[str]:
+    """The texts the chat encoder tokenizes, in order."""
+    texts: list[str] = []
+    encode = encoding.encode_without_the_gil
+    monkeypatch.setattr(encoding, "encode_without_the_gil", lambda t, x: texts.append(x) or encode(t, x))
+    return texts
+
+
+def test_a_conversation_s_next_turn_does_not_tokenize_its_long_messages_again(tokenized):
     """ChatEncoder keeps the ids of the pieces between the template's added tokens: the second turn of
-    a conversation with a long system prompt tokenizes its new messages, not the turns before, and
-    gives the ids of its whole text."""
-    tokenizer = Tokenizer(HFTokenizer.from_str(json.dumps(chat_tokenizer())))  # Qwen3.5's added tokens
-    chat = ChatTemplate(CHAT_TEMPLATE, {"eos_token": "<|im_end|>"})
-    added = {t.content for t in tokenizer.inner.get_added_tokens_decoder().values()}
+    a conversation with a long system prompt does not tokenize it again, and gives its whole text's ids."""
+    tokenizer, chat, added = qwen_chat()
     system = "You answer in one line, citing the manual. " * 400
     turn_1 = [{"role": "system", "content": system}, {"role": "user", "content": "How do I list files?"}]
     turn_2 = [*turn_1, {"role": "assistant", "content": "Use ls."}, {"role": "user", "content": "And hidden ones?"}]
-    tokenized = []
-    encode = encoding.encode_without_the_gil
-    monkeypatch.setattr(encoding, "encode_without_the_gil", lambda t, x: tokenized.append(x) or encode(t, x))
     encoder = ChatEncoder(tokenizer)
+    assert encoder.piecewise
     for messages in (turn_1, turn_2):
         tokenized.clear()
         prompt = chat.render_request(messages, None, None, added)
         assert encoder.encode(prompt, 100_000) == tokenizer.encode(prompt.marked)
-    assert tokenized and not any("citing the manual" in text or "list files" in text for text in tokenized)
+    assert "And hidden ones?" in "".join(tokenized) and not any("citing the manual" in text for text in tokenized)
+    assert sum(map(len, tokenized)) < 200
     assert encoder.encode(prompt, len(tokenizer.encode(prompt.marked)) - 1) is None  # kept pieces count too
 
 
+def test_kept_chat_pieces_serve_only_their_own_cache_salt(tokenized):
+    """A tenant cannot time whether another sent a text: pieces are kept per cache salt, and not at all
+    for /tokenize's kind of call (keep=False)."""
+    tokenizer, chat, added = qwen_chat()
+    prompt = chat.render_request([{"role": "system", "content": "Secret plan: " + "x y " * 200},
+                                  {"role": "user", "content": "hi"}], None, None, added)
+    encoder = ChatEncoder(tokenizer)
+    for salt, keep, tokenizes_it in (("a", True, True), ("a", True, False), ("b", True, True), (None, False, True),
+                                     ("a", False, True)):
+        tokenized.clear()
+        assert encoder.encode(prompt, 10_000, salt, keep) == tokenizer.encode(prompt.marked)
+        assert any("Secret plan" in text for text in tokenized) == tokenizes_it, (salt, keep)
+    assert {salt for salt, _ in encoder.kept} == {"a", "b"}
+
+
+def test_a_tokenizer_whose_added_tokens_strip_spaces_tokenizes_chat_prompts_whole(tokenized):
+    """Where the pieces' ids would not be the whole text's (here <|im_start|> takes the newline after
+    it: rstrip), a prompt is tokenized whole and nothing is kept."""
+    config = chat_tokenizer()
+    for token in config["added_tokens"]:
+        token["rstrip"] = token["content"] == "<|im_start|>"
+    tokenizer = Tokenizer(HFTokenizer.from_str(json.dumps(config)))
+    _, chat, added = qwen_chat()
+    encoder = ChatEncoder(tokenizer)
+    assert not encoder.piecewise
+    prompt = chat.render_request([{"role": "system", "content": "Be brief. " * 60}, {"role": "user", "content": "hi"}],
+                                 None, None, added)
+    for _ in range(2):
+        assert encoder.encode(prompt, 10_000) == tokenizer.encode(prompt.marked)
+    assert not encoder.kept and tokenized[-1] == prompt.marked
+
+
 def test_the_kept_chat_pieces_stay_within_their_bound():
-    """The least recently used pieces go first; a piece of more than an eighth of the bound is not kept."""
-    tokenizer = Tokenizer.from_folder(BUNDLED_MODEL)
-    added = {t.content for t in tokenizer.inner.get_added_tokens_decoder().values()}
-    chat = ChatTemplate.from_folder(BUNDLED_MODEL)
-    encoder = ChatEncoder(tokenizer, kept_bytes=2000)
+    """The least recently used pieces go first; a piece of more than an eighth of the bound is not kept;
+    the bound counts the Python objects an entry holds."""
+    tokenizer, chat, added = qwen_chat()
+    encoder = ChatEncoder(tokenizer, kept_bytes=40_000)
 
     def encode(content: str) -> None:
         prompt = chat.render_request([{"role": "user", "content": content}], None, None, added)
         assert encoder.encode(prompt, 10_000) == tokenizer.encode(prompt.marked)
-        assert encoder.holds == sum(len(text) + 4 * len(ids) for text, ids in encoder.kept.items()) <= 2000
+        held = sum(sys.getsizeof(text) + 4 * len(ids) + encoding.ENTRY_BYTES for (_, text), ids in encoder.kept.items())
+        assert encoder.holds == held <= 40_000
 
     for i in range(60):
-        encode(f"question {i}: " + "why? " * (i % 5))
+        encode(f"question {i}: " + "why? " * (60 + i % 5))
         if i >= 30:
-            encode("question 0: ")  # used again and again: stays
-    kept = "".join(encoder.kept)
+            encode("question 0: " + "why? " * 60)  # used again and again: stays
+    kept = "".join(text for _, text in encoder.kept)
     assert "question 59:" in kept and "question 0:" in kept and "question 1:" not in kept
-    encode("why? " * 60)  # 300 characters, ~120 tokens: over 2000 / 8
-    assert "why? " * 60 not in "".join(encoder.kept)
+    encode("why? " * 1200)  # 6,000 characters: over 40,000 / 8
+    assert "why? " * 1200 not in "".join(text for _, text in encoder.kept)
 
 
 def test_twelve_4_mib_prompts_at_once_are_refused_and_leave_the_servers_memory_as_it_was(server):

@@ -68,10 +68,9 @@ class Service:
         engine.observer = self.metrics
         tokenizer = engine.tokenizer
         # the model reasons between <think> and </think> (tokens of its own, as in Qwen's tokenizers)
-        self.added_tokens = frozenset() if tokenizer is None else frozenset(
-            token.content for token in tokenizer.inner.get_added_tokens_decoder().values())
-        self.thinks = {THINK_OPEN, THINK_CLOSE} <= self.added_tokens
         self.chat_encoder = None if tokenizer is None else ChatEncoder(tokenizer)
+        self.added_tokens = frozenset() if self.chat_encoder is None else frozenset(self.chat_encoder.added)
+        self.thinks = {THINK_OPEN, THINK_CLOSE} <= self.added_tokens
 
     @property
     def context(self) -> int:
@@ -117,15 +116,16 @@ class Service:
         tokenizer = self.engine.tokenizer  # (each token spelled once a request: logprobs name many)
         return None if tokenizer is None else functools.cache(lambda token: tokenizer.decode([token]))
 
-    async def encode(self, text: str | ChatPrompt, param: str) -> list[int]:
+    async def encode(self, text: str | ChatPrompt, param: str, salt: str | None = None, keep: bool = True) -> list[int]:
         """The text's token ids, tokenized in a thread (a long prompt must not stall other requests)
-        and counted against the context as they come."""
+        and counted against the context as they come; a chat prompt's pieces kept per cache salt
+        (`keep`: ChatEncoder)."""
         if self.engine.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer.json: send the prompt as token ids", param)
         if isinstance(text, str):
             ids = await asyncio.to_thread(encode_within, self.engine.tokenizer, text, self.context)
         else:
-            ids = await asyncio.to_thread(self.chat_encoder.encode, text, self.context)
+            ids = await asyncio.to_thread(self.chat_encoder.encode, text, self.context, salt, keep)
         if ids is None:
             raise ApiError(400, f"the prompt (over {self.context} tokens) does not fit the context of "
                            f"{self.context} tokens", param)
@@ -189,10 +189,10 @@ class Service:
         messages, prompt = await self.chat_prompt(body)
         reasoning = self.thinks and prompt.marked.rfind(THINK_OPEN) > prompt.marked.rfind(THINK_CLOSE)
         constraint = self._chat_constraint(body, mode, callable_tools, reasoning)
-        ids = await self.encode(prompt, "messages")
+        ids = await self.encode(prompt, "messages", salt)
         jobs = request_jobs(endpoint, body, [ids], "messages", body.max_completion_tokens or body.max_tokens,
                             self.context)
-        points = await self._system_prompt_end(messages, body, ids)
+        points = await self._system_prompt_end(messages, body, ids, salt)
         for job in jobs:
             job.arrived = arrived
             job.logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -206,7 +206,8 @@ class Service:
         parsed, parallel = (tools if mode != "none" else None), body.parallel_tool_calls is not False
         return ChatJobs(jobs, lambda: ChatOutput(reasoning, self.thinks, parsed, parallel))
 
-    async def _system_prompt_end(self, messages: list[dict[str, Any]], body: ChatBody, ids: list[int]) -> list[int]:
+    async def _system_prompt_end(self, messages: list[dict[str, Any]], body: ChatBody, ids: list[int],
+                                 salt: str | None) -> list[int]:
         """[where the system prompt's turn ends in the prompt `ids`] when the conversation has one and
         goes on after it, else []: other conversations with the same system prompt part from this one
         there, so the prefix cache saves a state there (Engine.generate's prefix_points)."""
@@ -214,7 +215,7 @@ class Service:
             return []
         head = await asyncio.to_thread(self.chat.render_request, messages[:1], body.tools, body.chat_template_kwargs,
                                        self.added_tokens, False)
-        head_ids = await self.encode(head, "messages")  # (its pieces are the prompt's first: kept, not tokenized again)
+        head_ids = await self.encode(head, "messages", salt)  # (its pieces are the prompt's first: kept)
         n = len(head_ids)
         return [n] if 0 < n < len(ids) and ids[:n] == head_ids else []
 

@@ -153,7 +153,7 @@ class Messages:
         chat = chat_body(parse_body(await request.body(), Conversation))
         self.service.check(chat)
         _, prompt = await self.service.chat_prompt(chat)
-        return JSONResponse({"input_tokens": len(await self.service.encode(prompt, "messages"))})
+        return JSONResponse({"input_tokens": len(await self.service.encode(prompt, "messages", keep=False))})
 
 
 async def _in_anthropic_shape(work: Awaitable[Response]) -> Response:

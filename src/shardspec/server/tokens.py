@@ -89,4 +89,4 @@ class Tokenize:
         if (unsupported := chat.unsupported()) is not None:
             raise ApiError(400, unsupported[1], unsupported[0])
         _, prompt = await self.service.chat_prompt(chat, body.add_generation_prompt)
-        return await self.service.encode(prompt, "messages")
+        return await self.service.encode(prompt, "messages", keep=False)  # (keeps nothing: no probe of others' texts)

@@ -132,11 +132,8 @@ class Decoder(ModelRunner):
             if want_logits:
                 result.logits.append(self.model.lm_head.logits(hidden).reshape(-1, self.model.config.vocab_size))
             chunk_prompt_rows(self.model.lm_head.logits, specs, prompts, chunk_start, hidden, result.pending_rows)
-            if self.draft_len:  # MTP entry i pairs hidden i with token i+1: one position behind
-                pairs = hidden[:, :-1] if hidden_before is None else torch.cat([hidden_before, hidden[:, :-1]], 1)
-                if pairs.shape[1]:
-                    n = pairs.shape[1]
-                    self._mtp(ids[:, -n:], pairs, slots, batch.positions[:, -n:] - 1, batch.kv_len - 1, tail=True)
+            if self.draft_len:
+                self._draft_prefill(ids, hidden, hidden_before, slots, batch)
                 hidden_before = hidden[:, -1:]
             if batch.kv_len in saves:
                 self._keep_last_hidden(slots, hidden[:, -1])

@@ -194,10 +194,11 @@ class RunnerStats:
     grammar_steps: int = 0
 
 
-# prefill passes (start position, tokens) run at load on a GPU besides a whole chunk from 0: fla's
-# chunked form on a length that is not a multiple of 16, and a cached turn's short tails
-# (kernels.gdn.FLA_MIN_TOKENS: 64), each kind of length once (ModelRunner._warm_prefill)
-WARM_PREFILLS = ((0, 77), (37, 61), (5, 48))
+# prefill passes (start position, tokens, prompts) run at load on a GPU besides a whole chunk of one
+# prompt from 0: fla's chunked form on a length that is not a multiple of 16, alone and two prompts at
+# once, and a cached turn's short tails (kernels.gdn.FLA_MIN_TOKENS: 64), each kind of length once
+# (ModelRunner._warm_prefill)
+WARM_PREFILLS = ((0, 77, 1), (0, 77, 2), (37, 61, 1), (5, 48, 1))
 
 
 class ModelRunner:
@@ -300,30 +301,40 @@ class ModelRunner:
             log.info("ran %d prefill shapes to compile their kernels in %.1fs", shapes, time.perf_counter() - warmed)
 
     def _warm_prefill(self, scratch_slot: int) -> int:
-        """A prefill pass of each of WARM_PREFILLS (start, tokens) on the scratch slot (its state and
-        block are scratch space), through this stage's layers, its LM head and MTP layer: a GPU kernel is
+        """A prefill pass of each of WARM_PREFILLS (start, tokens, prompts) on the scratch slot (its state
+        and block are scratch space), through this stage's layers, its LM head and MTP layer: a GPU kernel is
         compiled the first time it meets a kind of shape (Triton specializes a length on its divisibility
         by 16; fla's chunked form, from FLA_MIN_TOKENS tokens on, also autotunes), which on a 9B-class
         model takes longer than the step watchdog gives a step; here it runs before the load's reply
         instead of inside a request's first step. Returns the passes run."""
         model, device = self.model, self.device
-        slots = torch.tensor([scratch_slot], device=device)
-        chunk = self.chunk_length(1)
-        shapes = sorted({(0, min(chunk, self.context)), *((s, t) for s, t in WARM_PREFILLS if s + t <= self.context)})
-        for start, tokens in shapes:
-            positions = torch.arange(start, start + tokens, device=device)[None]
-            ids = torch.zeros(1, tokens, dtype=torch.long, device=device)
-            x = ids if model.stage.first else torch.zeros(1, tokens, model.config.hidden_size, dtype=self.cache_dtype,
-                                                            device=device)
-            hidden = model(x, Batch(slots, positions, start + tokens, tail=True))
+        chunk = min(self.chunk_length(1), self.context)
+        shapes = sorted({(0, chunk, 1), *((s, t, b) for s, t, b in WARM_PREFILLS if s + t <= self.context)})
+        for start, tokens, rows in shapes:
+            slots = torch.full((rows,), scratch_slot, device=device)  # (rows of one slot: scratch writes)
+            batch = Batch(slots, torch.arange(start, start + tokens, device=device).expand(rows, -1), start + tokens,
+                          tail=True)
+            ids = torch.zeros(rows, tokens, dtype=torch.long, device=device)
+            x = ids if model.stage.first else torch.zeros(rows, tokens, model.config.hidden_size,
+                                                            dtype=self.cache_dtype, device=device)
+            hidden = model(x, batch)
             if model.stage.last:
                 model.lm_head.logits(hidden[:, -1])
-                if self.draft_len and tokens > 1:  # the MTP layer's prefill, one position behind
-                    model.draft(ids[:, 1:], hidden[:, :-1], Batch(slots, positions[:, 1:] - 1, start + tokens - 1,
-                                                                  tail=True))
+                if self.draft_len:  # (from a cached position, the hidden state before it first)
+                    self._draft_prefill(ids, hidden, hidden[:, :1] if start else None, slots, batch)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return len(shapes)
+
+    def _draft_prefill(self, ids: torch.Tensor, hidden: torch.Tensor, hidden_before: torch.Tensor | None,
+                       slots: torch.Tensor, batch: Batch) -> None:
+        """The MTP layer over a prefill chunk (ids, the target's hidden states, their batch), one
+        position behind: its entry i pairs hidden state i with token i + 1, from `hidden_before` [B, 1,
+        H], the state before the chunk (None at position 0)."""
+        pairs = hidden[:, :-1] if hidden_before is None else torch.cat([hidden_before, hidden[:, :-1]], 1)
+        if pairs.shape[1]:
+            n = pairs.shape[1]
+            self.model.draft(ids[:, -n:], pairs, Batch(slots, batch.positions[:, -n:] - 1, batch.kv_len - 1, tail=True))
 
     @property
     def sequences(self) -> dict[int, Sequence]:
