@@ -192,3 +192,25 @@ def test_forced_drafts_are_the_grammars_only_tokens_and_their_masks_are_the_fres
         assert again.accept(text)
         constraint.forced(6)
         assert torch.equal(constraint.masks(drafts, len(drafts) + 1), again.masks(drafts, len(drafts) + 1))
+
+
+def test_a_batch_of_draft_rows_is_masked_as_each_row_alone():
+    """masked_each (the MTP chain's drafts under grammars, all rows at once) gives each row what
+    `masked` gives it alone: its grammar's next tokens, and all -inf where the grammar has failed."""
+    from shardspec.layers.grammar import Constraint, masked, masked_each
+
+    tokenizer = llg_tokenizer(Path(BUNDLED_MODEL) / "tokenizer.json", 4096, [0])
+    grammar = grammar_of({"json": SCHEMA})
+    prefixes = ['{"name":"ab","age":7,', '{"na', "", "{"]
+    constraints = []
+    for prefix in prefixes:
+        constraint = Constraint(LLMatcher(tokenizer, grammar), np.zeros(0, dtype=np.uint8))
+        assert constraint.accept(tokenizer.tokenize_str(prefix))
+        constraints.append(constraint)
+    assert not constraints[3].accept(tokenizer.tokenize_str("]]"))  # refused: the grammar fails
+    logits = torch.randn(len(prefixes), 4096, generator=torch.Generator().manual_seed(0))
+    alone = torch.cat([masked(logits[b : b + 1].clone(), c, []) for b, c in enumerate(constraints)])
+    together = masked_each(logits.clone(), constraints)
+    assert torch.equal(together, alone)
+    assert torch.isinf(together[3]).all() and torch.isfinite(together[:3]).any(-1).all()
+    assert len({tuple(torch.isfinite(row).nonzero().flatten().tolist()) for row in together[:3]}) == 3

@@ -128,6 +128,18 @@ def masked(logits: torch.Tensor, constraint: Constraint, tokens: list[int],
     return apply_masks(logits, words)
 
 
+def masked_each(logits: torch.Tensor, constraints: list[Constraint]) -> torch.Tensor:
+    """logits [B, V] (fp32 copies) with row b limited to what constraints[b] allows next, the masks
+    unpacked in one pass for all rows (a draft of a batch: not one pass a row); a failed
+    constraint's row all -inf, as `masked` gives it."""
+    words = torch.cat([constraint.masks([], 1) for constraint in constraints])
+    out = apply_masks(logits, words)
+    failed = [b for b, constraint in enumerate(constraints) if constraint.failure]
+    if failed:
+        out[failed] = float("-inf")
+    return out
+
+
 def apply_masks(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
     """logits [..., V] (an fp32 copy) with -inf where the bit masks words [..., ceil(V / 32)] (int32,
     on the host) have 0; the masks are unpacked where the logits are."""

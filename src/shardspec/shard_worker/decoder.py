@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from shardspec.layers.batch import Batch
-from shardspec.layers.grammar import Constraint, apply_masks, masked
+from shardspec.layers.grammar import Constraint, apply_masks, masked_each
 from shardspec.layers.sampling import accept_greedy, accept_sampled, resample, sample, target_probs, unusable
 from shardspec.protocol.messages import FAILED, LoadRequest, PrefillSpec, StepRequest, WorkerOptions
 from shardspec.shard_worker import branches, constrained
@@ -470,11 +470,10 @@ class Decoder(ModelRunner):
                 token = self.model.lm_head.draft_argmax(head)  # vocabulary-parallel: (max, index) per rank
             else:  # logit_bias, structured output: each row drafts from its biased logits what its grammar allows
                 logits = self.model.lm_head.logits(head).float()
-                for b, s in enumerate(rows):
-                    if s.bias is not None:
-                        logits[b] += s.bias
-                    if s.grammar is not None:
-                        logits[b] = masked(logits[b : b + 1], s.grammar, [])[0]
+                if biased := [b for b, s in enumerate(rows) if s.bias is not None]:
+                    logits[biased] += torch.stack([rows[b].bias for b in biased])
+                if constrained := [b for b, s in enumerate(rows) if s.grammar is not None]:
+                    logits[constrained] = masked_each(logits[constrained], [rows[b].grammar for b in constrained])
                 token = logits.argmax(-1)
             if forced is not None and i < forced.shape[1] - 1:
                 token = torch.where(forced[:, 0] > i, forced[:, 1 + i], token)
