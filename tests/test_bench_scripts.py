@@ -17,6 +17,7 @@ BENCH = Path(__file__).parents[1] / "bench"
 HELPERS = {"gpu_timing.py"}  # imported by the scripts, no command line of its own
 NO_DEVICE = {  # the scripts without --device, and why
     "allreduce.py": "one process on each of --gpus GPUs",
+    "chat_encoding.py": "the server's tokenizing, on the CPU",
     "cpu_collectives.py": "the CPU's collectives",
     "draft_head.py": "the fp8 draft head emulated on the CPU",
     "plot_decode.py": "reads results",
