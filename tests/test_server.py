@@ -708,8 +708,7 @@ def guarded_server() -> Iterator[str]:
 def test_the_server_s_connections_send_each_write_at_once():
     # Nagle's algorithm holds a small write while an earlier one is unacknowledged: a stream's first
     # event, written right after its headers, waited for the client's delayed ACK (~40 ms) on a
-    # kept-alive connection. asyncio turns it off only on sockets made with IPPROTO_TCP; run.bind's
-    # socket is made without, so the protocol turns it off on each connection.
+    # kept-alive connection. asyncio turns it off only on sockets made with IPPROTO_TCP (run.bind's).
     with guarded(echo_body_size) as (server, address), httpx.Client() as client:
         for _ in range(2):  # (the second on the kept-alive connection)
             assert client.post(f"http://{address}/", json={}).text == "2"

@@ -55,12 +55,6 @@ class DeadlineH11Protocol(H11Protocol):
         super().connection_made(transport)
         if (sock := transport.get_extra_info("socket")) is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
-            if sock.family in (socket.AF_INET, socket.AF_INET6):
-                # each write goes out at once: with Nagle's algorithm a stream's first event, written
-                # right after its headers, waits for the client's delayed ACK (~40 ms on Linux) on a
-                # kept-alive connection. asyncio sets this only on sockets made with IPPROTO_TCP, and
-                # the listening socket (run.bind) is made without it
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._arm()
 
     def data_received(self, data: bytes) -> None:
