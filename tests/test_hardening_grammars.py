@@ -35,7 +35,7 @@ from shardspec.orchestrator.requests import GrammarError, Request, deliver
 from shardspec.protocol import messages
 from shardspec.protocol.messages import FAILED, SamplingParams, SequenceError, StepReply
 from shardspec.shard_worker import constrained
-from shardspec.shard_worker.runner import SpecCounters, StepResult
+from shardspec.shard_worker.results import SpecCounters, StepResult
 
 TOKENIZER = Path(BUNDLED_MODEL) / "tokenizer.json"
 ALL_OF_20 = {"json": {"allOf": [{"type": "string", "pattern": f".*{chr(97 + i)}.*"} for i in range(20)]}}

@@ -33,7 +33,8 @@ from shardspec.shard_worker.graphs import HostRows
 from shardspec.shard_worker.guessing import Guessing
 from shardspec.shard_worker.logprobs import chunk_prompt_rows, token_rows
 from shardspec.shard_worker.penalties import TokenCounts
-from shardspec.shard_worker.runner import ModelRunner, RunnerStats, StepResult
+from shardspec.shard_worker.results import RunnerStats, StepResult
+from shardspec.shard_worker.runner import ModelRunner
 from shardspec.shard_worker.sequences import Sequence
 
 

@@ -48,7 +48,8 @@ from shardspec.shard_worker import group
 from shardspec.shard_worker.links import SPIN_S, LinkDropped, RelayedLinks, StageLinks, open_direct
 from shardspec.shard_worker.loading import free_memory, make_runner
 from shardspec.shard_worker.profiling import hang_for_test, mark
-from shardspec.shard_worker.runner import ModelRunner, RunnerStats
+from shardspec.shard_worker.results import RunnerStats
+from shardspec.shard_worker.runner import ModelRunner
 from shardspec.utils import memory_stats
 
 log = logging.getLogger("shardspec.worker")

@@ -25,7 +25,8 @@ import torch
 from shardspec.protocol.errors import ErrorCode, ProtocolError
 from shardspec.protocol.messages import PrefillSpec, SaveFinished, StepRequest
 from shardspec.shard_worker import branches
-from shardspec.shard_worker.runner import ModelRunner, RunnerStats, StepResult
+from shardspec.shard_worker.results import RunnerStats, StepResult
+from shardspec.shard_worker.runner import ModelRunner
 from shardspec.shard_worker.sequences import Sequence
 
 # graph copies per batch bucket, one per step whose record is still to come (one per micro-batch in
