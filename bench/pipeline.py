@@ -157,7 +157,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the rows this many times in turn (a noisy machine: compare rows of one round)")
     parser.add_argument("--mtp", nargs="+", choices=["on", "off"], default=["on", "off"],
-                        help="MTP k = 3 and/or off (default both)")
+                        help="MTP on (k = each of --draft-tokens) and/or off (default both)")
+    parser.add_argument("--draft-tokens", type=int, nargs="+", default=[3],
+                        help="the MTP rows' drafts a step, k (default 3); several: every MTP row once per k")
     parser.add_argument("--tree-widths", type=int, nargs="+", default=[0],
                         help="the pp-tree rows' --tree-width values, 0 adaptive (default 0)")
     parser.add_argument("--layer-splits", nargs="+", default=[None], type=lambda v: [int(n) for n in v.split(",")],
@@ -206,10 +208,11 @@ def main() -> None:
             for batch, (name, options) in itertools.product(args.batch * args.rounds, setups):
                 if batch == 1 and "micro_batches" in options:  # one sequence is one micro-batch anyway
                     continue
-                for mtp in [m == "on" for m in args.mtp]:
+                for mtp, k in [(m == "on", k) for m in args.mtp for k in (args.draft_tokens if m == "on" else [0])]:
                     if "lookahead" in options and (not mtp or (batch > 1 and options["lookahead"] != "tree")):
                         continue  # it runs only for these (the tree's batch-8 rows: to show it costs nothing)
-                    spec = json.dumps({"options": {**options, "mtp": mtp}, "batch": batch})
+                    spec = json.dumps({"options": {**options, "mtp": mtp, **({"draft_tokens": k} if mtp else {})},
+                                       "batch": batch})
                     out = hosts.popen(0, [sys.executable, __file__, "--client", spec, "--tokens", str(args.tokens),
                                           "--repeats", str(args.repeats)], stdout=subprocess.PIPE, text=True)
                     row = json.loads(out.communicate()[0].strip().splitlines()[-1])
@@ -218,11 +221,12 @@ def main() -> None:
                     guesses = f"{runs} ({held / runs:.0%})" if runs else "—"
                     if rows:
                         guesses += f", {rows / runs:.1f} branches a tree"
-                    print(f"| {name} | {'k = 3' if mtp else 'off'} | {batch} | {row['tokens_per_s']:.1f} | "
+                    drafts = f"k = {k}" if mtp else "off"
+                    print(f"| {name} | {drafts} | {batch} | {row['tokens_per_s']:.1f} | "
                           f"{1e3 * batch / row['tokens_per_s']:.1f} | {row['mal']:.2f} | {idle} | {guesses} |",
                           flush=True)
                     if "pp" in options:
-                        timelines.append((f"{name}, MTP {'k = 3' if mtp else 'off'}, batch {batch}", row["timeline"]))
+                        timelines.append((f"{name}, MTP {drafts}, batch {batch}", row["timeline"]))
         finally:
             for worker in workers:
                 worker.terminate()

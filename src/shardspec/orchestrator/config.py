@@ -113,16 +113,17 @@ class EngineConfig:
     """Keep the next step on the wire while the current one runs."""
 
     lookahead: str = "auto"
-    """With pp > 1 and MTP, a lone sequence's next step runs before its step's record on the last stage's
-    guess: auto, on, off, or tree (a tree of guesses, branches.py)."""
-
-    tree_width: int = 0
-    """lookahead="tree": branches per guess, 0 adaptive (its hit rate and the link's idle time)."""
     """Pipeline stages with MTP: while a sequence decoding alone waits for its step's result from the last
     stage, the earlier stages run its next step on the last stage's guess (all drafts kept, the guessed next
     token), and again when the guess was wrong; the output is the same either way (CPU workers; CUDA
-    workers, which replay graphs, wait). "auto": the last stage guesses while at least half of the recent
-    lone steps kept all their drafts (a guess can hold only then); "on": always; "off": never."""
+    workers, which replay graphs, wait). "auto": the last stage guesses for its first 16 guesses, then while
+    at least 5 % of its last 64 held (and at one lone step in 16 otherwise); "on": always; "off": never;
+    "tree": the earlier stages run the next step for several outcomes of the step in flight at once
+    (a tree of guesses, branches.py)."""
+
+    tree_width: int = 0
+    """lookahead="tree": branches per guess; 0 adaptive (the width whose lone steps made the most tokens a
+    second, measured in turn)."""
 
     relay: bool | None = None
     """Stage links: None: worker to worker, through this engine where a direct link cannot be opened; True:
