@@ -60,8 +60,9 @@
 #   pp-b1   one H200 or H100, ~8 minutes: 9B-class batch 1, MTP off and k = 3 at 0.8, PP = 1 and PP = 2 with both
 #           stages on cuda:0 (8 GiB of cache a stage: the default takes 90 % of the GPU), then PP = 2's link cost;
 #           each run within 280 s (PP = 2 loads and captures two stages: over 150 s on an H100)
-#   cached-turn  one H200 or H100, ~4 minutes: a cached 8,000-token turn on the worker alone (bench/profile_step.py
-#           --cached-turn, in-process, MTP off and k = 3, while the 9B-class checkpoint is written), then
+#   cached-turn  one H200 or H100, ~6 minutes: while the 9B-class checkpoint is written, the GPU tests of the tail
+#           graphs and the prefix cache, then a cached 8,000-token turn on the worker alone (bench/profile_step.py
+#           --cached-turn, in-process, MTP off and k = 3: from the tail graphs and eagerly, its peer), then
 #           bench/prefix_cache.py's two conversations of an 8,000-token system prompt (cache on and off, where each
 #           turn's time to first token goes)
 #   grammar one H200 or H100, ~8 minutes: where the 9B-class checkpoint is still to write, the GPU tests of launch
@@ -289,13 +290,15 @@ for stage in "$@"; do
         ;;
     cached-turn)
         [ -f .bench/9b-chat/config.json ] || { write_9b > "$out/write-9b.log" 2>&1 & }
-        timeout 150 python3 bench/profile_step.py --size 9b --k 0 3 --steps 10 --cached-turn 8000 60 2>&1 \
+        timeout 150 python3 -m pytest -q -n 4 -rf tests/test_cuda.py tests/test_kernels.py --timeout 120 \
+            -k "tail_graphs or prefix_cache_hits or padded or speculative" 2>&1 | tee "$out/tests-tails.log" || failed=1
+        timeout 150 python3 bench/profile_step.py --size 9b --k 0 3 --steps 10 --cached-turn 8000 60 --tail-graphs 2>&1 \
             | tee "$out/cached-turn-9b.log" || failed=1
         wait
         [ -f .bench/9b-chat/config.json ] || failed=1
         timeout 230 python3 bench/prefix_cache.py --system-tokens 8000 --conversations 2 --turns 2 --concurrency 1 \
-            --max-tokens 16 --json "$out/prefix-cache-9b-8000.json" -- --model .bench/9b-chat --local 1 2>&1 \
-            | tee "$out/prefix-cache-9b-8000.log" || failed=1
+            --max-tokens 16 --json "$out/prefix-cache-9b-8000.json" -- --model .bench/9b-chat --local 1 --tail-graphs \
+            2>&1 | tee "$out/prefix-cache-9b-8000.log" || failed=1
         ;;
     grammar)
         if [ ! -f .bench/9b-chat/config.json ]; then   # the GPU tests of launch ahead and grammars meanwhile

@@ -20,9 +20,13 @@ step of a turn whose conversation is cached (bench/prefix_cache.py's case, on th
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
+import io
+import pstats
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -189,24 +193,48 @@ def cached_turn_profile(model: Qwen3_5Model, device: torch.device, context: int,
         runner.step(StepRequest(prefill=[spec]), prompt)
         grants.release([seq])
 
-    times = []
-    for seq in range(1, 8):  # the first two warm up
-        sync(device)
-        started = time.perf_counter()
-        once(seq)
-        sync(device)
-        times.append(time.perf_counter() - started)
-    median = 1000 * statistics.median(times[2:])
-    runs = ", ".join(f"{1000 * t:.1f}" for t in times[2:])
-    say(f"cached turn: {tail} new tokens after {context} cached, k = {k}: median {median:.2f} ms (of "
-        f"{len(times) - 2}: {runs})", flush=True)
+    def timed(seqs: range) -> list[float]:
+        times = []
+        for seq in seqs:
+            sync(device)
+            started = time.perf_counter()
+            once(seq)
+            sync(device)
+            times.append(time.perf_counter() - started)
+        return times
+
+    tails = runner.tails
+    for how, seqs in (("from the tail graphs", range(1, 8)), ("eagerly (the peer)", range(8, 15))):
+        if tails is None and how != "eagerly (the peer)":
+            continue  # (no graphs: no tail graphs)
+        runner.tails = tails if how == "from the tail graphs" else None
+        times = timed(seqs)[2:]  # the first two warm up
+        runs = ", ".join(f"{1000 * t:.1f}" for t in times)
+        say(f"cached turn: {tail} new tokens after {context} cached, k = {k}, {how}: median "
+            f"{1000 * statistics.median(times):.2f} ms (of {len(times)}: {runs})", flush=True)
+    runner.tails = tails
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
                                 if device.type == "cuda" else [torch.profiler.ProfilerActivity.CPU]) as prof:
         once(100)
         sync(device)
     sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     say(prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=60))
+    if device.type == "cuda":  # a prefill whose kernels keep the device busy takes as long as they do
+        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        say(f"device busy {sum(e.self_device_time_total for e in events) / 1e3:.1f} ms of the profiled turn")
+    host_profile(lambda: (once(101), sync(device)), say)
     runner.close()
+
+
+def host_profile(fn: Callable[[], object], say, rows: int = 40) -> None:
+    """Where the host's time goes in one call of fn (Python's profiler: the functions by their own
+    time, then by the time under them), for work whose device is idle while the host dispatches."""
+    profiler = cProfile.Profile()
+    profiler.runcall(fn)
+    for order in ("tottime", "cumtime"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).strip_dirs().sort_stats(order).print_stats(rows)
+        say(f"the host's time by {order}:\n" + text.getvalue().split("\n\n", 1)[-1].strip())
 
 
 def main() -> None:

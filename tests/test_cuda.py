@@ -204,7 +204,7 @@ def test_prefix_cache_hits_with_mtp_under_cuda_graphs_give_the_greedy_tokens_of_
 
     seed, logs = 11, []
     system = random.Random(seed).choices(range(16), k=75)
-    options = dataclasses.replace(kernels.settings, launch_ahead=launch_ahead, fla=False)
+    options = dataclasses.replace(kernels.settings, launch_ahead=launch_ahead, fla=False, tail_graphs=True)
 
     async def run(prefix_cache: bool):
         async with shardspec.connect(model=str(small_vocab_model), local=1, device="cuda", dtype="float32", mtp=True,
@@ -222,6 +222,26 @@ def test_prefix_cache_hits_with_mtp_under_cuda_graphs_give_the_greedy_tokens_of_
     if launch_ahead == "off":
         assert all(h % BT for h in hits[1:5]), hits  # each turn after the first: mid-block, the last turn's end
     assert hits[5] == 0 and hits[6] == 64, hits  # the shared system prompt: saved by the second, hit by the third
+
+
+@pytest.mark.parametrize(("tail", "saves", "pieces"), [(9, [], 1), (20, [64], 2), (90, [64], 1)],
+                         ids=["one-piece", "a-save-splits-it", "a-long-piece-eagerly"])
+def test_a_cached_turn_prefilled_from_tail_graphs_equals_it_prefilled_eagerly(small_vocab_model, tail, saves,
+                                                                              pieces, monkeypatch):
+    """fp32 on the GPU, MTP on: the tokens, the first drafts, the states after the prefill and those saved
+    within it, with a turn's short pieces replayed from the runner's tail graphs (tails.TailPasses) and
+    with none (test_prefix_cache's padded pieces run eagerly on the CPU)."""
+    from test_prefix_cache import cached_turn
+
+    monkeypatch.setattr(kernels, "settings", dataclasses.replace(kernels.settings, tail_graphs=True))
+    model = load_model(small_vocab_model, TPGroup(), torch.float32, torch.device("cuda"), with_mtp=True)
+    tokens, drafts, states, saved, _ = cached_turn(model, 45, tail, saves, "off", device="cuda")
+    tokens_g, drafts_g, states_g, saved_g, replays = cached_turn(model, 45, tail, saves, "graphs", device="cuda")
+    assert replays == pieces
+    assert (tokens_g, drafts_g) == (tokens, drafts)
+    for got, expected in zip(states_g + saved_g, states + saved):
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("tp", [1, 2])

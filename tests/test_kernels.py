@@ -201,6 +201,32 @@ def test_a_speculative_pass_leaves_states_alone_and_its_replay_commits_the_accep
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_a_padded_prefill_outputs_and_keeps_the_states_of_each_rows_own_tokens(dtype):
+    """A prefill padded past its tokens (Batch.lengths, tails.TailPasses): the convolution and the delta
+    rule give each row's first n outputs and leave its slot's states after token n - 1, as the reference
+    does over those n tokens alone; the delta rule's outputs past them are zeros."""
+    T = 20  # two of the convolution's token blocks
+    inputs = gdn_inputs(dtype, T)
+    lengths = torch.tensor([1, 20, 13])
+    dev = on(DEVICE, inputs)
+    mixed = kernel_gdn.causal_conv(dev["x"], dev["conv_state"], dev["conv_weight"], dev["slots"],
+                                   lengths=lengths.to(DEVICE))
+    out = kernel_gdn.delta_rule(mixed, dev["a"], dev["b"], dev["A_log"], dev["dt_bias"], dev["state"], dev["slots"],
+                                dev["k_heads"], dev["dk"], lengths=lengths.to(DEVICE))
+    for row, n in enumerate(lengths.tolist()):
+        ref = on("cpu", inputs)
+        ref["slots"] = inputs["slots"][row : row + 1]
+        for key in ("x", "a", "b"):
+            ref[key] = inputs[key][row : row + 1, :n]
+        expected, _ = run_gdn(reference_gdn, ref, write=True)
+        slot = int(inputs["slots"][row])
+        assert_agree(out[row, :n], expected[0], dtype)
+        assert not out[row, n:].any()
+        assert_agree(dev["conv_state"][slot], ref["conv_state"][slot], dtype)
+        assert_agree(dev["state"][slot], ref["state"][slot], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [16, 48])  # 48: padded to 64 in the kernels, masked
 def test_attention_kernels_match_the_reference_and_fill_the_cache(dtype, head_dim, monkeypatch):
     if head_dim == 48 and dtype == torch.bfloat16 and not GPU:  # the rotation sums two bf16-rounded terms:

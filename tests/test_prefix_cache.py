@@ -4,6 +4,7 @@ whole engines whose greedy tokens with the cache equal those without it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import pytest
@@ -19,6 +20,7 @@ from shardspec.orchestrator.requests import Request
 from shardspec.protocol.errors import ProtocolError
 from shardspec.protocol.messages import PrefillSpec, SamplingParams, SaveAt, SaveFinished, StepRequest
 from shardspec.shard_worker.decoder import Decoder
+from shardspec.shard_worker.tails import TailPasses
 from shardspec.testing.grants import Grants
 
 BT = 32
@@ -314,3 +316,58 @@ def test_after_eviction_a_chat_hits_less_and_keeps_its_greedy_tokens(small_vocab
 def rng_tail(seed: int) -> list[int]:
     """A user's next message: 5 tokens that depend only on `seed`."""
     return random.Random(seed).choices(range(16), k=5)
+
+
+def cached_turn(model, context: int, tail: int, saves: list[int], tails: str, steps: int = 8,
+                device: str = "cpu"):
+    """A turn whose first `context` tokens are cached (their state saved by a sequence before, its
+    boundary block copied) prefills its `tail` new tokens, saving states at `saves`, then decodes
+    greedily; its short pieces through the padded tail passes (tails.TailPasses) run eagerly (`tails`
+    "eager"), from the runner's CUDA graphs ("graphs") or not at all ("off"). The tokens, the drafts
+    after the prefill, the slot's recurrent states after it, the saved states and the pieces the tail
+    passes took."""
+    runner = Decoder(model, torch.device(device), 2, 160, 512, 3, prefix_cache=True)
+    if tails == "eager":
+        runner.tails = TailPasses(runner._tail_prefill, runner._first_drafts, torch.device(device),
+                                  model.config.hidden_size, torch.float32, 3, runner.context, 2, graphs=False)
+    elif tails == "off":
+        runner.tails = None
+    else:
+        assert runner.tails is not None and runner.tails.graphs
+    prompt = torch.tensor(random.Random(context + tail).choices(range(16), k=context + tail))
+    grants = Grants(runner)
+    grants.step(StepRequest(prefill=[PrefillSpec(seq=0, length=context, max_tokens=1, saves=[SaveAt(context, 0)])]),
+                prompt[:context])
+    grants.release([0])
+    spec = grants(StepRequest(prefill=[PrefillSpec(seq=1, length=context + tail, max_tokens=steps * 4,
+                                                   saves=[SaveAt(p, 1 + i) for i, p in enumerate(saves)])])).prefill[0]
+    spec = dataclasses.replace(spec, cached=context, state=0,
+                               copy_from=spec.blocks[(context - 1) // BT] if context % BT else -1)
+    tokens = runner.step(StepRequest(prefill=[spec]), prompt).tokens[0]
+    drafts, slot = list(runner.sequences[1].drafts), runner.sequences[1].slot
+    layers = [layer for layer in runner.model.modules() if hasattr(layer, "recurrent_state")]
+    states = [(layer.conv_state[slot].clone(), layer.recurrent_state[slot].clone()) for layer in layers]
+    saved = [(layer.conv_state[runner.saved_rows + 1 :].clone(), layer.recurrent_state[runner.saved_rows + 1 :].clone())
+             for layer in layers]
+    for _ in range(steps):
+        tokens += runner.step(StepRequest(decode=[1]), torch.empty(0, dtype=torch.long)).tokens[0]
+    replays = runner.tails.replays if runner.tails is not None else 0
+    runner.close()
+    return tokens, drafts, states, saved, replays
+
+
+@pytest.mark.parametrize(("tail", "saves", "pieces"), [(9, [], 1), (20, [64], 2), (90, [64], 1)],
+                         ids=["one-piece", "a-save-splits-it", "a-long-piece-eagerly"])
+def test_a_cached_turn_prefilled_in_padded_pieces_equals_it_prefilled_as_it_is(small_vocab_model, tail, saves,
+                                                                               pieces):
+    """The padded tail passes a GPU replays from graphs, run eagerly: the tokens, the first drafts
+    (the MTP layer's entries), the states after the prefill and those saved within it equal the
+    unpadded prefill's. Pieces longer than the largest bucket (64) prefill unpadded."""
+    model = load_model(small_vocab_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=True)
+    tokens, drafts, states, saved, _ = cached_turn(model, 45, tail, saves, "off")
+    tokens_p, drafts_p, states_p, saved_p, replays = cached_turn(model, 45, tail, saves, "eager")
+    assert replays == pieces
+    assert (tokens_p, drafts_p) == (tokens, drafts)
+    for got, expected in zip(states_p + saved_p, states + saved):
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -4,9 +4,10 @@
 reading the conv state of its slot; `delta_rule` runs the gated delta rule (L2-normalised q and k,
 decay from A_log/dt_bias, sigmoid beta, grouped value heads) from the recurrent state of its slot.
 Both either write the state after the last token back to the slot (decode, prefill), or leave it
-alone (a speculative verify pass). With `lengths` they replay only the first lengths[b] tokens of
-row b and write that state back: that is how a verify pass is committed once the accepted prefix is
-known, with the same arithmetic as the verify pass itself, so no per-token states are stored.
+alone (a speculative verify pass). With `lengths` they write the state after token lengths[b] - 1 of
+row b: replaying only the first lengths[b] tokens without output is how a verify pass is committed
+once the accepted prefix is known, with the same arithmetic as the verify pass itself, so no per-token
+states are stored; with output, it is a prefill padded past its tokens (tails.TailPasses).
 """
 
 from __future__ import annotations
@@ -78,7 +79,6 @@ def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, slot
     B, T, C = x.shape
     K = weight.shape[-1]
     assert x.stride(-1) == 1 and state.is_contiguous() and weight.is_contiguous()
-    assert not (write_out and lengths is not None), "a replay (lengths) writes only the state"
     assert slots.is_contiguous() and (lengths is None or lengths.is_contiguous())
     assert K - 1 <= CONV_TOKENS, "only the first token block may read the old state"
     y = torch.empty(B, T, C, dtype=x.dtype, device=x.device) if write_out else x
@@ -143,12 +143,12 @@ def delta_rule(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch
                num_warps: int = 2) -> torch.Tensor | None:
     """qkv [B, T, q|k|v] after the convolution; a, b [B, T, HV] projections; state [slots, HV, dk, DV] fp32.
 
-    Returns the output [B, T, HV, DV] in qkv's dtype (when write_out). `lengths` (replay) writes
-    no output. Each program holds a [dk, block_v] tile of one head's state (bench/kernels.py times
-    the choices); head dims that are not powers of two are padded to the next one, masked."""
+    Returns the output [B, T, HV, DV] in qkv's dtype (when write_out; with `lengths`, zeros past row
+    b's lengths[b] tokens). Each program holds a [dk, block_v] tile of one head's state (bench/kernels.py
+    times the choices); head dims that are not powers of two are padded to the next one, masked."""
     B, T, _ = qkv.shape
     HV, DK, DV = state.shape[1:]
-    assert dk == DK and not (write_out and lengths is not None)
+    assert dk == DK
     # (fla computes in TF32 where float32 must stay exact)
     if (chunk_gated_delta_rule is not None and kernels.settings.fla and T >= FLA_MIN_TOKENS and write_out
             and write_state and lengths is None and qkv.dtype != torch.float32):
@@ -156,7 +156,9 @@ def delta_rule(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch
     assert qkv.stride(-1) == 1 and a.stride(-1) == 1 and b.stride(-1) == 1 and a.stride() == b.stride()
     assert state.is_contiguous() and state.dtype == torch.float32
     assert slots.is_contiguous() and (lengths is None or lengths.is_contiguous())
-    out = torch.empty(B, T, HV, DV, dtype=qkv.dtype, device=qkv.device) if write_out else None
+    out = None
+    if write_out:
+        out = (torch.empty if lengths is None else torch.zeros)(B, T, HV, DV, dtype=qkv.dtype, device=qkv.device)
     BV = min(block_v, triton.next_power_of_2(DV))
     assert BV & (BV - 1) == 0, "block_v: a power of two"
     _delta_rule_kernel[(triton.cdiv(DV, BV), B * HV)](

@@ -17,7 +17,8 @@ from shardspec.layers.quantization import QuantConfig
 from shardspec.layers.rotary import RotaryEmbedding
 
 # Passes of up to this many tokens per sequence (decode, verify) use the kernels that read the
-# cache in place; prefill chunks gather the keys and use PyTorch's flash attention.
+# cache in place, as do padded prefills (Batch.lengths, graphed); other prefill chunks gather the keys
+# and use PyTorch's flash attention.
 KERNEL_MAX_TOKENS = 16
 
 
@@ -113,7 +114,7 @@ class GatedAttention(CachedLayer):
     def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         B, T, _ = x.shape
         qg, k, v = self.qkv_proj(x)
-        if batch.slots is not None and T <= KERNEL_MAX_TOKENS and kernels.enabled(x):
+        if batch.slots is not None and (T <= KERNEL_MAX_TOKENS or batch.lengths is not None) and kernels.enabled(x):
             return self.o_proj(self._cached_kernels(qg, k, v, batch))
         qg = qg.view(B, T, self.heads, 2 * self.head_dim)
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :].reshape(B, T, -1)

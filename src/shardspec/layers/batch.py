@@ -21,6 +21,10 @@ class Batch:
     kv_len: int  # keys to attend over: at least max(positions) + 1 (a context bucket may be more)
     speculative: bool = False  # recurrent layers leave their states alone until commit() (verify passes)
     tail: bool = False  # every row's positions are kv_len - T .. kv_len - 1 (prefill passes)
+    # a prefill padded past its tokens (tails.TailPasses): row b's first lengths[b] tokens are its own,
+    # the recurrent layers keep the state after them, and attention reads and writes the cache in place
+    # (the tokens after them write K/V past the sequence's end, which its next tokens overwrite)
+    lengths: torch.Tensor | None = None
     saved: dict[CachedLayer, Any] = field(default_factory=dict)  # a speculative pass's inputs, per layer
 
     @classmethod

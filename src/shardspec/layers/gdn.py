@@ -99,8 +99,8 @@ def depthwise_conv(window: torch.Tensor, weight: torch.Tensor, exact: bool = Fal
 def causal_conv(x, state, weight, slots, write_out=True, write_state=True, lengths=None, exact=False):
     """Depthwise causal convolution + SiLU of x [B, T, C] after the conv state [slots, C, K-1] of
     each row's slot (zeros when `state` is None); optionally writes the K-1 inputs ending at token
-    lengths[b]-1 (default: the last token) back to the slot. With `lengths` (replaying an accepted
-    prefix) it writes only the state; `exact`: see depthwise_conv. The reference for kernels.gdn.causal_conv."""
+    lengths[b]-1 (default: the last token) back to the slot (`lengths`: a replay of an accepted prefix,
+    or a padded prefill); `exact`: see depthwise_conv. The reference for kernels.gdn.causal_conv."""
     K = weight.shape[-1]
     inputs = x.transpose(1, 2)
     window = F.pad(inputs, (K - 1, 0)) if state is None else torch.cat([state[slots], inputs], dim=-1)
@@ -120,7 +120,7 @@ def delta_rule(qkv, a, b, A_log, dt_bias, state, slots, k_heads, dk, write_out=T
     """The gated delta rule over qkv [B, T, q|k|v] (after the convolution), from the recurrent state
     [slots, HV, dk, dv] of each row's slot (zeros when `state` is None); returns the output
     [B, T, HV, dv] in qkv's dtype and optionally writes the state after token lengths[b]-1 (default:
-    the last) back to the slot; with `lengths` only the state; `exact`: batch-invariant. The reference for
+    the last) back to the slot (the outputs past lengths[b] are padding's); `exact`: batch-invariant. The reference for
     kernels.gdn.delta_rule."""
     B, T, _ = qkv.shape
     v_heads = A_log.shape[0]
@@ -196,9 +196,10 @@ class GatedDeltaNet(CachedLayer):
         cached = batch.slots is not None
         write = not batch.speculative  # a speculative pass leaves the states as they were
         conv, delta = self._ops(x, cached, self.invariant)
-        mixed = conv(qkv, self.conv_state if cached else None, self.conv1d_weight, batch.slots, write_state=write)
+        mixed = conv(qkv, self.conv_state if cached else None, self.conv1d_weight, batch.slots, write_state=write,
+                     lengths=batch.lengths)
         out = delta(mixed, a, b, self.A_log, self.dt_bias, self.recurrent_state if cached else None, batch.slots,
-                    self.k_heads, self.dk, write_state=write)
+                    self.k_heads, self.dk, write_state=write, lengths=batch.lengths)
         if batch.speculative:  # what commit() replays
             batch.saved[self] = (qkv, mixed, a, b)
         return self.out_proj(self.norm(out, z.view(B, T, self.v_heads, self.dv)).reshape(B, T, -1))

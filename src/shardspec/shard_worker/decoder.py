@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from shardspec import kernels
 from shardspec.layers.batch import Batch
 from shardspec.layers.grammar import Constraint, apply_masks, masked_each
 from shardspec.layers.sampling import accept_greedy, accept_sampled, resample, sample, target_probs, unusable
@@ -36,6 +37,7 @@ from shardspec.shard_worker.penalties import TokenCounts
 from shardspec.shard_worker.results import RunnerStats, StepResult
 from shardspec.shard_worker.runner import ModelRunner
 from shardspec.shard_worker.sequences import Sequence
+from shardspec.shard_worker.tails import TailPasses
 
 
 class Decoder(ModelRunner):
@@ -52,6 +54,7 @@ class Decoder(ModelRunner):
         self.ahead: LaunchAhead | NoLaunchAhead = NoLaunchAhead()
         self.grammars: GrammarStore | None = None
         self.grammar_budget_s = grammar_budget_s  # the most a sequence's masks may take in one step
+        self.tails: TailPasses | None = None  # short prefills from graphs (captured with the passes)
         super().__init__(*args, **kwargs)
         config = self.model.config
         self.grammars = GrammarStore(tokenizer_file, config.vocab_size, list(config.eos_token_ids))
@@ -70,6 +73,8 @@ class Decoder(ModelRunner):
         self.ahead.drop()
         if self.grammars is not None:
             self.grammars.close()
+        if self.tails is not None:
+            self.tails.close()
         super().close()
 
     # --- structured output ----------------------------------------------------------------------
@@ -127,19 +132,27 @@ class Decoder(ModelRunner):
         hidden_before = None
         if start and self.draft_len:
             hidden_before = self.saved_hidden[torch.tensor([spec.state for spec in specs], device=self.device)][:, None]
+        # a lone prompt's short chunks (a cached turn's new tokens) replay a graph where there is one
+        tails = self.tails if (self.tails is not None and len(specs) == 1 and not want_logits
+                               and specs[0].prompt_logprobs < 0) else None
         for ids, batch in self._chunks(prompts, slots, start, tuple(saves)):
-            hidden = self._forward(ids, batch)
             chunk_start = batch.kv_len - ids.shape[1]
-            if want_logits:
-                result.logits.append(self.model.lm_head.logits(hidden).reshape(-1, self.model.config.vocab_size))
-            chunk_prompt_rows(self.model.lm_head.logits, specs, prompts, chunk_start, hidden, result.pending_rows)
-            if self.draft_len:
-                self._draft_prefill(ids, hidden, hidden_before, slots, batch)
-                hidden_before = hidden[:, -1:]
+            if tails is not None and (hidden_before is not None or not self.draft_len) and \
+                    tails.fits(chunk_start, ids.shape[1]):
+                last = tails.prefill(ids, chunk_start, slots, hidden_before)
+            else:
+                hidden = self._forward(ids, batch)
+                if want_logits:
+                    result.logits.append(self.model.lm_head.logits(hidden).reshape(-1, self.model.config.vocab_size))
+                chunk_prompt_rows(self.model.lm_head.logits, specs, prompts, chunk_start, hidden, result.pending_rows)
+                if self.draft_len:
+                    self._draft_prefill(ids, hidden, hidden_before, slots, batch)
+                last = hidden[:, -1]
+            hidden_before = last[:, None] if self.draft_len else None
             if batch.kv_len in saves:
-                self._keep_last_hidden(slots, hidden[:, -1])
+                self._keep_last_hidden(slots, last)
                 self._save_states(slots, saves[batch.kv_len])
-        last_logits = self.model.lm_head.logits(hidden[:, -1])
+        last_logits = self.model.lm_head.logits(last)
         for b, (seq, spec, logits) in enumerate(zip(seqs, specs, last_logits)):
             output = prompts[b, prompts.shape[1] - spec.output :].tolist()
             if spec.sampling.penalised:
@@ -162,18 +175,48 @@ class Decoder(ModelRunner):
                 token = torch.tensor([seq.next_token])
                 result.pending_rows.setdefault(seq.seq, []).append(token_rows(logits[None], token, seq.logprobs))
         if self.draft_len:
-            self._keep_last_hidden(slots, hidden[:, -1])
+            self._keep_last_hidden(slots, last)
             length = prompts.shape[1]
-            first = torch.tensor([[s.next_token] for s in seqs], device=self.device)
-            heads = self._mtp(first, hidden_before, slots, torch.full_like(first, length - 1), length)[:, 0]
-            lengths = torch.full_like(slots, length)
-            with self._drafting_under(seqs):
-                drafts = self._chain(heads, slots, lengths, min(length + self.draft_len, self.context)).tolist()
+            if tails is not None and seqs[0].grammar is None and seqs[0].bias is None:  # (as _drafting_under)
+                drafts = tails.follow(seqs[0].next_token, last, slots, length).tolist()
+            else:
+                first = torch.tensor([[s.next_token] for s in seqs], device=self.device)
+                with self._drafting_under(seqs):
+                    drafts = self._first_drafts(first, last, slots, torch.full_like(slots, length), length).tolist()
             for seq, d in zip(seqs, drafts):
                 seq.drafts = [] if seq.finished else d
         for seq in seqs:
             if seq.finished != FAILED:
                 result.add(seq, [seq.next_token], -1)
+
+    def _first_drafts(self, first: torch.Tensor, last: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+                      kv_len: int | None) -> torch.Tensor:
+        """After a prefill of lengths[b] tokens: the MTP layer pairs the first token sampled [B, 1] with
+        the target's hidden state `last` [B, H] at the prompt's last token, then chains the k drafts:
+        [B, k]. kv_len: the prompts' length (None: the widest, as in a graph)."""
+        context = self.context if kv_len is None else kv_len
+        heads = self._mtp(first, last[:, None], slots, (lengths - 1)[:, None], context)[:, 0]
+        return self._chain(heads, slots, lengths, min(context + self.draft_len, self.context))
+
+    def _tail_prefill(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+                      hidden_before: torch.Tensor | None, kv_len: int) -> torch.Tensor:
+        """A prefill padded past each row's lengths[b] tokens (tails.TailPasses): the layers and, with MTP,
+        the MTP layer one position behind; the hidden state at each row's last token [B, H]."""
+        batch = Batch(slots, positions, kv_len, tail=True, lengths=lengths)
+        hidden = self.model(ids, batch)
+        if self.draft_len:
+            self._draft_prefill(ids, hidden, hidden_before, slots, batch)
+        return hidden.gather(1, (lengths - 1)[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
+
+    def _capture_tails(self, scratch_slot: int) -> int:
+        """A whole model's graphs of short prefills (tails.TailPasses), on a GPU with graphs and kernels
+        (--no-tail-graphs: none), outside deterministic mode (whose prefill goes token by token)."""
+        if not (self.graphed and kernels.active() and kernels.settings.tail_graphs and self.model.stage.first
+                and not self.deterministic):
+            return 0
+        self.tails = TailPasses(self._tail_prefill, self._first_drafts, self.device, self.model.config.hidden_size,
+                                self.cache_dtype, self.draft_len, self.context, scratch_slot, graphs=True)
+        return self.tails.capture_all()
 
     # --- saved states: with MTP, the target's hidden state before the saved position beside each ------
 

@@ -372,13 +372,19 @@ class StepPasses:
         bucket.packed.copy_(rows)
 
     def _graph(self, fn: Callable[[], Any], copy: int) -> tuple[torch.cuda.CUDAGraph, Any]:
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up outside the capture (lazy init, library handles, autotuning)
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pools[copy]):
-            outputs = fn()
-        return graph, outputs
+        return capture(fn, self.device, self.pools[copy])
+
+
+def capture(fn: Callable[[], Any], device: torch.device, pool: Any) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """fn's device work as a CUDA graph in `pool`, and the outputs it writes on each replay; fn runs
+    twice first on a side stream, outside the capture (lazy init, library handles, autotuning)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = fn()
+    return graph, outputs

@@ -185,7 +185,7 @@ class ModelRunner:
             self.cache_bytes += self._allocate_boundaries(max_seqs + 1, self.prefix_states, dtype)
             started = time.perf_counter()
             with torch.inference_mode():
-                captured = self.passes.capture_all(max_seqs)
+                captured = self.passes.capture_all(max_seqs) + self._capture_tails(max_seqs)
                 warmed = time.perf_counter()
                 shapes = self._warm_prefill(max_seqs) if device.type == "cuda" else 0
         except BaseException:
@@ -223,6 +223,10 @@ class ModelRunner:
             torch.cuda.synchronize(device)
         return len(shapes)
 
+    def _capture_tails(self, scratch_slot: int) -> int:
+        """A role's graphs of short prefills, captured after the passes' (Decoder); returns how many."""
+        return 0
+
     def _draft_prefill(self, ids: torch.Tensor, hidden: torch.Tensor, hidden_before: torch.Tensor | None,
                        slots: torch.Tensor, batch: Batch) -> None:
         """The MTP layer over a prefill chunk (ids, the target's hidden states, their batch), one
@@ -231,7 +235,8 @@ class ModelRunner:
         pairs = hidden[:, :-1] if hidden_before is None else torch.cat([hidden_before, hidden[:, :-1]], 1)
         if pairs.shape[1]:
             n = pairs.shape[1]
-            self.model.draft(ids[:, -n:], pairs, Batch(slots, batch.positions[:, -n:] - 1, batch.kv_len - 1, tail=True))
+            self.model.draft(ids[:, -n:], pairs, Batch(slots, batch.positions[:, -n:] - 1, batch.kv_len - 1, tail=True,
+                                                       lengths=batch.lengths))
 
     @property
     def sequences(self) -> dict[int, Sequence]:
