@@ -302,7 +302,8 @@ class ModelRunner:
         slot_ids = [self.table.slots.take() for _ in specs]
         try:
             slots = torch.tensor(slot_ids, device=self.device)
-            self.model.reset_slots(slots)
+            if not specs[0].cached:  # (from a cached position the restore below writes the whole state)
+                self.model.reset_slots(slots)
             seqs = [self.table.new(spec, slot, prompts.shape[1]) for spec, slot in zip(specs, slot_ids)]
             for seq, spec in zip(seqs, specs):
                 self.table.grant(seq, spec.blocks)
