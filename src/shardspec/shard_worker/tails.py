@@ -70,10 +70,11 @@ class TailPasses:
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.tails: dict[int, _Tail] = {}
         scratch = torch.tensor([scratch_slot], device=device)
-        for size in TAIL_BUCKETS if self.graphs else ():
+        # (captured from position 1, as the MTP layer's first entry is the position before: buckets that fit)
+        for size in [size for size in TAIL_BUCKETS if self.graphs and size < context]:
             self.tails[size] = _Tail(
                 torch.zeros(1, size, dtype=torch.long, device=device),
-                torch.arange(size, device=device)[None], scratch.clone(),
+                torch.arange(1, size + 1, device=device)[None], scratch.clone(),
                 torch.full((1,), size, device=device),
                 torch.zeros(1, 1, hidden_size, dtype=dtype, device=device) if draft_len else None)
         # the follow graph's inputs: the first token, the hidden state before it, its slot and length
@@ -86,7 +87,7 @@ class TailPasses:
     def fits(self, start: int, n: int) -> bool:
         """Whether a piece of n tokens from position `start` prefills here."""
         size = tail_bucket(n)
-        return size is not None and start + size <= self.context
+        return size is not None and start + size <= self.context and (size in self.tails or not self.graphs)
 
     def prefill(self, ids: torch.Tensor, start: int, slots: torch.Tensor,
                 hidden_before: torch.Tensor | None) -> torch.Tensor:
