@@ -227,6 +227,36 @@ def test_a_padded_prefill_outputs_and_keeps_the_states_of_each_rows_own_tokens(d
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_a_long_padded_pass_attends_through_the_token_tiled_kernel_as_the_reference(dtype, monkeypatch):
+    """A padded prefill of 40 tokens a row (Batch.lengths: the kernels, past KERNEL_MAX_TOKENS) takes the
+    kernel that reads each key tile once for a block of tokens (kernels.attention, TILE_MIN_TOKENS), its
+    second block part empty: outputs and the cache as the reference's, rows at different positions."""
+    config = Qwen3_5Config.from_dict(tiny_config())
+    torch.manual_seed(0)
+    layer = mixer(config, "full_attention", TPGroup(), None, "model.layers.0")
+    for p in layer.parameters():
+        p.data.normal_(0, 0.3)
+    layer = layer.to(dtype)
+    slots = torch.tensor([2, 0])
+    prompt = torch.randn(2, 37, config.hidden_size, dtype=dtype)
+    step = torch.randn(2, 40, config.hidden_size, dtype=dtype)
+    outputs = []
+    for use_kernels, device in ((False, "cpu"), (True, DEVICE)):
+        monkeypatch.setattr(kernels, "enabled", lambda x, on=use_kernels: on)
+        tables = torch.randperm(9, generator=torch.Generator().manual_seed(1)).view(3, 3).int().to(device)
+        layer.to(device).allocate(CacheShape(3, 9, tables), dtype, torch.device(device))
+        s = slots.to(device)
+        layer(prompt.to(device), Batch(s, torch.arange(37, device=device).expand(2, -1), 37))
+        positions = torch.stack([torch.arange(37, 77), torch.arange(30, 70)]).to(device)
+        out = layer(step.to(device), Batch(s, positions, 77, lengths=torch.tensor([40, 25], device=device)))
+        outputs.append((out, layer.k_cache.clone(), layer.v_cache.clone()))
+    (out, k_cache, v_cache), (out_k, k_cache_k, v_cache_k) = outputs
+    assert_agree(out_k, out, dtype, bf16_tol=0.05)
+    assert_agree(k_cache_k, k_cache, dtype)
+    assert_agree(v_cache_k, v_cache, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [16, 48])  # 48: padded to 64 in the kernels, masked
 def test_attention_kernels_match_the_reference_and_fill_the_cache(dtype, head_dim, monkeypatch):
     if head_dim == 48 and dtype == torch.bfloat16 and not GPU:  # the rotation sums two bf16-rounded terms:

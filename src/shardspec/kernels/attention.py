@@ -137,20 +137,90 @@ def _cached_attention_kernel(q_ptr, gate_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
     tl.store(out_ptr + (token * HQ + heads[:, None]) * D + cols[None, :], (attended * gate).to(dtype), mask=tile)
 
 
+@triton.jit
+def _tiled_attention_kernel(q_ptr, gate_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, tables_ptr, out_ptr, T, stride_g,
+                            max_blocks, scale, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                            DP: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr,
+                            BN: tl.constexpr, BLOCK: tl.constexpr, DOT_FP32: tl.constexpr):
+    """_cached_attention_kernel for BM tokens of a row at once (a long pass: a padded prefill), so
+    that each key tile is read once for all of them: rows r = (token t0 + r // GP, head r % GP)."""
+    blocks_per_row = tl.cdiv(T, BM)
+    b = (tl.program_id(0) // blocks_per_row).to(tl.int64)
+    t0 = (tl.program_id(0) % blocks_per_row) * BM
+    kv_head = tl.program_id(1)
+    table = tables_ptr + b * max_blocks
+    r = tl.arange(0, BM * GP)
+    t = t0 + r // GP
+    g = r % GP
+    live = (g < GROUP) & (t < T)
+    token = b * T + t
+    heads = kv_head * GROUP + g
+    last = tl.load(pos_ptr + token, mask=live, other=-1)  # each row sees keys 0 .. last
+    top = tl.load(pos_ptr + b * T + tl.minimum(t0 + BM, T) - 1)  # the block's last token sees the most
+    cols = tl.arange(0, DP)
+    in_head = cols < D
+    tile = live[:, None] & in_head[None, :]
+    q = tl.load(q_ptr + (token[:, None] * HQ + heads[:, None]) * D + cols[None, :], mask=tile, other=0.0)
+    m = tl.full([BM * GP], float("-inf"), dtype=tl.float32)
+    denom = tl.zeros([BM * GP], dtype=tl.float32)
+    acc = tl.zeros([BM * GP, DP], dtype=tl.float32)
+    for start in range(0, top + 1, BN):
+        keys = start + tl.arange(0, BN)
+        present = keys <= top
+        blocks = tl.load(table + keys // BLOCK, mask=present, other=0).to(tl.int64)
+        rows = (blocks * BLOCK + keys % BLOCK) * HKV + kv_head
+        offsets = rows[:, None] * D + cols[None, :]
+        kv_tile = present[:, None] & in_head[None, :]
+        k = tl.load(k_cache_ptr + offsets, mask=kv_tile, other=0.0)
+        v = tl.load(v_cache_ptr + offsets, mask=kv_tile, other=0.0)
+        if DOT_FP32:
+            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+        else:
+            scores = tl.dot(q, tl.trans(k)) * scale  # [BM * GP, BN]
+        visible = keys[None, :] <= last[:, None]
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # (a row that sees no key of this tile yet)
+        p = tl.exp(scores - m_safe[:, None])
+        correction = tl.exp(m - m_safe)
+        denom = denom * correction + tl.sum(p, 1)
+        if DOT_FP32:
+            acc = acc * correction[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    dtype = out_ptr.dtype.element_ty
+    attended = (acc / tl.where(denom > 0, denom, 1.0)[:, None]).to(dtype).to(tl.float32)
+    gate = tl.load(gate_ptr + token[:, None] * stride_g + heads[:, None] * 2 * D + cols[None, :], mask=tile,
+                   other=0.0).to(tl.float32)
+    gate = tl.sigmoid(gate).to(dtype).to(tl.float32)
+    tl.store(out_ptr + (token[:, None] * HQ + heads[:, None]) * D + cols[None, :], (attended * gate).to(dtype),
+             mask=tile)
+
+
+TILE_MIN_TOKENS = 17  # passes of this many tokens a row and more read each key tile once per 64 query rows
+
+
 def cached_attention(q: torch.Tensor, qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      positions: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """q [B, T, HQ, D] rotated; qg [B, T, HQ*2D] (the gate is each head's second half); caches
-    [blocks, block_tokens, HKV, D] read through tables [B, max_blocks] int32 -> [B, T, HQ*D]."""
+    [blocks, block_tokens, HKV, D] read through tables [B, max_blocks] int32 -> [B, T, HQ*D]. Decode
+    and verify passes: a program per token and KV head; longer ones (TILE_MIN_TOKENS) a program per
+    block of tokens and KV head."""
     B, T, HQ, D = q.shape
     block_tokens, HKV = k_cache.shape[1:3]
     group = HQ // HKV
     qg2 = qg.reshape(B * T, -1)
     assert tables.is_contiguous() and q.is_contiguous() and block_tokens & (block_tokens - 1) == 0
     out = torch.empty(B, T, HQ * D, dtype=q.dtype, device=q.device)
-    _cached_attention_kernel[(B * T, HKV)](
-        q, qg2[:, D:], k_cache, v_cache, positions.contiguous(), tables, out, T, qg2.stride(0), tables.shape[1],
-        D**-0.5, HQ=HQ, HKV=HKV, D=D, DP=max(16, triton.next_power_of_2(D)), GROUP=group,
-        GP=max(16, triton.next_power_of_2(group)), BN=32, BLOCK=block_tokens,
-        DOT_FP32=q.dtype == torch.float32 or INTERPRETER, num_warps=4,
-    )
+    common = dict(HQ=HQ, HKV=HKV, D=D, DP=max(16, triton.next_power_of_2(D)), GROUP=group, BN=32, BLOCK=block_tokens,
+                  DOT_FP32=q.dtype == torch.float32 or INTERPRETER, num_warps=4)
+    args = (q, qg2[:, D:], k_cache, v_cache, positions.contiguous(), tables, out, T, qg2.stride(0), tables.shape[1],
+            D**-0.5)
+    if T < TILE_MIN_TOKENS:
+        _cached_attention_kernel[(B * T, HKV)](*args, GP=max(16, triton.next_power_of_2(group)), **common)
+    else:
+        gp = triton.next_power_of_2(group)
+        bm = max(1, 64 // gp)
+        _tiled_attention_kernel[(B * triton.cdiv(T, bm), HKV)](*args, GP=gp, BM=bm, **common)
     return out
