@@ -292,12 +292,12 @@ for stage in "$@"; do
         [ -f .bench/9b-chat/config.json ] || { write_9b > "$out/write-9b.log" 2>&1 & }
         timeout 150 python3 -m pytest -q -n 4 -rf tests/test_cuda.py tests/test_kernels.py --timeout 120 \
             -k "tail_graphs or prefix_cache_hits or padded or speculative" 2>&1 | tee "$out/tests-tails.log" || failed=1
-        timeout 150 python3 bench/profile_step.py --size 9b --k 0 3 --steps 10 --cached-turn 8000 60 --tail-graphs 2>&1 \
+        timeout 150 python3 bench/profile_step.py --size 9b --k 0 3 --steps 10 --cached-turn 8000 60 2>&1 \
             | tee "$out/cached-turn-9b.log" || failed=1
         wait
         [ -f .bench/9b-chat/config.json ] || failed=1
         timeout 230 python3 bench/prefix_cache.py --system-tokens 8000 --conversations 2 --turns 2 --concurrency 1 \
-            --max-tokens 16 --json "$out/prefix-cache-9b-8000.json" -- --model .bench/9b-chat --local 1 --tail-graphs \
+            --max-tokens 16 --json "$out/prefix-cache-9b-8000.json" -- --model .bench/9b-chat --local 1 \
             2>&1 | tee "$out/prefix-cache-9b-8000.log" || failed=1
         ;;
     grammar)

@@ -210,7 +210,7 @@ class Decoder(ModelRunner):
 
     def _capture_tails(self, scratch_slot: int) -> int:
         """A whole model's graphs of short prefills (tails.TailPasses), on a GPU with graphs and kernels
-        (--tail-graphs), outside deterministic mode (whose prefill goes token by token)."""
+        (--no-tail-graphs: none), outside deterministic mode (whose prefill goes token by token)."""
         if not (self.graphed and kernels.active() and kernels.settings.tail_graphs and self.model.stage.first
                 and not self.deterministic):
             return 0
