@@ -292,15 +292,17 @@ def test_attention_kernels_match_the_reference_and_fill_the_cache(dtype, head_di
 
 def scattered_block_tables(lengths: list[int], block_tokens: int, seed: int = 0) -> tuple[torch.Tensor, int]:
     """Block tables [B, max_blocks + 1] int32 whose rows hold blocks drawn from a shuffled pool: no two
-    rows share one, no row's are in order; past a row's last block every entry names block 0 (scratch).
-    Returns the tables and the pool's size (two blocks of it held by no row)."""
+    rows share one, no row's are in order (the first shuffle from `seed` on that gives that); past a
+    row's last block every entry names block 0 (scratch). Returns the tables and the pool's size (two
+    blocks of it held by no row)."""
     needed = [-(-n // block_tokens) for n in lengths]
-    order = torch.randperm(sum(needed) + 2, generator=torch.Generator().manual_seed(seed)) + 1
-    tables = torch.zeros(len(lengths), max(needed) + 1, dtype=torch.int32)
-    for b, (n, start) in enumerate(zip(needed, itertools.accumulate(needed, initial=0))):
-        tables[b, :n] = order[start : start + n]
-    assert all((row[1:n] < row[: n - 1]).any() for row, n in zip(tables, needed) if n > 1), "pick another seed"
-    return tables, len(order) + 1
+    for attempt in itertools.count(seed):
+        order = torch.randperm(sum(needed) + 2, generator=torch.Generator().manual_seed(attempt)) + 1
+        tables = torch.zeros(len(lengths), max(needed) + 1, dtype=torch.int32)
+        for b, (n, start) in enumerate(zip(needed, itertools.accumulate(needed, initial=0))):
+            tables[b, :n] = order[start : start + n]
+        if all((row[1:n] < row[: n - 1]).any() for row, n in zip(tables, needed) if n > 1):
+            return tables, len(order) + 1
 
 
 def paged_write_reference(layer, qg, k, v, positions, tables, k_cache, v_cache) -> torch.Tensor:
@@ -328,8 +330,9 @@ def paged_attention_reference(q, qg, k_cache, v_cache, positions, tables) -> tor
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_tokens", [16, 64])  # 16: a 32-key tile spans two blocks; 64: a block two tiles
-@pytest.mark.parametrize("T", [1, 4])  # decode, verify
-def test_attention_kernels_read_and_write_only_the_blocks_their_tables_name(dtype, block_tokens, T):
+@pytest.mark.parametrize("T", [1, 4, 20])  # decode, verify, a padded prefill (the token-tiled kernel)
+@pytest.mark.parametrize("splits", [1, 3])  # the keys in one range, or three (their sums added by a second kernel)
+def test_attention_kernels_read_and_write_only_the_blocks_their_tables_name(dtype, block_tokens, T, splits):
     config = Qwen3_5Config.from_dict(tiny_config(head_dim=16))
     torch.manual_seed(0)
     layer = mixer(config, "full_attention", TPGroup(), None, "attention")
@@ -337,7 +340,8 @@ def test_attention_kernels_read_and_write_only_the_blocks_their_tables_name(dtyp
         p.data.normal_(0, 0.3)
     layer = layer.to(dtype)
     B, D, HKV, bt = 4, layer.head_dim, layer.kv_heads, block_tokens
-    lengths = [2 * bt, 2 * bt + 1, bt + bt // 2 + 3, 5]  # the last key ends a block, opens one, mid-block, in the first
+    # the last key ends a block, opens one, mid-block, early (in the first block at T <= 5: a split or two empty)
+    lengths = [2 * bt, 2 * bt + 1, bt + bt // 2 + 3, max(5, T + 2)]
     tables, num_blocks = scattered_block_tables(lengths, bt)
     positions = torch.stack([torch.arange(n - T, n) for n in lengths])
     k_cache = torch.full((num_blocks, bt, HKV, D), float("nan"), dtype=dtype)  # NaN: any read past a position shows
@@ -359,7 +363,7 @@ def test_attention_kernels_read_and_write_only_the_blocks_their_tables_name(dtyp
         qg_d, k_d, v_d, layer.q_norm.weight, layer.k_norm.weight, layer.rotary.inv_freq(DEVICE), positions_d,
         tables_d, k_cache_d, v_cache_d, layer.q_norm.eps,
     )
-    out = kernels.attention.cached_attention(q, qg_d, k_cache_d, v_cache_d, positions_d, tables_d)
+    out = kernels.attention.cached_attention(q, qg_d, k_cache_d, v_cache_d, positions_d, tables_d, splits=splits)
 
     assert_agree(q, q_expected, dtype)
     written = torch.zeros(num_blocks, bt, dtype=torch.bool)
