@@ -18,6 +18,7 @@ before run that step's pass before this step's record reaches them (stage.Forwar
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 
 import torch
@@ -38,6 +39,8 @@ from shardspec.shard_worker.results import RunnerStats, StepResult
 from shardspec.shard_worker.runner import ModelRunner
 from shardspec.shard_worker.sequences import Sequence
 from shardspec.shard_worker.tails import TailPasses
+
+log = logging.getLogger("shardspec.worker")
 
 
 class Decoder(ModelRunner):
@@ -202,7 +205,7 @@ class Decoder(ModelRunner):
                       hidden_before: torch.Tensor | None, kv_len: int) -> torch.Tensor:
         """A prefill padded past each row's lengths[b] tokens (tails.TailPasses): the layers and, with MTP,
         the MTP layer one position behind; the hidden state at each row's last token [B, H]."""
-        batch = Batch(slots, positions, kv_len, tail=True, lengths=lengths)
+        batch = Batch(slots, positions, kv_len, lengths=lengths)  # (not `tail`: a graph's kv_len is the widest)
         hidden = self.model(ids, batch)
         if self.draft_len:
             self._draft_prefill(ids, hidden, hidden_before, slots, batch)
@@ -210,13 +213,21 @@ class Decoder(ModelRunner):
 
     def _capture_tails(self, scratch_slot: int) -> int:
         """A whole model's graphs of short prefills (tails.TailPasses), on a GPU with graphs and kernels
-        (--no-tail-graphs: none), outside deterministic mode (whose prefill goes token by token)."""
+        (--no-tail-graphs: none), at TP 1 (the only width they have run at), outside deterministic mode
+        (whose prefill goes token by token). A capture that fails leaves the prefills eager."""
         if not (self.graphed and kernels.active() and kernels.settings.tail_graphs and self.model.stage.first
-                and not self.deterministic):
+                and self.model.tp.size == 1 and not self.deterministic):
             return 0
-        self.tails = TailPasses(self._tail_prefill, self._first_drafts, self.device, self.model.config.hidden_size,
-                                self.cache_dtype, self.draft_len, self.context, scratch_slot, graphs=True)
-        return self.tails.capture_all()
+        tails = TailPasses(self._tail_prefill, self._first_drafts, self.device, self.model.config.hidden_size,
+                           self.cache_dtype, self.draft_len, self.context, scratch_slot, graphs=True)
+        try:
+            captured = tails.capture_all()
+        except (torch.OutOfMemoryError, RuntimeError) as e:  # (Triton's out of resources is a RuntimeError)
+            tails.close()
+            log.warning("short prefills run eagerly: their CUDA graphs could not be captured (%s)", e)
+            return 0
+        self.tails = tails
+        return captured
 
     # --- saved states: with MTP, the target's hidden state before the saved position beside each ------
 

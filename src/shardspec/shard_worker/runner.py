@@ -235,8 +235,8 @@ class ModelRunner:
         pairs = hidden[:, :-1] if hidden_before is None else torch.cat([hidden_before, hidden[:, :-1]], 1)
         if pairs.shape[1]:
             n = pairs.shape[1]
-            self.model.draft(ids[:, -n:], pairs, Batch(slots, batch.positions[:, -n:] - 1, batch.kv_len - 1, tail=True,
-                                                       lengths=batch.lengths))
+            self.model.draft(ids[:, -n:], pairs, Batch(slots, batch.positions[:, -n:] - 1, batch.kv_len - 1,
+                                                       tail=batch.lengths is None, lengths=batch.lengths))
 
     @property
     def sequences(self) -> dict[int, Sequence]:
