@@ -371,3 +371,31 @@ def test_a_cached_turn_prefilled_in_padded_pieces_equals_it_prefilled_as_it_is(s
     for got, expected in zip(states_p + saved_p, states + saved):
         for a, b in zip(got, expected):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_padded_piece_writes_no_block_but_its_sequences_own_and_scratch(small_vocab_model):
+    """A turn of 5 new tokens after 50 cached, padded to 16 (tails.TailPasses, eagerly), holding only the
+    blocks its step needs: its padding runs past them (positions 64 and 65), into the scratch block its
+    table names there; no other block of the pool, the cached ones it shares included, changes."""
+    model = load_model(small_vocab_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=True)
+    runner = Decoder(model, torch.device("cpu"), 2, 160, 512, 3, prefix_cache=True)
+    runner.tails = TailPasses(runner._tail_prefill, runner._first_drafts, torch.device("cpu"),
+                              model.config.hidden_size, torch.float32, 3, runner.context, 2, graphs=False)
+    grants, prompt = Grants(runner), torch.tensor(random.Random(3).choices(range(16), k=55))
+    first = grants(StepRequest(prefill=[PrefillSpec(seq=0, length=50, max_tokens=1, saves=[SaveAt(50, 0)])]))
+    runner.step(first, prompt[:50])
+    runner.release([0])  # (its blocks stay as they are: the second sequence shares the first)
+    needed = runner.paging.needed(55)
+    blocks = first.prefill[0].blocks[:1] + grants.free[-(needed - 1):]  # the cached block, a copy of the second
+    spec = PrefillSpec(seq=1, length=55, max_tokens=4, blocks=blocks, cached=50, state=0,
+                       copy_from=first.prefill[0].blocks[1])
+    layers = [layer for layer in runner.model.modules() if hasattr(layer, "k_cache")]
+    before = [(layer.k_cache.clone(), layer.v_cache.clone()) for layer in layers]
+    runner.step(StepRequest(prefill=[spec]), prompt)
+    assert runner.tails.replays == 1 and needed * BT < 50 + 16
+    touched = set(blocks[1:]) | {runner.paging.scratch}
+    for layer, (k, v) in zip(layers, before):
+        changed = {int(b) for b in torch.nonzero((layer.k_cache != k).flatten(1).any(1) | (layer.v_cache != v)
+                                                 .flatten(1).any(1)).flatten()}
+        assert changed <= touched and runner.paging.scratch in changed, (changed, touched)
+    runner.close()
