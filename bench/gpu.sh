@@ -60,10 +60,10 @@
 #   pp-b1   one H200 or H100, ~8 minutes: 9B-class batch 1, MTP off and k = 3 at 0.8, PP = 1 and PP = 2 with both
 #           stages on cuda:0 (8 GiB of cache a stage: the default takes 90 % of the GPU), then PP = 2's link cost;
 #           each run within 280 s (PP = 2 loads and captures two stages: over 150 s on an H100)
-#   cached-turn  one H200 or H100, ~10 minutes: while the 9B-class checkpoint is written, the GPU tests of the tail
+#   cached-turn  one H200 or H100, ~9 minutes: while the 9B-class checkpoint is written, the GPU tests of the tail
 #           graphs, the attention kernels, greedy decoding and the prefix cache, then a cached 8,000-token turn on the
 #           worker alone (bench/profile_step.py --cached-turn, in-process, MTP off and k = 3: from the tail graphs and
-#           eagerly, its peer; and decode steps at that context, attention's keys split and not, its peer), then
+#           eagerly, its peer), then
 #           bench/prefix_cache.py's two conversations of an 8,000-token system prompt (cache on and off, where each
 #           turn's time to first token goes)
 #   grammar one H200 or H100, ~8 minutes: where the 9B-class checkpoint is still to write, the GPU tests of launch
