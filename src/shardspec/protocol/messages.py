@@ -82,9 +82,9 @@ class WorkerOptions:
     launch_ahead: str = one_of(LAUNCH_AHEAD_MODES, "auto", "a single stage at TP 1 queues the next step's pass "
                                "on the device behind the current one: auto on GPUs (with CUDA graphs), on also on "
                                "CPUs (it only reorders the work), off never")
-    tail_graphs: bool = switch(True, "with CUDA graphs, a single stage replays the prefill of a lone prompt's chunks "
-                               "of up to 64 tokens (a cached conversation's next turn) from graphs captured at load; "
-                               "off: eagerly")
+    tail_graphs: bool = switch(True, "with CUDA graphs, a single stage at TP 1 replays the prefill of a lone "
+                               "prompt's chunks of up to 64 tokens (a cached conversation's next turn) from graphs "
+                               "captured at load; off: eagerly")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
