@@ -226,14 +226,12 @@ def test_a_padded_prefill_outputs_and_keeps_the_states_of_each_rows_own_tokens(d
         assert_agree(dev["state"][slot], ref["state"][slot], dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_a_long_padded_pass_attends_through_the_token_tiled_kernel_as_the_reference(dtype, monkeypatch):
-    """A padded prefill of 40 tokens a row (Batch.lengths: the kernels, past KERNEL_MAX_TOKENS) takes the
-    kernel that reads each key tile once for a block of tokens (kernels.attention, TILE_MIN_TOKENS), its
-    second block part empty: outputs and the cache as the reference's, rows at different positions."""
-    if dtype == torch.bfloat16 and not GPU:  # (as in the test below, at the positions of 40 tokens)
-        pytest.skip("the interpreter's truncation to bf16 is an ulp of the rotation's larger term off")
-    config = Qwen3_5Config.from_dict(tiny_config())
+def attention_pass_with_and_without_kernels(monkeypatch, dtype, head_dim: int, blocks: int, positions: torch.Tensor,
+                                           kv_len: int, lengths: torch.Tensor | None = None):
+    """A full-attention layer's pass over two rows at `positions` after a 37-token prefill of each (never
+    the kernels), with the reference ops on the CPU and with the kernels: for each, (output, K cache, V
+    cache). Each slot's `blocks` blocks of 32 positions lie scattered over the pool, in no order."""
+    config = Qwen3_5Config.from_dict(tiny_config(head_dim=head_dim))
     torch.manual_seed(0)
     layer = mixer(config, "full_attention", TPGroup(), None, "model.layers.0")
     for p in layer.parameters():
@@ -241,18 +239,30 @@ def test_a_long_padded_pass_attends_through_the_token_tiled_kernel_as_the_refere
     layer = layer.to(dtype)
     slots = torch.tensor([2, 0])
     prompt = torch.randn(2, 37, config.hidden_size, dtype=dtype)
-    step = torch.randn(2, 40, config.hidden_size, dtype=dtype)
+    step = torch.randn(2, positions.shape[1], config.hidden_size, dtype=dtype)
     outputs = []
     for use_kernels, device in ((False, "cpu"), (True, DEVICE)):
         monkeypatch.setattr(kernels, "enabled", lambda x, on=use_kernels: on)
-        tables = torch.randperm(9, generator=torch.Generator().manual_seed(1)).view(3, 3).int().to(device)
-        layer.to(device).allocate(CacheShape(3, 9, tables), dtype, torch.device(device))
+        tables = torch.randperm(3 * blocks, generator=torch.Generator().manual_seed(1)).view(3, blocks).int().to(device)
+        layer.to(device).allocate(CacheShape(3, 3 * blocks, tables), dtype, torch.device(device))
         s = slots.to(device)
         layer(prompt.to(device), Batch(s, torch.arange(37, device=device).expand(2, -1), 37))
-        positions = torch.stack([torch.arange(37, 77), torch.arange(30, 70)]).to(device)
-        out = layer(step.to(device), Batch(s, positions, 77, lengths=torch.tensor([40, 25], device=device)))
+        out = layer(step.to(device), Batch(s, positions.to(device), kv_len,
+                                           lengths=None if lengths is None else lengths.to(device)))
         outputs.append((out, layer.k_cache.clone(), layer.v_cache.clone()))
-    (out, k_cache, v_cache), (out_k, k_cache_k, v_cache_k) = outputs
+    return outputs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_long_padded_pass_attends_through_the_token_tiled_kernel_as_the_reference(dtype, monkeypatch):
+    """A padded prefill of 40 tokens a row (Batch.lengths: the kernels, past KERNEL_MAX_TOKENS) takes the
+    kernel that reads each key tile once for a block of tokens (kernels.attention, TILE_MIN_TOKENS), its
+    second block part empty: outputs and the cache as the reference's, rows at different positions."""
+    if dtype == torch.bfloat16 and not GPU:  # (as in the test below, at the positions of 40 tokens)
+        pytest.skip("the interpreter's truncation to bf16 is an ulp of the rotation's larger term off")
+    positions = torch.stack([torch.arange(37, 77), torch.arange(30, 70)])
+    (out, k_cache, v_cache), (out_k, k_cache_k, v_cache_k) = attention_pass_with_and_without_kernels(
+        monkeypatch, dtype, 16, 3, positions, 77, lengths=torch.tensor([40, 25]))
     assert_agree(out_k, out, dtype, bf16_tol=0.05)
     assert_agree(k_cache_k, k_cache, dtype)
     assert_agree(v_cache_k, v_cache, dtype)
@@ -263,28 +273,9 @@ def test_a_long_padded_pass_attends_through_the_token_tiled_kernel_as_the_refere
 def test_attention_kernels_match_the_reference_and_fill_the_cache(dtype, head_dim, monkeypatch):
     if head_dim == 48 and dtype == torch.bfloat16 and not GPU:  # the rotation sums two bf16-rounded terms:
         pytest.skip("the interpreter's truncation to bf16 is an ulp of the larger term off, beyond two of the sum")
-    config = Qwen3_5Config.from_dict(tiny_config(head_dim=head_dim))
-    torch.manual_seed(0)
-    layer = mixer(config, "full_attention", TPGroup(), None, "model.layers.0")
-    for p in layer.parameters():
-        p.data.normal_(0, 0.3)
-    layer = layer.to(dtype)
-    slots = torch.tensor([2, 0])
-    prompt = torch.randn(2, 37, config.hidden_size, dtype=dtype)
-    step = torch.randn(2, 3, config.hidden_size, dtype=dtype)
-    outputs = []
-    for use_kernels, device in ((False, "cpu"), (True, DEVICE)):
-        monkeypatch.setattr(kernels, "enabled", lambda x, on=use_kernels: on)
-        # each slot's two blocks of 32 positions scattered over the pool, in no order
-        tables = torch.randperm(6, generator=torch.Generator().manual_seed(1)).view(3, 2).int().to(device)
-        layer.to(device).allocate(CacheShape(3, 6, tables), dtype, torch.device(device))
-        s = slots.to(device)
-        positions = torch.arange(37, device=device).expand(2, -1)
-        layer(prompt.to(device), Batch(s, positions, 37))  # prefill: never the kernels
-        positions = torch.tensor([[37, 38, 39], [30, 31, 32]], device=device)  # row 1 overwrites its tail
-        out = layer(step.to(device), Batch(s, positions, 40))
-        outputs.append((out, layer.k_cache.clone(), layer.v_cache.clone()))
-    (out, k_cache, v_cache), (out_k, k_cache_k, v_cache_k) = outputs
+    positions = torch.tensor([[37, 38, 39], [30, 31, 32]])  # row 1 overwrites its tail
+    (out, k_cache, v_cache), (out_k, k_cache_k, v_cache_k) = attention_pass_with_and_without_kernels(
+        monkeypatch, dtype, head_dim, 2, positions, 40)
     # the output projection sums 8 · head_dim bf16-rounded products, so a few ulps before it show up
     # larger: 0.05 at 128 products, growing as the square root of their count
     assert_agree(out_k, out, dtype, bf16_tol=0.05 * (head_dim / 16) ** 0.5)
