@@ -1,4 +1,5 @@
-"""The last stage's role (a single stage's too): prefill, verify, accept, draft; the replies.
+"""The last stage's role (a single stage's too): prefill (prefill.LastStagePrefill), verify, accept,
+draft; the replies.
 
 One step verifies each sequence's k drafts with the target model, accepts a prefix (greedy: while a
 draft equals the target's argmax; sampled: rejection sampling), commits it (the recurrent layers
@@ -18,32 +19,28 @@ before run that step's pass before this step's record reaches them (stage.Forwar
 from __future__ import annotations
 
 import contextlib
-import logging
 from pathlib import Path
 
 import torch
 
-from shardspec import kernels
 from shardspec.layers.batch import Batch
 from shardspec.layers.grammar import Constraint, apply_masks, masked_each
-from shardspec.layers.sampling import accept_greedy, accept_sampled, resample, sample, target_probs, unusable
-from shardspec.protocol.messages import FAILED, LoadRequest, PrefillSpec, StepRequest, WorkerOptions
+from shardspec.layers.sampling import accept_greedy, accept_sampled, resample, target_probs, unusable
+from shardspec.protocol.messages import FAILED, LoadRequest, StepRequest, WorkerOptions
 from shardspec.shard_worker import branches, constrained
 from shardspec.shard_worker.ahead import LaunchAhead, Launched, NoLaunchAhead, Peek
 from shardspec.shard_worker.grammars import GrammarStore
 from shardspec.shard_worker.graphs import HostRows
 from shardspec.shard_worker.guessing import Guessing
-from shardspec.shard_worker.logprobs import chunk_prompt_rows, token_rows
-from shardspec.shard_worker.penalties import TokenCounts
+from shardspec.shard_worker.logprobs import token_rows
+from shardspec.shard_worker.prefill import LastStagePrefill
 from shardspec.shard_worker.results import RunnerStats, StepResult
 from shardspec.shard_worker.runner import ModelRunner
 from shardspec.shard_worker.sequences import Sequence
 from shardspec.shard_worker.tails import TailPasses
 
-log = logging.getLogger("shardspec.worker")
 
-
-class Decoder(ModelRunner):
+class Decoder(LastStagePrefill, ModelRunner):
     """The last stage: samples, accepts and drafts, replies, and sends the earlier stages the step's
     record. `launch_ahead` ("auto": on a GPU; "on"; "off") takes effect on a single stage given `peek`."""
 
@@ -123,111 +120,6 @@ class Decoder(ModelRunner):
                 due.guess = self.guessing.guess(self, due)
                 self.links.send_guesses(self.steps, {due.seq: due.guess})
         return result
-
-    # --- prefill --------------------------------------------------------------------------------
-
-    def _prefill_slots(self, seqs: list[Sequence], specs: list[PrefillSpec], prompts: torch.Tensor,
-                       slots: torch.Tensor, result: StepResult, want_logits: bool) -> None:
-        """The prompts [B, L] through the model from their cached position, saving states on the way,
-        the MTP layer's cache filled one position behind; the first tokens sampled and drafted from."""
-        start, saves = specs[0].cached, self._saves_by_position(specs)
-        # the target's hidden state just before the current chunk (for MTP): at a cached position, saved with its state
-        hidden_before = None
-        if start and self.draft_len:
-            hidden_before = self.saved_hidden[torch.tensor([spec.state for spec in specs], device=self.device)][:, None]
-        # a lone prompt's short chunks (a cached turn's new tokens) replay a graph where there is one
-        tails = self.tails if (self.tails is not None and len(specs) == 1 and not want_logits
-                               and specs[0].prompt_logprobs < 0) else None
-        for ids, batch in self._chunks(prompts, slots, start, tuple(saves)):
-            chunk_start = batch.kv_len - ids.shape[1]
-            if tails is not None and (hidden_before is not None or not self.draft_len) and \
-                    tails.fits(chunk_start, ids.shape[1]):
-                last = tails.prefill(ids, chunk_start, slots, hidden_before)
-            else:
-                hidden = self._forward(ids, batch)
-                if want_logits:
-                    result.logits.append(self.model.lm_head.logits(hidden).reshape(-1, self.model.config.vocab_size))
-                chunk_prompt_rows(self.model.lm_head.logits, specs, prompts, chunk_start, hidden, result.pending_rows)
-                if self.draft_len:
-                    self._draft_prefill(ids, hidden, hidden_before, slots, batch)
-                last = hidden[:, -1]
-            hidden_before = last[:, None] if self.draft_len else None
-            if batch.kv_len in saves:
-                self._keep_last_hidden(slots, last)
-                self._save_states(slots, saves[batch.kv_len])
-        last_logits = self.model.lm_head.logits(last)
-        for b, (seq, spec, logits) in enumerate(zip(seqs, specs, last_logits)):
-            output = prompts[b, prompts.shape[1] - spec.output :].tolist()
-            if spec.sampling.penalised:
-                seq.counts = TokenCounts(prompts[b, : prompts.shape[1] - spec.output], self.model.config.vocab_size)
-                seq.counts.add(output)
-            seq.grammar = self.new_grammars.pop(spec.seq, None)
-            if seq.grammar is not None:
-                seq.grammar.accept(output)  # (a preempted request's output so far)
-            shaped = seq.constrain(seq.penalise(logits[None], []), [])
-            if not unusable(shaped):
-                if seq.grammar is not None:
-                    self.counters.constrained(shaped)
-                seq.next_token = sample(shaped[0], spec.sampling, seq.generator)
-            if unusable(shaped) or (seq.grammar is not None and not seq.grammar.accept([seq.next_token])):
-                seq.next_token, seq.finished = 0, FAILED  # (the token is a placeholder: nothing is emitted)
-                result.add(seq, [], -1)
-                continue
-            seq.seen(seq.emit([seq.next_token]))
-            if seq.logprobs >= 0:
-                token = torch.tensor([seq.next_token])
-                result.pending_rows.setdefault(seq.seq, []).append(token_rows(logits[None], token, seq.logprobs))
-        if self.draft_len:
-            self._keep_last_hidden(slots, last)
-            length = prompts.shape[1]
-            if tails is not None and seqs[0].grammar is None and seqs[0].bias is None:  # (as _drafting_under)
-                drafts = tails.follow(seqs[0].next_token, last, slots, length).tolist()
-            else:
-                first = torch.tensor([[s.next_token] for s in seqs], device=self.device)
-                with self._drafting_under(seqs):
-                    drafts = self._first_drafts(first, last, slots, torch.full_like(slots, length), length).tolist()
-            for seq, d in zip(seqs, drafts):
-                seq.drafts = [] if seq.finished else d
-        for seq in seqs:
-            if seq.finished != FAILED:
-                result.add(seq, [seq.next_token], -1)
-
-    def _first_drafts(self, first: torch.Tensor, last: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
-                      kv_len: int | None) -> torch.Tensor:
-        """After a prefill of lengths[b] tokens: the MTP layer pairs the first token sampled [B, 1] with
-        the target's hidden state `last` [B, H] at the prompt's last token, then chains the k drafts:
-        [B, k]. kv_len: the prompts' length (None: the widest, as in a graph)."""
-        context = self.context if kv_len is None else kv_len
-        heads = self._mtp(first, last[:, None], slots, (lengths - 1)[:, None], context)[:, 0]
-        return self._chain(heads, slots, lengths, min(context + self.draft_len, self.context))
-
-    def _tail_prefill(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
-                      hidden_before: torch.Tensor | None, kv_len: int) -> torch.Tensor:
-        """A prefill padded past each row's lengths[b] tokens (tails.TailPasses): the layers and, with MTP,
-        the MTP layer one position behind; the hidden state at each row's last token [B, H]."""
-        batch = Batch(slots, positions, kv_len, lengths=lengths)  # (not `tail`: a graph's kv_len is the widest)
-        hidden = self.model(ids, batch)
-        if self.draft_len:
-            self._draft_prefill(ids, hidden, hidden_before, slots, batch)
-        return hidden.gather(1, (lengths - 1)[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
-
-    def _capture_tails(self, scratch_slot: int) -> int:
-        """A whole model's graphs of short prefills (tails.TailPasses), on a GPU with graphs and kernels
-        (--no-tail-graphs: none), at TP 1 (the only width they have run at), outside deterministic mode
-        (whose prefill goes token by token). A capture that fails leaves the prefills eager."""
-        if not (self.graphed and kernels.active() and kernels.settings.tail_graphs and self.model.stage.first
-                and self.model.tp.size == 1 and not self.deterministic):
-            return 0
-        tails = TailPasses(self._tail_prefill, self._first_drafts, self.device, self.model.config.hidden_size,
-                           self.cache_dtype, self.draft_len, self.context, scratch_slot, graphs=True)
-        try:
-            captured = tails.capture_all()
-        except (torch.OutOfMemoryError, RuntimeError) as e:  # (Triton's out of resources is a RuntimeError)
-            tails.close()
-            log.warning("short prefills run eagerly: their CUDA graphs could not be captured (%s)", e)
-            return 0
-        self.tails = tails
-        return captured
 
     # --- saved states: with MTP, the target's hidden state before the saved position beside each ------
 
