@@ -54,7 +54,8 @@
 #           holds `git archive 4b36bee src bench`, whose bench/decode.py runs on its own src; each part runs even if
 #           one before failed
 #   serving one H200 or H100, ~9 minutes: on the 9B-class weights with the bundled model's tokenizer and chat template
-#           (.bench/9b-chat, eos its <|endoftext|>): bench/prefix_cache.py, a turn whose ~8,000-token conversation is
+#           (.bench/9b-chat, eos its <|endoftext|>; .bench/9b-qwen, Qwen3.5's chat format, for the prefix cache's
+#           trace): bench/prefix_cache.py, a turn whose ~8,000-token conversation is
 #           cached against cold (cache on and off), and its sweep at serve's default --cache-memory; then
 #           bench/structured.py, MTP on and off; each part runs even if one before failed
 #   pp-b1   one H200 or H100, ~8 minutes: 9B-class batch 1, MTP off and k = 3 at 0.8, PP = 1 and PP = 2 with both
@@ -64,7 +65,8 @@
 #           graphs, the attention kernels, greedy decoding and the prefix cache, then a cached 8,000-token turn on the
 #           worker alone (bench/profile_step.py --cached-turn, in-process, MTP off and k = 3: from the tail graphs and
 #           eagerly, its peer), then
-#           bench/prefix_cache.py's two conversations of an 8,000-token system prompt (cache on and off, where each
+#           bench/prefix_cache.py's two conversations of an 8,000-token system prompt in Qwen3.5's chat format
+#           (.bench/9b-qwen; cache on and off, where each
 #           turn's time to first token goes)
 #   grammar one H200 or H100, ~8 minutes: where the 9B-class checkpoint is still to write, the GPU tests of launch
 #           ahead, grammars and the prefix cache while it is written; then bench/structured.py on the 9B-class weights
@@ -105,13 +107,20 @@ gpu_idle() {  # end what a run cut short left on the GPU (its workers), so that 
     [ -z "$pids" ] || { echo "gpu.sh: ending leftover GPU processes $pids" >&2; kill $pids 2>/dev/null || true; sleep 3; }
 }
 
-write_9b() {  # the 9B-class checkpoint; .bench/9b-chat: its weights with the bundled tokenizer, chat template and eos
+write_9b() {  # the 9B-class checkpoint; .bench/9b-chat: its weights with the bundled tokenizer, chat template and eos;
+    # .bench/9b-qwen: its weights with Qwen3.5's chat format (testing.chat_model: the bundled vocabulary plus Qwen's
+    # added tokens), whose prompts split at <|im_start|> and <|im_end|> as a real Qwen3.5's do (the bundled
+    # template has no added tokens: a prompt of it is tokenized whole at every turn); 9b-chat last (what stages test)
     [ -f .bench/9b/config.json ] || python3 -m shardspec.testing.random_checkpoint .bench/9b --size 9b || return 1
-    mkdir -p .bench/9b-chat
-    for f in .bench/9b/*; do [ "${f##*/}" = config.json ] || ln -sf "$PWD/$f" .bench/9b-chat/; done
+    for chat in 9b-qwen 9b-chat; do
+        mkdir -p .bench/$chat
+        for f in .bench/9b/*; do [ "${f##*/}" = config.json ] || ln -sf "$PWD/$f" .bench/$chat/; done
+    done
+    python3 -c 'from shardspec.testing.chat_model import write_chat_files; write_chat_files(".bench/9b-qwen")'
     cp src/shardspec/bundled/tokenizer.json src/shardspec/bundled/tokenizer_config.json .bench/9b-chat/
     python3 -c 'import json; c = json.load(open(".bench/9b/config.json")); t = c.get("text_config", c)
-t["eos_token_id"] = c["eos_token_id"] = 0; json.dump(c, open(".bench/9b-chat/config.json", "w"))'
+t["eos_token_id"] = c["eos_token_id"] = 0; json.dump(c, open(".bench/9b-qwen/config.json", "w"))
+json.dump(c, open(".bench/9b-chat/config.json", "w"))'
 }
 
 for stage in "$@"; do
@@ -279,7 +288,7 @@ for stage in "$@"; do
     serving)
         [ -f .bench/9b-chat/config.json ] || write_9b || failed=1
         timeout 230 python3 bench/prefix_cache.py --system-tokens 8000 --conversations 2 --turns 2 --concurrency 1 \
-            --max-tokens 16 --json "$out/prefix-cache-9b-8000.json" -- --model .bench/9b-chat --local 1 2>&1 \
+            --max-tokens 16 --json "$out/prefix-cache-9b-8000.json" -- --model .bench/9b-qwen --local 1 2>&1 \
             | tee "$out/prefix-cache-9b-8000.log" || failed=1
         timeout 130 python3 bench/prefix_cache.py --sweep --cache-memory default --sweep-requests 1 16 64 \
             --sweep-max-tokens 64 --json "$out/prefix-cache-9b-sweep.json" -- --model .bench/9b-chat --local 1 2>&1 \
@@ -299,7 +308,7 @@ for stage in "$@"; do
         wait
         [ -f .bench/9b-chat/config.json ] || failed=1
         timeout 230 python3 bench/prefix_cache.py --system-tokens 8000 --conversations 2 --turns 2 --concurrency 1 \
-            --max-tokens 16 --json "$out/prefix-cache-9b-8000.json" -- --model .bench/9b-chat --local 1 \
+            --max-tokens 16 --json "$out/prefix-cache-9b-8000.json" -- --model .bench/9b-qwen --local 1 \
             2>&1 | tee "$out/prefix-cache-9b-8000.log" || failed=1
         ;;
     grammar)

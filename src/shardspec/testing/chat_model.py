@@ -96,8 +96,16 @@ def write_chat_model(path: str | Path, seed: int = 0, mtp: bool = True, **config
     config = tiny_config(vocab_size=len(tokenizer["model"]["vocab"]) + len(ADDED_TOKENS),
                          eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]], **config_overrides)
     write_random_checkpoint(path, config, seed=seed, dtype=torch.float32, mtp=mtp)
-    (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    write_chat_files(path, tokenizer)
+    return path
+
+
+def write_chat_files(path: str | Path, tokenizer: dict | None = None) -> None:
+    """The chat tokenizer (tokenizer.json) and template (tokenizer_config.json) into the folder `path`:
+    a checkpoint's weights beside them then chat in Qwen3.5's format (bench/gpu.sh: the 9B-class
+    weights, whose prompts then split at the added tokens as a real Qwen3.5's do)."""
+    path = Path(path)
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer or chat_tokenizer()))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
         "chat_template": CHAT_TEMPLATE}, indent=1))
-    return path
