@@ -326,7 +326,7 @@ def cached_turn(model, context: int, tail: int, saves: list[int], tails: str, st
     "eager"), from the runner's CUDA graphs ("graphs") or not at all ("off"). The tokens, the drafts
     after the prefill, the slot's recurrent states after it, the saved states and the pieces the tail
     passes took."""
-    runner = Decoder(model, torch.device(device), 2, 160, 512, 3, prefix_cache=True)
+    runner = Decoder(model, torch.device(device), 2, 320, 512, 3, prefix_cache=True)
     if tails == "eager":
         runner.tails = TailPasses(runner._tail_prefill, runner._first_drafts, torch.device(device),
                                   model.config.hidden_size, torch.float32, 3, runner.context, 2, graphs=False)
@@ -356,13 +356,14 @@ def cached_turn(model, context: int, tail: int, saves: list[int], tails: str, st
     return tokens, drafts, states, saved, replays
 
 
-@pytest.mark.parametrize(("tail", "saves", "pieces"), [(9, [], 1), (20, [64], 2), (90, [64], 1)],
-                         ids=["one-piece", "a-save-splits-it", "a-long-piece-eagerly"])
+@pytest.mark.parametrize(("tail", "saves", "pieces"), [(9, [], 1), (20, [64], 2), (100, [], 1), (200, [64], 1)],
+                         ids=["one-piece", "a-save-splits-it", "a-piece-of-the-largest-bucket",
+                              "a-long-piece-eagerly"])
 def test_a_cached_turn_prefilled_in_padded_pieces_equals_it_prefilled_as_it_is(small_vocab_model, tail, saves,
                                                                                pieces):
     """The padded tail passes a GPU replays from graphs, run eagerly: the tokens, the first drafts
     (the MTP layer's entries), the states after the prefill and those saved within it equal the
-    unpadded prefill's. Pieces longer than the largest bucket (64) prefill unpadded."""
+    unpadded prefill's. Pieces longer than the largest bucket (128) prefill unpadded."""
     model = load_model(small_vocab_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=True)
     tokens, drafts, states, saved, _ = cached_turn(model, 45, tail, saves, "off")
     tokens_p, drafts_p, states_p, saved_p, replays = cached_turn(model, 45, tail, saves, "eager")

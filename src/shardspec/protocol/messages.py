@@ -83,7 +83,7 @@ class WorkerOptions:
                                "on the device behind the current one: auto on GPUs (with CUDA graphs), on also on "
                                "CPUs (it only reorders the work), off never")
     tail_graphs: bool = switch(True, "with CUDA graphs, a single stage at TP 1 replays the prefill of a lone "
-                               "prompt's chunks of up to 64 tokens (a cached conversation's next turn) from graphs "
+                               "prompt's chunks of up to 128 tokens (a cached conversation's next turn) from graphs "
                                "captured at load; off: eagerly")
 
     def __post_init__(self) -> None:

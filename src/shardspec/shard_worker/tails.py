@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from shardspec.shard_worker.graphs import capture
 
-TAIL_BUCKETS = (16, 32, 64)  # the padded lengths captured; longer pieces prefill eagerly
+TAIL_BUCKETS = (16, 32, 64, 128)  # the padded lengths captured; longer pieces prefill eagerly
 
 # (ids [1, T], positions [1, T], slots [1], lengths [1], hidden_before [1, 1, H] or None, kv_len) -> the
 # target's hidden state at the last of the row's own tokens, [1, H]
