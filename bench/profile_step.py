@@ -174,9 +174,11 @@ def cached_turn_profile(model: Qwen3_5Model, device: torch.device, context: int,
                         forced: float | None, graphs: bool, say) -> None:
     """A cached turn on the worker: a sequence whose first `context` positions are cached (its saved
     recurrent state restored, the boundary block copied) prefills its `tail` new tokens and samples
-    and drafts its first token; the median time of that step and the operators of one. (The cached
-    K/V is random here: the time is the same.)"""
-    runner = Decoder(model, device, 2, context + tail + 64, 2048, k, forced, cuda_graphs=graphs, prefix_cache=True)
+    and drafts its first token; the median time of that step and the operators of one. Then the
+    same turn with the prefix cache's state saved at the first block boundary in it (one replay
+    where the tail passes save within it), and at the first two (split there: a replay a piece).
+    (The cached K/V is random here: the time is the same.)"""
+    runner = Decoder(model, device, 3, context + tail + 64, 2048, k, forced, cuda_graphs=graphs, prefix_cache=True)
     grants = Grants(runner)
     torch.manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (context + tail,))
@@ -185,33 +187,40 @@ def cached_turn_profile(model: Qwen3_5Model, device: torch.device, context: int,
     grants.release([0])
     boundary = (context - 1) // runner.paging.block_tokens
 
-    def once(seq: int) -> None:
+    bt = runner.paging.block_tokens
+    boundaries = [p for p in range((context // bt + 1) * bt, context + tail + 1, bt)][:2]
+
+    def once(seq: int, saves: int = 0) -> None:
+        at = [SaveAt(p, 1 + i) for i, p in enumerate(boundaries[:saves])]
         spec = dataclasses.replace(grants(StepRequest(prefill=[PrefillSpec(seq=seq, length=context + tail,
-                                                                           max_tokens=16)])).prefill[0])
+                                                                           max_tokens=16, saves=at)])).prefill[0])
         spec = dataclasses.replace(spec, cached=context, state=0,
                                    copy_from=spec.blocks[boundary] if context % runner.paging.block_tokens else -1)
         runner.step(StepRequest(prefill=[spec]), prompt)
         grants.release([seq])
 
-    def timed(seqs: range) -> list[float]:
+    def timed(seqs: range, saves: int) -> list[float]:
         times = []
         for seq in seqs:
             sync(device)
             started = time.perf_counter()
-            once(seq)
+            once(seq, saves)
             sync(device)
             times.append(time.perf_counter() - started)
         return times
 
     tails = runner.tails
-    for how, seqs in (("from the tail graphs", range(1, 8)), ("eagerly (the peer)", range(8, 15))):
-        if tails is None and how != "eagerly (the peer)":
-            continue  # (no graphs: no tail graphs)
-        runner.tails = tails if how == "from the tail graphs" else None
-        times = timed(seqs)[2:]  # the first two warm up
-        runs = ", ".join(f"{1000 * t:.1f}" for t in times)
-        say(f"cached turn: {tail} new tokens after {context} cached, k = {k}, {how}: median "
-            f"{1000 * statistics.median(times):.2f} ms (of {len(times)}: {runs})", flush=True)
+    for saves in range(len(boundaries) + 1):
+        saved = ["", f", a state saved at {boundaries[0]}", f", states saved at {boundaries[0]} and {boundaries[1]}"]
+        for how in ("from the tail graphs", "eagerly (the peer)"):
+            if tails is None and how != "eagerly (the peer)":
+                continue  # (no graphs: no tail graphs)
+            runner.tails = tails if how == "from the tail graphs" else None
+            first = 1000 * (1 + saves) + 100 * (how != "from the tail graphs")  # (fresh sequence ids)
+            times = timed(range(first, first + 7), saves)[2:]  # the first two warm up
+            runs = ", ".join(f"{1000 * t:.1f}" for t in times)
+            say(f"cached turn: {tail} new tokens after {context} cached{saved[saves]}, k = {k}, {how}: median "
+                f"{1000 * statistics.median(times):.2f} ms (of {len(times)}: {runs})", flush=True)
     runner.tails = tails
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
                                 if device.type == "cuda" else [torch.profiler.ProfilerActivity.CPU]) as prof:
