@@ -211,7 +211,8 @@ def cached_turn_profile(model: Qwen3_5Model, device: torch.device, context: int,
 
     tails = runner.tails
     for saves in range(len(boundaries) + 1):
-        saved = ["", f", a state saved at {boundaries[0]}", f", states saved at {boundaries[0]} and {boundaries[1]}"]
+        saved = "" if not saves else f", {'a state' if saves == 1 else 'states'} saved at " + \
+            " and ".join(map(str, boundaries[:saves]))
         for how in ("from the tail graphs", "eagerly (the peer)"):
             if tails is None and how != "eagerly (the peer)":
                 continue  # (no graphs: no tail graphs)
@@ -219,7 +220,7 @@ def cached_turn_profile(model: Qwen3_5Model, device: torch.device, context: int,
             first = 1000 * (1 + saves) + 100 * (how != "from the tail graphs")  # (fresh sequence ids)
             times = timed(range(first, first + 7), saves)[2:]  # the first two warm up
             runs = ", ".join(f"{1000 * t:.1f}" for t in times)
-            say(f"cached turn: {tail} new tokens after {context} cached{saved[saves]}, k = {k}, {how}: median "
+            say(f"cached turn: {tail} new tokens after {context} cached{saved}, k = {k}, {how}: median "
                 f"{1000 * statistics.median(times):.2f} ms (of {len(times)}: {runs})", flush=True)
     runner.tails = tails
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
