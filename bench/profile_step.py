@@ -376,8 +376,8 @@ def run(rank: int, args: argparse.Namespace, address: str) -> None:
         for k in args.k:
             cached_turn_profile(model, device, *args.cached_turn, k, args.forced if k else None,
                                 not args.no_graphs, say)
-            long_context_decode(model, device, args.cached_turn[0], k, args.forced if k else None,
-                                not args.no_graphs, say)
+            for context in (512, args.cached_turn[0]):  # (a short context: what the splits cost where they are idle)
+                long_context_decode(model, device, context, k, args.forced if k else None, not args.no_graphs, say)
     for chunk in args.prefill_chunk:
         for length in args.prefill:
             last = chunk == args.prefill_chunk[-1] and length == args.prefill[-1]

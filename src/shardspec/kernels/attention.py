@@ -266,7 +266,7 @@ def splits_for(programs: int, device: torch.device) -> int:
     of the GPU idle (at batch 1, four programs each reading every key)."""
     if device.type != "cuda":
         return 1
-    return max(1, min(MAX_SPLITS, SPLIT_PROGRAMS * _multiprocessors(device.index) // programs))
+    return max(1, min(MAX_SPLITS, SPLIT_PROGRAMS * _multiprocessors(device.index) // max(programs, 1)))
 
 
 @functools.cache
