@@ -236,6 +236,37 @@ def cached_turn_profile(model: Qwen3_5Model, device: torch.device, context: int,
     runner.close()
 
 
+def long_context_decode(model: Qwen3_5Model, device: torch.device, context: int, k: int, forced: float | None,
+                        graphs: bool, say, steps: int = 20) -> None:
+    """Decode steps of one sequence at a `context`-token context, the attention kernels' keys split over
+    more programs (kernels.attention.splits_for) and in one range each (the peer), in the same run."""
+    if device.type != "cuda" or not kernels.active():
+        return  # (the kernels' splits: CUDA only)
+    from shardspec.kernels import attention
+
+    for how, cap in (("keys split", attention.MAX_SPLITS), ("keys in one range (the peer)", 1)):
+        default, attention.MAX_SPLITS = attention.MAX_SPLITS, cap
+        try:  # (the graphs are captured with the splits of this cap)
+            runner = Decoder(model, device, 1, context + steps * (k + 1) + 64, 2048, k, forced, cuda_graphs=graphs)
+            grants = Grants(runner)
+            torch.manual_seed(0)
+            prompt = torch.randint(0, model.config.vocab_size, (context,))
+            grants.step(StepRequest(prefill=[PrefillSpec(seq=0, length=context, max_tokens=steps * (k + 1) + 8)]),
+                        prompt)
+            times = []
+            for _ in range(steps):
+                sync(device)
+                started = time.perf_counter()
+                runner.step(StepRequest(decode=[0]), torch.empty(0, dtype=torch.long))
+                sync(device)
+                times.append(time.perf_counter() - started)
+            runner.close()
+        finally:
+            attention.MAX_SPLITS = default
+        say(f"decode at a {context:,}-token context, k = {k}, {how}: median step "
+            f"{1000 * statistics.median(times[3:]):.2f} ms (of {steps - 3})", flush=True)
+
+
 def host_profile(fn: Callable[[], object], say, rows: int = 40) -> None:
     """Where the host's time goes in one call of fn (Python's profiler: the functions by their own
     time, then by the time under them), for work whose device is idle while the host dispatches."""
@@ -346,6 +377,8 @@ def run(rank: int, args: argparse.Namespace, address: str) -> None:
         for k in args.k:
             cached_turn_profile(model, device, *args.cached_turn, k, args.forced if k else None,
                                 not args.no_graphs, say)
+            for context in (512, args.cached_turn[0]):  # (a short context: what the splits cost where they are idle)
+                long_context_decode(model, device, context, k, args.forced if k else None, not args.no_graphs, say)
     for chunk in args.prefill_chunk:
         for length in args.prefill:
             last = chunk == args.prefill_chunk[-1] and length == args.prefill[-1]

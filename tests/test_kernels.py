@@ -324,7 +324,8 @@ def paged_attention_reference(q, qg, k_cache, v_cache, positions, tables) -> tor
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_tokens", [16, 64])  # 16: a 32-key tile spans two blocks; 64: a block two tiles
 @pytest.mark.parametrize("T", [1, 4, 20])  # decode, verify, a padded prefill (the token-tiled kernel)
-def test_attention_kernels_read_and_write_only_the_blocks_their_tables_name(dtype, block_tokens, T):
+@pytest.mark.parametrize("splits", [1, 3])  # the keys in one range, or three (their sums added by a second kernel)
+def test_attention_kernels_read_and_write_only_the_blocks_their_tables_name(dtype, block_tokens, T, splits):
     if T > 4 and dtype == torch.bfloat16 and not GPU:  # (q and k at 20 positions: see the test above)
         pytest.skip("the interpreter's truncation to bf16 is an ulp of the rotation's larger term off")
     config = Qwen3_5Config.from_dict(tiny_config(head_dim=16))
@@ -357,7 +358,7 @@ def test_attention_kernels_read_and_write_only_the_blocks_their_tables_name(dtyp
         qg_d, k_d, v_d, layer.q_norm.weight, layer.k_norm.weight, layer.rotary.inv_freq(DEVICE), positions_d,
         tables_d, k_cache_d, v_cache_d, layer.q_norm.eps,
     )
-    out = kernels.attention.cached_attention(q, qg_d, k_cache_d, v_cache_d, positions_d, tables_d)
+    out = kernels.attention.cached_attention(q, qg_d, k_cache_d, v_cache_d, positions_d, tables_d, splits=splits)
 
     assert_agree(q, q_expected, dtype)
     written = torch.zeros(num_blocks, bt, dtype=torch.bool)

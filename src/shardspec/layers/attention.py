@@ -157,4 +157,6 @@ class GatedAttention(CachedLayer):
             qg, k, v, self.q_norm.weight, self.k_norm.weight, self.rotary.inv_freq(qg.device),
             batch.positions, tables, self.k_cache, self.v_cache, self.q_norm.eps,
         )
-        return kernels.attention.cached_attention(q, qg, self.k_cache, self.v_cache, batch.positions, tables)
+        # (batch-invariant: no splits of the keys, whose number follows the batch)
+        return kernels.attention.cached_attention(q, qg, self.k_cache, self.v_cache, batch.positions, tables,
+                                                  splits=1 if self.invariant else None)
