@@ -226,6 +226,44 @@ def test_a_padded_prefill_outputs_and_keeps_the_states_of_each_rows_own_tokens(d
         assert_agree(dev["state"][slot], ref["state"][slot], dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_padded_prefill_saves_the_states_after_each_rows_first_tokens_to_the_rows_it_names(dtype):
+    """A prefix cache's save within a padded prefill (Batch.state_saves): the convolution and the delta
+    rule, kernels and reference, also write the states after row b's first save_at[b] tokens to row
+    rows[b], as the reference leaves them after those tokens alone; the outputs and the slots' states
+    are the pass's without the save."""
+    T = 20
+    inputs = gdn_inputs(dtype, T)
+    for key in ("conv_state", "state"):  # three rows more, for the saves
+        inputs[key] = torch.cat([inputs[key], torch.randn_like(inputs[key][:3])])
+    lengths, save_at, rows = torch.tensor([1, 20, 13]), torch.tensor([1, 17, 2]), torch.tensor([5, 6, 7])
+    results = {}
+    for ops, device in ((kernel_gdn, DEVICE), (reference_gdn, "cpu")):
+        for saving in (False, True):
+            t = on(device, inputs)
+            saves = (save_at.to(device), rows.to(device)) if saving else None
+            mixed = ops.causal_conv(t["x"], t["conv_state"], t["conv_weight"], t["slots"], lengths=lengths.to(device),
+                                    saves=saves)
+            out = ops.delta_rule(mixed, t["a"], t["b"], t["A_log"], t["dt_bias"], t["state"], t["slots"], t["k_heads"],
+                                 t["dk"], lengths=lengths.to(device), saves=saves)
+            results[ops, saving] = (out.cpu(), t["conv_state"].cpu(), t["state"].cpu())
+    for row, (n, r) in enumerate(zip(save_at.tolist(), rows.tolist())):
+        ref = on("cpu", inputs)
+        ref["slots"] = inputs["slots"][row : row + 1]
+        for key in ("x", "a", "b"):
+            ref[key] = inputs[key][row : row + 1, :n]
+        run_gdn(reference_gdn, ref, write=True)
+        slot = int(inputs["slots"][row])
+        for ops in (kernel_gdn, reference_gdn):
+            _, conv_state, state = results[ops, True]
+            assert_agree(conv_state[r], ref["conv_state"][slot], dtype)
+            assert_agree(state[r], ref["state"][slot], dtype)
+    for ops in (kernel_gdn, reference_gdn):
+        (out, conv_state, state), (plain_out, plain_conv, plain_state) = results[ops, True], results[ops, False]
+        assert torch.equal(out, plain_out)
+        assert torch.equal(conv_state[:5], plain_conv[:5]) and torch.equal(state[:5], plain_state[:5])
+
+
 def attention_pass_with_and_without_kernels(monkeypatch, dtype, head_dim: int, blocks: int, positions: torch.Tensor,
                                            kv_len: int, lengths: torch.Tensor | None = None):
     """A full-attention layer's pass over two rows at `positions` after a 37-token prefill of each (never

@@ -128,7 +128,7 @@ class Decoder(LastStagePrefill, ModelRunner):
         pairs with the token after a cached position."""
         hidden = self.model.config.hidden_size if self.draft_len else 0
         self.last_hidden = torch.zeros(rows, hidden, dtype=dtype, device=self.device)
-        self.saved_hidden = torch.zeros(saved, hidden, dtype=dtype, device=self.device)
+        self.saved_hidden = torch.zeros(saved + 1, hidden, dtype=dtype, device=self.device)  # (+ tails' scratch row)
         return self.last_hidden.nbytes + self.saved_hidden.nbytes
 
     def _keep_last_hidden(self, slots: torch.Tensor, hidden: torch.Tensor) -> None:
