@@ -138,8 +138,11 @@ def _delta_rule_kernel(qkv_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, state_ptr,
     tile = k_live[:, None] & v_live[None, :]
     p_state = state_ptr + ((slot * HV + hv) * DK + o_k[:, None]) * DV + o_v[None, :]
     h = tl.load(p_state, mask=tile, other=0.0)  # [DKP, BV] fp32
-    save_at = tl.load(save_at_ptr + b).to(tl.int32)  # (without saves: any valid value, unused)
-    p_save = state_ptr + ((tl.load(save_rows_ptr + b) * HV + hv) * DK + o_k[:, None]) * DV + o_v[None, :]
+    save_at = 0
+    p_save = p_state
+    if HAS_SAVES:
+        save_at = tl.load(save_at_ptr + b).to(tl.int32)
+        p_save = state_ptr + ((tl.load(save_rows_ptr + b) * HV + hv) * DK + o_k[:, None]) * DV + o_v[None, :]
     A = tl.exp(tl.load(A_log_ptr + hv).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
     dtype = qkv_ptr.dtype.element_ty

@@ -70,9 +70,10 @@ class TailPasses:
 
     def __init__(self, prefill_fn: PrefillFn, follow_fn: FollowFn, device: torch.device, hidden_size: int,
                  dtype: torch.dtype, draft_len: int, context: int, scratch_slot: int, graphs: bool,
-                 scratch_hidden: int = 0):
+                 scratch_hidden: int | None = None):
         self.prefill_fn, self.follow_fn = prefill_fn, follow_fn
         self.device, self.draft_len, self.context = device, draft_len, context
+        assert scratch_hidden is not None or not graphs, "graphed pieces without a save need a scratch hidden row"
         self.scratch = (scratch_slot, scratch_hidden)
         self.graphs = graphs and device.type == "cuda"
         self.replays = 0  # pieces prefilled through this (graphed or not)
