@@ -348,7 +348,7 @@ def cached_turn(model, context: int, tail: int, saves: list[int], tails: str, st
     layers = [layer for layer in runner.model.modules() if hasattr(layer, "recurrent_state")]
     states = [(layer.conv_state[slot].clone(), layer.recurrent_state[slot].clone()) for layer in layers]
     saved = [(layer.conv_state[runner.saved_rows + 1 :].clone(), layer.recurrent_state[runner.saved_rows + 1 :].clone())
-             for layer in layers] + [(runner.saved_hidden[1 : 1 + len(saves)].clone(),)]  # (with MTP: the hidden states)
+             for layer in layers] + [(runner.saved_hidden[1 : 1 + len(saves)].clone(),)]  # (+ the hidden states)
     for _ in range(steps):
         tokens += runner.step(StepRequest(decode=[1]), torch.empty(0, dtype=torch.long)).tokens[0]
     replays = runner.tails.replays if runner.tails is not None else 0
