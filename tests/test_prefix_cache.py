@@ -26,8 +26,9 @@ from shardspec.testing.grants import Grants
 BT = 32
 
 
-def cache(blocks: int = 64, states: int = 4, mtp: bool = False, finish: bool = True) -> PrefixCache:
-    return PrefixCache(BlockPool(Paging(blocks, BT, 4, 1 << 20, states, finish)), states, mtp, finish)
+def cache(blocks: int = 64, states: int = 4, mtp: bool = False, finish: bool = True, one_pass: int = 0) -> PrefixCache:
+    return PrefixCache(BlockPool(Paging(blocks, BT, 4, 1 << 20, states, finish)), states, mtp, finish,
+                       one_pass_tokens=one_pass)
 
 
 def request(tokens: list[int], seq: int = 0) -> Request:
@@ -77,6 +78,27 @@ def test_a_prefill_that_starts_near_its_end_saves_no_state_between_so_it_runs_as
     longer = request([*range(300), 900, 901, *range(1000, 1300)], 2)
     assert c.admit(longer, 20)
     assert longer.cached == 301 and [s.position for s in longer.cache.saves] == [(len(longer.prompt) - 1) // BT * BT]
+
+
+def test_where_workers_save_within_one_pass_a_short_cached_turn_saves_after_its_last_full_block():
+    """Workers whose tail graphs run a prefill of up to 128 new tokens as one pass with a save inside it
+    (Paging.one_pass_tokens): a cached turn that short saves after its last full block, so the next
+    turn starts there; a longer one, or one that saves elsewhere already, keeps the rule above."""
+    c = cache(blocks=256, one_pass=128)
+    turn = request(list(range(300)))
+    run(c, turn, [900, 901], 12)  # the state at 301
+    follow = request([*range(300), 900, 901, 902, 903, 904, *range(40)], 1)
+    assert c.admit(follow, 12)
+    assert follow.cached == 301 and [s.position for s in follow.cache.saves] == [(len(follow.prompt) - 1) // BT * BT]
+    c.release(follow)
+    longer = request([*range(300), 900, 901, *range(1000, 1200)], 2)  # (199 new tokens, past SHORT_TAIL's block)
+    assert c.admit(longer, 20)
+    assert longer.cached == 301 and longer.cache.saves == []
+    c.release(longer)
+    parting = request([*range(300), 900, 901, 902, 903, 904, *range(80)], 3)  # (its last full block: at 384)
+    parting.prefix_points = [320]  # (a save of its own within it, at 320: no second one)
+    assert c.admit(parting, 14)
+    assert parting.cached == 301 and [s.position for s in parting.cache.saves] == [320]
 
 
 def first_blocks(c: PrefixCache, depth: int) -> list[int]:

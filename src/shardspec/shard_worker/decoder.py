@@ -141,6 +141,10 @@ class Decoder(LastStagePrefill, ModelRunner):
             self.saved_hidden[torch.tensor(states, device=self.device)] = self.last_hidden[slots]
 
     @property
+    def one_pass_tokens(self) -> int:
+        return max(self.tails.tails, default=0) if self.tails is not None else 0
+
+    @property
     def keeps_finished_state(self) -> bool:
         """Not where a pass launched ahead may run on past a sequence that finished (LaunchAhead)."""
         return isinstance(self.ahead, NoLaunchAhead)
