@@ -224,8 +224,9 @@ def test_prefix_cache_hits_with_mtp_under_cuda_graphs_give_the_greedy_tokens_of_
     assert hits[5] == 0 and hits[6] == 64, hits  # the shared system prompt: saved by the second, hit by the third
 
 
-@pytest.mark.parametrize(("tail", "saves", "pieces"), [(9, [], 1), (20, [64], 2), (100, [], 1), (200, [64], 1)],
-                         ids=["one-piece", "a-save-splits-it", "a-piece-of-the-largest-bucket",
+@pytest.mark.parametrize(("tail", "saves", "pieces"),
+                         [(9, [], 1), (20, [64], 1), (60, [64, 96], 3), (100, [], 1), (200, [64], 1)],
+                         ids=["one-piece", "a-save-within-it", "two-saves-split-it", "a-piece-of-the-largest-bucket",
                               "a-long-piece-eagerly"])
 def test_a_cached_turn_prefilled_from_tail_graphs_equals_it_prefilled_eagerly(small_vocab_model, tail, saves,
                                                                               pieces, monkeypatch):

@@ -177,6 +177,18 @@ def test_the_delta_rule_gives_the_same_result_at_every_tile_shape():
         assert_agree(actual, expected, torch.float32)
 
 
+def reference_of_row(inputs: dict, row: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference over row `row`'s first n tokens alone: its output [1, n, HV, DV], and the conv
+    state and recurrent state it leaves in the row's slot."""
+    ref = on("cpu", inputs)
+    ref["slots"] = inputs["slots"][row : row + 1]
+    for key in ("x", "a", "b"):
+        ref[key] = inputs[key][row : row + 1, :n]
+    expected, _ = run_gdn(reference_gdn, ref, write=True)
+    slot = int(inputs["slots"][row])
+    return expected, ref["conv_state"][slot], ref["state"][slot]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_speculative_pass_leaves_states_alone_and_its_replay_commits_the_accepted_prefix(dtype):
     inputs = gdn_inputs(dtype, 4)
@@ -190,14 +202,10 @@ def test_a_speculative_pass_leaves_states_alone_and_its_replay_commits_the_accep
     kernel_gdn.delta_rule(mixed, dev["a"], dev["b"], dev["A_log"], dev["dt_bias"], dev["state"], dev["slots"],
                           dev["k_heads"], dev["dk"], write_out=False, lengths=lengths.to(DEVICE))
     for row, n in enumerate(lengths.tolist()):  # the states after the row's first n tokens, token by token
-        ref = on("cpu", inputs)
-        ref["slots"] = inputs["slots"][row : row + 1]
-        for key in ("x", "a", "b"):
-            ref[key] = inputs[key][row : row + 1, :n]
-        run_gdn(reference_gdn, ref, write=True)
+        _, conv_state, state = reference_of_row(inputs, row, n)
         slot = int(inputs["slots"][row])
-        assert_agree(dev["conv_state"][slot], ref["conv_state"][slot], dtype)
-        assert_agree(dev["state"][slot], ref["state"][slot], dtype)
+        assert_agree(dev["conv_state"][slot], conv_state, dtype)
+        assert_agree(dev["state"][slot], state, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -214,16 +222,45 @@ def test_a_padded_prefill_outputs_and_keeps_the_states_of_each_rows_own_tokens(d
     out = kernel_gdn.delta_rule(mixed, dev["a"], dev["b"], dev["A_log"], dev["dt_bias"], dev["state"], dev["slots"],
                                 dev["k_heads"], dev["dk"], lengths=lengths.to(DEVICE))
     for row, n in enumerate(lengths.tolist()):
-        ref = on("cpu", inputs)
-        ref["slots"] = inputs["slots"][row : row + 1]
-        for key in ("x", "a", "b"):
-            ref[key] = inputs[key][row : row + 1, :n]
-        expected, _ = run_gdn(reference_gdn, ref, write=True)
+        expected, conv_state, state = reference_of_row(inputs, row, n)
         slot = int(inputs["slots"][row])
         assert_agree(out[row, :n], expected[0], dtype)
         assert not out[row, n:].any()
-        assert_agree(dev["conv_state"][slot], ref["conv_state"][slot], dtype)
-        assert_agree(dev["state"][slot], ref["state"][slot], dtype)
+        assert_agree(dev["conv_state"][slot], conv_state, dtype)
+        assert_agree(dev["state"][slot], state, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_padded_prefill_saves_the_states_after_each_rows_first_tokens_to_the_rows_it_names(dtype):
+    """A prefix cache's save within a padded prefill (Batch.state_saves): the convolution and the delta
+    rule, kernels and reference, also write the states after row b's first save_at[b] tokens to row
+    rows[b], as the reference leaves them after those tokens alone; the outputs and the slots' states
+    are the pass's without the save."""
+    T = 20
+    inputs = gdn_inputs(dtype, T)
+    for key in ("conv_state", "state"):  # three rows more, for the saves
+        inputs[key] = torch.cat([inputs[key], torch.randn_like(inputs[key][:3])])
+    lengths, save_at, rows = torch.tensor([1, 20, 13]), torch.tensor([1, 17, 2]), torch.tensor([5, 6, 7])
+    results = {}
+    for ops, device in ((kernel_gdn, DEVICE), (reference_gdn, "cpu")):
+        for saving in (False, True):
+            t = on(device, inputs)
+            saves = (save_at.to(device), rows.to(device)) if saving else None
+            mixed = ops.causal_conv(t["x"], t["conv_state"], t["conv_weight"], t["slots"], lengths=lengths.to(device),
+                                    saves=saves)
+            out = ops.delta_rule(mixed, t["a"], t["b"], t["A_log"], t["dt_bias"], t["state"], t["slots"], t["k_heads"],
+                                 t["dk"], lengths=lengths.to(device), saves=saves)
+            results[ops, saving] = (out.cpu(), t["conv_state"].cpu(), t["state"].cpu())
+    for row, (n, r) in enumerate(zip(save_at.tolist(), rows.tolist())):
+        _, expected_conv, expected_state = reference_of_row(inputs, row, n)
+        for ops in (kernel_gdn, reference_gdn):
+            _, conv_state, state = results[ops, True]
+            assert_agree(conv_state[r], expected_conv, dtype)
+            assert_agree(state[r], expected_state, dtype)
+    for ops in (kernel_gdn, reference_gdn):
+        (out, conv_state, state), (plain_out, plain_conv, plain_state) = results[ops, True], results[ops, False]
+        assert torch.equal(out, plain_out)
+        assert torch.equal(conv_state[:5], plain_conv[:5]) and torch.equal(state[:5], plain_state[:5])
 
 
 def attention_pass_with_and_without_kernels(monkeypatch, dtype, head_dim: int, blocks: int, positions: torch.Tensor,

@@ -26,8 +26,9 @@ from shardspec.testing.grants import Grants
 BT = 32
 
 
-def cache(blocks: int = 64, states: int = 4, mtp: bool = False, finish: bool = True) -> PrefixCache:
-    return PrefixCache(BlockPool(Paging(blocks, BT, 4, 1 << 20, states, finish)), states, mtp, finish)
+def cache(blocks: int = 64, states: int = 4, mtp: bool = False, finish: bool = True, one_pass: int = 0) -> PrefixCache:
+    return PrefixCache(BlockPool(Paging(blocks, BT, 4, 1 << 20, states, finish)), states, mtp, finish,
+                       one_pass_tokens=one_pass)
 
 
 def request(tokens: list[int], seq: int = 0) -> Request:
@@ -77,6 +78,27 @@ def test_a_prefill_that_starts_near_its_end_saves_no_state_between_so_it_runs_as
     longer = request([*range(300), 900, 901, *range(1000, 1300)], 2)
     assert c.admit(longer, 20)
     assert longer.cached == 301 and [s.position for s in longer.cache.saves] == [(len(longer.prompt) - 1) // BT * BT]
+
+
+def test_where_workers_save_within_one_pass_a_short_cached_turn_saves_after_its_last_full_block():
+    """Workers whose tail graphs run a prefill of up to 128 new tokens as one pass with a save inside it
+    (Paging.one_pass_tokens): a cached turn that short saves after its last full block, so the next
+    turn starts there; a longer one, or one that saves elsewhere already, keeps the rule above."""
+    c = cache(blocks=256, one_pass=128)
+    turn = request(list(range(300)))
+    run(c, turn, [900, 901], 12)  # the state at 301
+    follow = request([*range(300), 900, 901, 902, 903, 904, *range(40)], 1)
+    assert c.admit(follow, 12)
+    assert follow.cached == 301 and [s.position for s in follow.cache.saves] == [(len(follow.prompt) - 1) // BT * BT]
+    c.release(follow)
+    longer = request([*range(300), 900, 901, *range(1000, 1200)], 2)  # (199 new tokens, past SHORT_TAIL's block)
+    assert c.admit(longer, 20)
+    assert longer.cached == 301 and longer.cache.saves == []
+    c.release(longer)
+    parting = request([*range(300), 900, 901, 902, 903, 904, *range(80)], 3)  # (its last full block: at 384)
+    parting.prefix_points = [320]  # (a save of its own within it, at 320: no second one)
+    assert c.admit(parting, 14)
+    assert parting.cached == 301 and [s.position for s in parting.cache.saves] == [320]
 
 
 def first_blocks(c: PrefixCache, depth: int) -> list[int]:
@@ -324,12 +346,12 @@ def cached_turn(model, context: int, tail: int, saves: list[int], tails: str, st
     boundary block copied) prefills its `tail` new tokens, saving states at `saves`, then decodes
     greedily; its short pieces through the padded tail passes (tails.TailPasses) run eagerly (`tails`
     "eager"), from the runner's CUDA graphs ("graphs") or not at all ("off"). The tokens, the drafts
-    after the prefill, the slot's recurrent states after it, the saved states and the pieces the tail
-    passes took."""
-    runner = Decoder(model, torch.device(device), 2, 320, 512, 3, prefix_cache=True)
+    after the prefill, the slot's recurrent states after it, the saved states (with the hidden states
+    saved beside them) and the pieces the tail passes took."""
+    runner = Decoder(model, torch.device(device), 3, 320, 512, 3, prefix_cache=True)  # (3 saved states)
     if tails == "eager":
         runner.tails = TailPasses(runner._tail_prefill, runner._first_drafts, torch.device(device),
-                                  model.config.hidden_size, torch.float32, 3, runner.context, 2, graphs=False)
+                                  model.config.hidden_size, torch.float32, 3, runner.context, 3, graphs=False)
     elif tails == "off":
         runner.tails = None
     else:
@@ -348,7 +370,7 @@ def cached_turn(model, context: int, tail: int, saves: list[int], tails: str, st
     layers = [layer for layer in runner.model.modules() if hasattr(layer, "recurrent_state")]
     states = [(layer.conv_state[slot].clone(), layer.recurrent_state[slot].clone()) for layer in layers]
     saved = [(layer.conv_state[runner.saved_rows + 1 :].clone(), layer.recurrent_state[runner.saved_rows + 1 :].clone())
-             for layer in layers]
+             for layer in layers] + [(runner.saved_hidden[1 : 1 + len(saves)].clone(),)]  # (+ the hidden states)
     for _ in range(steps):
         tokens += runner.step(StepRequest(decode=[1]), torch.empty(0, dtype=torch.long)).tokens[0]
     replays = runner.tails.replays if runner.tails is not None else 0
@@ -356,14 +378,16 @@ def cached_turn(model, context: int, tail: int, saves: list[int], tails: str, st
     return tokens, drafts, states, saved, replays
 
 
-@pytest.mark.parametrize(("tail", "saves", "pieces"), [(9, [], 1), (20, [64], 2), (100, [], 1), (200, [64], 1)],
-                         ids=["one-piece", "a-save-splits-it", "a-piece-of-the-largest-bucket",
+@pytest.mark.parametrize(("tail", "saves", "pieces"),
+                         [(9, [], 1), (20, [64], 1), (60, [64, 96], 3), (100, [], 1), (200, [64], 1)],
+                         ids=["one-piece", "a-save-within-it", "two-saves-split-it", "a-piece-of-the-largest-bucket",
                               "a-long-piece-eagerly"])
 def test_a_cached_turn_prefilled_in_padded_pieces_equals_it_prefilled_as_it_is(small_vocab_model, tail, saves,
                                                                                pieces):
     """The padded tail passes a GPU replays from graphs, run eagerly: the tokens, the first drafts
     (the MTP layer's entries), the states after the prefill and those saved within it equal the
-    unpadded prefill's. Pieces longer than the largest bucket (128) prefill unpadded."""
+    unpadded prefill's. A turn that fits a bucket is one piece, a save within it written by that pass;
+    two saves split it; pieces longer than the largest bucket (128) prefill unpadded."""
     model = load_model(small_vocab_model, TPGroup(), torch.float32, torch.device("cpu"), with_mtp=True)
     tokens, drafts, states, saved, _ = cached_turn(model, 45, tail, saves, "off")
     tokens_p, drafts_p, states_p, saved_p, replays = cached_turn(model, 45, tail, saves, "eager")

@@ -25,6 +25,9 @@ class Batch:
     # the recurrent layers keep the state after them, and attention reads and writes the cache in place
     # (the tokens after them write K/V past the sequence's end, which its next tokens overwrite)
     lengths: torch.Tensor | None = None
+    # (save_at [B], rows [B]): the recurrent layers also write the state after row b's first save_at[b]
+    # tokens (1 <= save_at[b] <= its length) to state row rows[b] (a prefix cache's save within a padded pass)
+    state_saves: tuple[torch.Tensor, torch.Tensor] | None = None
     saved: dict[CachedLayer, Any] = field(default_factory=dict)  # a speculative pass's inputs, per layer
 
     @classmethod

@@ -30,13 +30,16 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6, exact: bool = False) -> tor
     return x * torch.rsqrt(row_reduce(lambda rows: (rows * rows).sum(-1, keepdim=True), x, exact) + eps)
 
 
-def recurrent_delta_rule(q, k, v, g, beta, state, lengths: torch.Tensor | None = None, exact: bool = False):
+def recurrent_delta_rule(q, k, v, g, beta, state, lengths: torch.Tensor | None = None, exact: bool = False,
+                         save_at: torch.Tensor | None = None):
     """Token-by-token delta rule. q, k: [B,H,T,Dk]; v: [B,H,T,Dv]; g, beta: [B,H,T]; state fp32.
 
-    Returns the output [B,H,T,Dv] and the final state; with `lengths` [B], row b's state stops
-    changing after its first lengths[b] tokens. exact: batch-invariant (layers.invariant.pointwise)."""
+    Returns the output [B,H,T,Dv], the final state and, with `save_at` [B], the state after row b's
+    first save_at[b] tokens (else None); with `lengths` [B], row b's state stops changing after its
+    first lengths[b] tokens. exact: batch-invariant (layers.invariant.pointwise)."""
     outputs = []
     decay = pointwise(torch.exp, g, exact)
+    saved = None if save_at is None else state
     for t in range(q.shape[2]):
         new = state * decay[:, :, t, None, None]
         predicted = matvec(k[:, :, t], new, exact)  # S^T k: [B,H,Dv]
@@ -44,7 +47,9 @@ def recurrent_delta_rule(q, k, v, g, beta, state, lengths: torch.Tensor | None =
         new = new + k[:, :, t, :, None] * delta[:, :, None, :]
         outputs.append(matvec(q[:, :, t], new, exact))
         state = new if lengths is None else torch.where((t < lengths)[:, None, None, None], new, state)
-    return torch.stack(outputs, dim=2), state
+        if save_at is not None:
+            saved = torch.where((t == save_at - 1)[:, None, None, None], state, saved)
+    return torch.stack(outputs, dim=2), state, saved
 
 
 def chunked_delta_rule(q, k, v, g, beta, state, chunk: int | None = None):
@@ -96,32 +101,38 @@ def depthwise_conv(window: torch.Tensor, weight: torch.Tensor, exact: bool = Fal
     return out.to(window.dtype)
 
 
-def causal_conv(x, state, weight, slots, write_out=True, write_state=True, lengths=None, exact=False):
+def causal_conv(x, state, weight, slots, write_out=True, write_state=True, lengths=None, exact=False, saves=None):
     """Depthwise causal convolution + SiLU of x [B, T, C] after the conv state [slots, C, K-1] of
     each row's slot (zeros when `state` is None); optionally writes the K-1 inputs ending at token
     lengths[b]-1 (default: the last token) back to the slot (`lengths`: a replay of an accepted prefix,
-    or a padded prefill); `exact`: see depthwise_conv. The reference for kernels.gdn.causal_conv."""
+    or a padded prefill); `saves` (save_at [B], rows [B]): also the K-1 inputs ending at token
+    save_at[b]-1 to state row rows[b] (Batch.state_saves); `exact`: see depthwise_conv. The reference
+    for kernels.gdn.causal_conv."""
     K = weight.shape[-1]
     inputs = x.transpose(1, 2)
     window = F.pad(inputs, (K - 1, 0)) if state is None else torch.cat([state[slots], inputs], dim=-1)
+
+    def ending_at(n: torch.Tensor) -> torch.Tensor:  # the K-1 inputs before row b's token n[b]
+        index = n[:, None, None] + torch.arange(K - 1, device=x.device)
+        return window.gather(2, index.expand(-1, window.shape[1], -1))
+
+    if saves is not None and state is not None:
+        state[saves[1]] = ending_at(saves[0])
     if write_state and state is not None:
-        if lengths is None:
-            state[slots] = window[..., -(K - 1) :]
-        else:
-            index = lengths[:, None, None] + torch.arange(K - 1, device=x.device)
-            state[slots] = window.gather(2, index.expand(-1, window.shape[1], -1))
+        state[slots] = window[..., -(K - 1) :] if lengths is None else ending_at(lengths)
     if write_out:
         return pointwise(F.silu, depthwise_conv(window, weight, exact), exact).transpose(1, 2)
     return None
 
 
 def delta_rule(qkv, a, b, A_log, dt_bias, state, slots, k_heads, dk, write_out=True, write_state=True,
-               lengths=None, exact=False):
+               lengths=None, exact=False, saves=None):
     """The gated delta rule over qkv [B, T, q|k|v] (after the convolution), from the recurrent state
     [slots, HV, dk, dv] of each row's slot (zeros when `state` is None); returns the output
     [B, T, HV, dv] in qkv's dtype and optionally writes the state after token lengths[b]-1 (default:
-    the last) back to the slot (the outputs past lengths[b] are padding's); `exact`: batch-invariant. The reference for
-    kernels.gdn.delta_rule."""
+    the last) back to the slot (the outputs past lengths[b] are padding's); `saves` (save_at [B], rows
+    [B]): also the state after token save_at[b]-1 to state row rows[b]; `exact`: batch-invariant. The
+    reference for kernels.gdn.delta_rule."""
     B, T, _ = qkv.shape
     v_heads = A_log.shape[0]
     key_dim = k_heads * dk
@@ -136,10 +147,14 @@ def delta_rule(qkv, a, b, A_log, dt_bias, state, slots, k_heads, dk, write_out=T
     initial = q.new_zeros(B, v_heads, dk, v.shape[-1]) if state is None else state[slots]
     # batch-invariant mode prefills token by token too: a token's arithmetic is then the same in a
     # prompt as in decoding (a preempted sequence, prefilled again, goes on with the same tokens)
-    if T == 1 or lengths is not None or not write_state or exact:
-        out, final = recurrent_delta_rule(q, k, v, g, beta, initial, lengths, exact)
+    saved = None
+    if T == 1 or lengths is not None or not write_state or exact or saves is not None:
+        out, final, saved = recurrent_delta_rule(q, k, v, g, beta, initial, lengths, exact,
+                                                 None if saves is None else saves[0])
     else:
         out, final = chunked_delta_rule(q, k, v, g, beta, initial)
+    if saved is not None and state is not None:
+        state[saves[1]] = saved
     if write_state and state is not None:
         state[slots] = final
     return out.transpose(1, 2).to(qkv.dtype) if write_out else None
@@ -197,9 +212,9 @@ class GatedDeltaNet(CachedLayer):
         write = not batch.speculative  # a speculative pass leaves the states as they were
         conv, delta = self._ops(x, cached, self.invariant)
         mixed = conv(qkv, self.conv_state if cached else None, self.conv1d_weight, batch.slots, write_state=write,
-                     lengths=batch.lengths)
+                     lengths=batch.lengths, saves=batch.state_saves)
         out = delta(mixed, a, b, self.A_log, self.dt_bias, self.recurrent_state if cached else None, batch.slots,
-                    self.k_heads, self.dk, write_state=write, lengths=batch.lengths)
+                    self.k_heads, self.dk, write_state=write, lengths=batch.lengths, saves=batch.state_saves)
         if batch.speculative:  # what commit() replays
             batch.saved[self] = (qkv, mixed, a, b)
         return self.out_proj(self.norm(out, z.view(B, T, self.v_heads, self.dv)).reshape(B, T, -1))

@@ -23,8 +23,9 @@ from shardspec.protocol.messages import LoadReply
 class Paging:
     """What every worker reported at load: the blocks all of them hold (the fewest), positions per
     block, positions one step may write past a sequence's length, a sequence's most positions, the
-    saved recurrent states all of them hold for the prefix cache, and whether a finished sequence's
-    state stays for its release to save (on every worker)."""
+    saved recurrent states all of them hold for the prefix cache, whether a finished sequence's
+    state stays for its release to save (on every worker), and the most new tokens a prefill from a
+    saved state runs as one pass with a state saved within it (on every worker: LoadReply)."""
 
     blocks: int
     block_tokens: int
@@ -32,13 +33,14 @@ class Paging:
     context: int  # max_seq_len + step_span - 1: what a sequence's blocks never need to pass
     states: int = 0
     keeps_finished_state: bool = False
+    one_pass_tokens: int = 0
 
     @classmethod
     def of(cls, replies: list[LoadReply]) -> Paging:
         first = replies[0]
         return cls(min(r.kv_blocks for r in replies), first.block_tokens, first.step_span,
                    first.max_seq_len + first.step_span - 1, min(r.prefix_states for r in replies),
-                   all(r.keeps_finished_state for r in replies))
+                   all(r.keeps_finished_state for r in replies), min(r.one_pass_tokens for r in replies))
 
     def blocks_for(self, positions: int) -> int:
         return -(-min(positions, self.context) // self.block_tokens)

@@ -306,7 +306,7 @@ class Engine:
         paging = self.group.paging
         pool = BlockPool(paging)
         cache = PrefixCache(pool, paging.states, self.draft_tokens > 0, paging.keeps_finished_state,
-                            self.config.prefix_cache)
+                            self.config.prefix_cache, paging.one_pass_tokens)
         self.scheduler.use(pool, cache, self.draft_tokens, self.seq_ids)
         log.info("K/V cache: %d positions (%d blocks of %d) for up to %d sequences at once; prefix cache: %s",
                  paging.positions, paging.blocks, paging.block_tokens, self.config.max_seqs,

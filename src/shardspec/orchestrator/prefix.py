@@ -135,8 +135,10 @@ class PrefixCache:
     """The tree of cached blocks and the saved states of one load of the workers (Paging.states of
     them). Disabled (`enabled` false), it holds nothing: every prefill starts at 0."""
 
-    def __init__(self, pool: BlockPool, states: int, mtp: bool, keeps_finished_state: bool, enabled: bool = True):
+    def __init__(self, pool: BlockPool, states: int, mtp: bool, keeps_finished_state: bool, enabled: bool = True,
+                 one_pass_tokens: int = 0):
         self.pool = pool
+        self.one_pass_tokens = one_pass_tokens  # Paging.one_pass_tokens
         self.block_tokens = pool.paging.block_tokens
         self.mtp = mtp
         self.enabled = enabled and states > 0
@@ -249,9 +251,12 @@ class PrefixCache:
         last = (length - 1) // bt * bt
         # (a prefill that starts at a hit within SHORT_TAIL of its last full block saves nothing there:
         # the same prompt again would start at the hit, at the cost of those few tokens, while the save
-        # would split this prefill, a short one, into two passes)
+        # would split this prefill, a short one, into two passes; unless the workers run it as one pass
+        # with that save within it, and it saves nothing else)
         ends = [last] if not hit.length or last - hit.length >= SHORT_TAIL else []
         positions = {*ends, min(len(hit.nodes) * bt, last), *(min(p // bt * bt, last) for p in points)}
+        if hit.length and length - hit.length <= self.one_pass_tokens and all(p <= hit.length for p in positions):
+            positions.add(last)
         saves = []
         for position in sorted(p for p in positions if p > hit.length):
             depth = position // bt

@@ -240,6 +240,9 @@ class LoadReply:
     # a finished sequence's state stays at its last committed token until released (no pass launched
     # ahead runs past it), so a release may save it (ReleaseRequest.saves)
     keeps_finished_state: bool
+    # the most new tokens a prefill from a saved state runs as one pass with a state saved within it
+    # (the worker's largest tail graph: shard_worker.tails), 0 for none
+    one_pass_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,7 @@ class Decoder(LastStagePrefill, ModelRunner):
         pairs with the token after a cached position."""
         hidden = self.model.config.hidden_size if self.draft_len else 0
         self.last_hidden = torch.zeros(rows, hidden, dtype=dtype, device=self.device)
-        self.saved_hidden = torch.zeros(saved, hidden, dtype=dtype, device=self.device)
+        self.saved_hidden = torch.zeros(saved + 1, hidden, dtype=dtype, device=self.device)  # (+ tails' scratch row)
         return self.last_hidden.nbytes + self.saved_hidden.nbytes
 
     def _keep_last_hidden(self, slots: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -139,6 +139,10 @@ class Decoder(LastStagePrefill, ModelRunner):
         super()._save_states(slots, states)
         if self.draft_len:
             self.saved_hidden[torch.tensor(states, device=self.device)] = self.last_hidden[slots]
+
+    @property
+    def one_pass_tokens(self) -> int:
+        return max(self.tails.tails, default=0) if self.tails is not None else 0
 
     @property
     def keeps_finished_state(self) -> bool:

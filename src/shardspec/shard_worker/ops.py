@@ -185,6 +185,7 @@ class OpHandlers:
             step_span=self.runner.paging.span,
             prefix_states=self.runner.prefix_states,
             keeps_finished_state=self.runner.keeps_finished_state,
+            one_pass_tokens=self.runner.one_pass_tokens,
         )
         return reply, None
 

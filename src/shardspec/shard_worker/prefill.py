@@ -3,7 +3,8 @@ position, saving states on the way; the first token of each sampled; its first d
 
 A lone prompt's short chunks (a cached turn's new tokens) replay CUDA graphs where the worker
 captured them (tails.TailPasses: the chunk padded to a bucket, the MTP layer's entries in the same
-graph, a second graph for the first drafts); every other chunk runs eagerly.
+graph, a second graph for the first drafts); a turn that fits a bucket is one replay, with the prefix
+cache's save within it if it has one; every other chunk runs eagerly.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from shardspec.shard_worker.logprobs import chunk_prompt_rows, token_rows
 from shardspec.shard_worker.penalties import TokenCounts
 from shardspec.shard_worker.results import StepResult
 from shardspec.shard_worker.sequences import Sequence
-from shardspec.shard_worker.tails import TailPasses
+from shardspec.shard_worker.tails import Saves, TailPasses
 
 log = logging.getLogger("shardspec.worker")
 
@@ -63,6 +64,12 @@ class LastStagePrefill:
         hidden_before = None
         if start and self.draft_len:
             hidden_before = self.saved_hidden[torch.tensor([spec.state for spec in specs], device=self.device)][:, None]
+        if tails is not None and (hidden_before is not None or not self.draft_len) and len(saves) <= 1 and \
+                tails.fits(start, prompts.shape[1] - start):  # one replay, any save within it
+            save = None
+            for position, (state,) in saves.items():
+                save = (position - start, self.saved_rows + state, state)
+            return tails.prefill(prompts[:, start:], start, slots, hidden_before, save)
         for ids, batch in self._chunks(prompts, slots, start, tuple(saves)):
             chunk_start = batch.kv_len - ids.shape[1]
             if tails is not None and (hidden_before is not None or not self.draft_len) and \
@@ -119,14 +126,24 @@ class LastStagePrefill:
         return self._chain(heads, slots, lengths, min(context + self.draft_len, self.context))
 
     def _tail_prefill(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
-                      hidden_before: torch.Tensor | None, kv_len: int) -> torch.Tensor:
+                      hidden_before: torch.Tensor | None, kv_len: int, saves: Saves | None = None) -> torch.Tensor:
         """A prefill padded past each row's lengths[b] tokens (tails.TailPasses): the layers and, with MTP,
-        the MTP layer one position behind; the hidden state at each row's last token [B, H]."""
-        batch = Batch(slots, positions, kv_len, lengths=lengths)  # (not `tail`: a graph's kv_len is the widest)
+        the MTP layer one position behind; the hidden state at each row's last token [B, H]. `saves`: the
+        recurrent states after row b's first save_at[b] tokens into their rows (Batch.state_saves) and,
+        with MTP, the hidden state at its last of them into saved_hidden (as _save_states keeps it)."""
+        # (not `tail`: a graph's kv_len is the widest)
+        batch = Batch(slots, positions, kv_len, lengths=lengths, state_saves=None if saves is None else saves[:2])
         hidden = self.model(ids, batch)
         if self.draft_len:
             self._draft_prefill(ids, hidden, hidden_before, slots, batch)
-        return hidden.gather(1, (lengths - 1)[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
+            if saves is not None:
+                self.saved_hidden[saves[2]] = self._hidden_at(hidden, saves[0])
+        return self._hidden_at(hidden, lengths)
+
+    @staticmethod
+    def _hidden_at(hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """hidden [B, T, H] at row b's token tokens[b] - 1: [B, H]."""
+        return hidden.gather(1, (tokens - 1)[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
 
     def _capture_tails(self, scratch_slot: int) -> int:
         """A whole model's graphs of short prefills (tails.TailPasses), on a GPU with graphs and kernels
@@ -136,7 +153,8 @@ class LastStagePrefill:
                 and self.model.tp.size == 1 and not self.deterministic):
             return 0
         tails = TailPasses(self._tail_prefill, self._first_drafts, self.device, self.model.config.hidden_size,
-                           self.cache_dtype, self.draft_len, self.context, scratch_slot, graphs=True)
+                           self.cache_dtype, self.draft_len, self.context, scratch_slot, graphs=True,
+                           scratch_hidden=self.prefix_states)
         try:
             captured = tails.capture_all()
         except (torch.OutOfMemoryError, RuntimeError) as e:  # (Triton's out of resources is a RuntimeError)

@@ -351,6 +351,12 @@ class ModelRunner:
         """Whether a finished sequence's state stays at its last committed token until its release."""
         return True
 
+    @property
+    def one_pass_tokens(self) -> int:
+        """The most new tokens a prefill from a saved state runs as one pass with a state saved within it
+        (LoadReply.one_pass_tokens): none here (Decoder's tail graphs)."""
+        return 0
+
     def chunk_length(self, prompts: int) -> int:
         """Tokens per prompt in one prefill pass: the pass takes at most prefill_chunk tokens in all,
         in whole multiples of 64 (fla's chunk) per prompt, but never fewer than 64 each (so more than
