@@ -62,7 +62,7 @@
 #           stages on cuda:0 (8 GiB of cache a stage: the default takes 90 % of the GPU), then PP = 2's link cost;
 #           each run within 280 s (PP = 2 loads and captures two stages: over 150 s on an H100)
 #   cached-turn  one H200 or H100, ~9 minutes: while the 9B-class checkpoint is written, the GPU tests of the tail
-#           graphs, the attention kernels, greedy decoding and the prefix cache, then a cached 8,000-token turn on the
+#           graphs, the padded kernels and their saves, the attention kernels and the prefix cache, then a cached 8,000-token turn on the
 #           worker alone (bench/profile_step.py --cached-turn, in-process, MTP off and k = 3: from the tail graphs and
 #           eagerly, its peer), then
 #           bench/prefix_cache.py's two conversations of an 8,000-token system prompt in Qwen3.5's chat format
@@ -300,8 +300,9 @@ for stage in "$@"; do
         ;;
     cached-turn)
         [ -f .bench/9b-chat/config.json ] || { write_9b > "$out/write-9b.log" 2>&1 & }
-        timeout 200 python3 -m pytest -q -n 4 -rf tests/test_cuda.py tests/test_kernels.py --timeout 150 \
-            -k "tail_graphs or prefix_cache_hits or padded or speculative or attention or greedy" 2>&1 \
+        # (greedy and speculative decoding's GPU tests: serving-tests; these fit beside the checkpoint's writing)
+        timeout 240 python3 -m pytest -q -n 4 -rf tests/test_cuda.py tests/test_kernels.py --timeout 150 \
+            -k "tail_graphs or prefix_cache_hits or padded or saves or attention" 2>&1 \
             | tee "$out/tests-tails.log" || failed=1
         timeout 260 python3 bench/profile_step.py --size 9b --k 0 3 --steps 10 --cached-turn 8000 60 2>&1 \
             | tee "$out/cached-turn-9b.log" || failed=1
