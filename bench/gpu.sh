@@ -64,7 +64,8 @@
 #   cached-turn  one H200 or H100, ~9 minutes: while the 9B-class checkpoint is written, the GPU tests of the tail
 #           graphs, the padded kernels and their saves, the attention kernels and the prefix cache, then a cached 8,000-token turn on the
 #           worker alone (bench/profile_step.py --cached-turn, in-process, MTP off and k = 3: from the tail graphs and
-#           eagerly, its peer), then
+#           eagerly, its peer, without a save and with one or two; and decode steps at a 512-token and at that context,
+#           attention's keys split and not, its peer), then
 #           bench/prefix_cache.py's two conversations of an 8,000-token system prompt in Qwen3.5's chat format
 #           (.bench/9b-qwen; cache on and off, where each
 #           turn's time to first token goes)
@@ -116,11 +117,11 @@ write_9b() {  # the 9B-class checkpoint; .bench/9b-chat: its weights with the bu
         mkdir -p .bench/$chat
         for f in .bench/9b/*; do [ "${f##*/}" = config.json ] || ln -sf "$PWD/$f" .bench/$chat/; done
     done
-    python3 -c 'from shardspec.testing.chat_model import write_chat_files; write_chat_files(".bench/9b-qwen")'
     cp src/shardspec/bundled/tokenizer.json src/shardspec/bundled/tokenizer_config.json .bench/9b-chat/
-    python3 -c 'import json; c = json.load(open(".bench/9b/config.json")); t = c.get("text_config", c)
-t["eos_token_id"] = c["eos_token_id"] = 0; json.dump(c, open(".bench/9b-qwen/config.json", "w"))
-json.dump(c, open(".bench/9b-chat/config.json", "w"))'
+    python3 -c 'import json; from shardspec.testing.chat_model import write_chat_files
+write_chat_files(".bench/9b-qwen"); c = json.load(open(".bench/9b/config.json")); t = c.get("text_config", c)
+t["eos_token_id"] = c["eos_token_id"] = 0
+for chat in ("9b-qwen", "9b-chat"): json.dump(c, open(f".bench/{chat}/config.json", "w"))'
 }
 
 for stage in "$@"; do

@@ -185,17 +185,16 @@ def cached_turn_profile(model: Qwen3_5Model, device: torch.device, context: int,
     grants.step(StepRequest(prefill=[PrefillSpec(seq=0, length=context, max_tokens=1,
                                                  saves=[SaveAt(context, 0)])]), prompt[:context])
     grants.release([0])
-    boundary = (context - 1) // runner.paging.block_tokens
-
     bt = runner.paging.block_tokens
-    boundaries = [p for p in range((context // bt + 1) * bt, context + tail + 1, bt)][:2]
+    boundary = (context - 1) // bt
+    boundaries = list(range((context // bt + 1) * bt, context + tail + 1, bt))[:2]  # (where saves may go)
 
     def once(seq: int, saves: int = 0) -> None:
         at = [SaveAt(p, 1 + i) for i, p in enumerate(boundaries[:saves])]
         spec = dataclasses.replace(grants(StepRequest(prefill=[PrefillSpec(seq=seq, length=context + tail,
                                                                            max_tokens=16, saves=at)])).prefill[0])
         spec = dataclasses.replace(spec, cached=context, state=0,
-                                   copy_from=spec.blocks[boundary] if context % runner.paging.block_tokens else -1)
+                                   copy_from=spec.blocks[boundary] if context % bt else -1)
         runner.step(StepRequest(prefill=[spec]), prompt)
         grants.release([seq])
 
