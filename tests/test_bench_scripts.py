@@ -22,6 +22,7 @@ NO_DEVICE = {  # the scripts without --device, and why
     "draft_head.py": "the fp8 draft head emulated on the CPU",
     "plot_decode.py": "reads results",
     "trace_gaps.py": "reads traces",
+    "tree_bound.py": "computes a bound from measured parts",
 }
 
 # one process for all scripts (each would import torch again): the way `python bench/x.py` runs a script
@@ -114,3 +115,17 @@ def test_prefix_cache_bench_sweep_reads_the_peak_of_running_sequences(tmp_path):
     assert [level["requests"] for level in figures["levels"]] == [1, 2]
     assert all(1 <= level["peak_running"] <= level["requests"] for level in figures["levels"])
     assert all(level["completion_tokens"] == 16 * level["requests"] for level in figures["levels"])
+
+
+def test_the_tree_bound_gives_one_loop_a_step_without_holds_and_half_a_loop_when_free_branches_all_hold():
+    """bench/tree_bound.py's recurrence at its two ends: no tree held, 2L + T0 + S1 a step; every tree
+    held with branches that cost nothing, two steps in flight, half that; a chain on the path adds."""
+    import runpy
+
+    step_ms = runpy.run_path(str(BENCH / "tree_bound.py"))["step_ms"]
+    link, stage0, stage1 = 10.0, 7.0, 16.0
+    loop = 2 * link + stage0 + stage1
+    assert step_ms(0.0, link, stage0, stage1, 0.0, stage0) == pytest.approx(loop, rel=1e-3)
+    assert step_ms(1.0, link, stage0, stage1, 0.0, stage0) == pytest.approx(loop / 2, rel=1e-3)
+    assert step_ms(1.0, link, stage0, stage1, 14.0, 20.0) == pytest.approx((2 * link + 14.0 + 20.0 + stage1) / 2,
+                                                                         rel=1e-3)
