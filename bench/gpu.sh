@@ -76,6 +76,10 @@
 #           MTP off at batch 1 with launch ahead and without (its peer), then MTP on at batch 1 and 8 with it
 #   grammar-bundled  one H200 or H100, ~2 minutes: bench/structured.py on the bundled model (no checkpoint to write),
 #           MTP off at batch 1 with launch ahead and without (its peer), then MTP on at batch 1 and 8 with it
+#   pp-profile  one H200 or H100, ~4 minutes: where a PP = 2 step at batch 1 without MTP goes past PP = 1's (both stages
+#           on cuda:0): PP = 2 with every worker under the profiler (SHARDSPEC_PROFILE, steps 20 to 51 of its load),
+#           then bench/trace_gaps.py over both workers' traces (the device's idle gaps and what each host was in at
+#           them) and each worker's step table
 #   serving-tests  one H200 or H100, ~6 minutes: tests/test_cuda.py (6 xdist workers: the prefix cache, JSON under
 #           CUDA graphs, PP = 2 at the 9B widths, launch ahead, ...; the 9B-class checkpoint written meanwhile, for a
 #           stage after it)
@@ -90,8 +94,8 @@ shift 2
 for stage in "$@"; do
     case $stage in
     tests | 9b | 9b-tp2 | tp2-profile | 27b | floor | deterministic | pp | moe | moe-wide | fp8 | parts | gemv | paged \
-        | serving | pp-b1 | cached-turn | grammar | grammar-ab | grammar-bundled | serving-tests) ;;
-    *) echo "gpu.sh: unknown stage '$stage' (tests, 9b, 9b-tp2, tp2-profile, 27b, floor, deterministic, pp, moe, moe-wide, fp8, parts, gemv, paged, serving, pp-b1, cached-turn, grammar, grammar-ab, grammar-bundled, serving-tests)" >&2
+        | serving | pp-b1 | pp-profile | cached-turn | grammar | grammar-ab | grammar-bundled | serving-tests) ;;
+    *) echo "gpu.sh: unknown stage '$stage' (tests, 9b, 9b-tp2, tp2-profile, 27b, floor, deterministic, pp, moe, moe-wide, fp8, parts, gemv, paged, serving, pp-b1, pp-profile, cached-turn, grammar, grammar-ab, grammar-bundled, serving-tests)" >&2
        exit 2 ;;
     esac
 done
@@ -357,6 +361,15 @@ for stage in "$@"; do
                 --batch 1 --k 3 --forced 0.8 --prefill $([ $pp = 2 ] && echo --link-cost) \
                 --out "$out/decode-9b-pp$pp-paged.json" 2>&1 | tee "$out/decode-9b-pp$pp-paged.log" || failed=1
         done
+        ;;
+    pp-profile)
+        [ -f .bench/9b/config.json ] || write_9b || failed=1
+        rm -rf /tmp/pp-profile && mkdir -p /tmp/pp-profile
+        SHARDSPEC_PROFILE=/tmp/pp-profile:20:52 timeout 280 python3 bench/decode.py --size 9b --ckpt .bench/9b --pp 2 \
+            --device cuda:0 --cache-memory 8GiB --batch 1 --k --new-tokens 64 --out "$out/decode-9b-pp2-profiled.json" \
+            2>&1 | tee "$out/decode-9b-pp2-profiled.log" || failed=1
+        python3 bench/trace_gaps.py /tmp/pp-profile/worker-*-1.json.gz 2>&1 | tee "$out/trace-gaps-9b-pp2.log" || failed=1
+        cat /tmp/pp-profile/worker-*.txt > "$out/profile-9b-pp2-workers.txt" || failed=1
         ;;
     esac
 done
