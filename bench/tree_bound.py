@@ -1,12 +1,13 @@
 """What a tree of guesses can reach at PP = 2, batch 1: a step's time from the loop's parts.
 
-    python bench/tree_bound.py [--link-ms 12] [--stage0-ms 11.7] [--stage1-ms 16.5] [--chain-ms 11]
-                               [--tree-pass-ms 16.4] [--far-step-ms 23.9] [--held 0 0.5 0.62 1]
+    python bench/tree_bound.py [--link-ms 12] [--stage0-ms 9.2] [--stage1-ms 17.8] [--chain-ms 13.5]
+                               [--tree-pass-ms 19.5] [--far-step-ms 24.4] [--held 0 0.5 0.62 0.73 1]
 
 The parts, as a step's timeline shows them (docs/benchmarks.md, "What bounds the tree"): L, one way
 over the link with what sending and receiving cost; T0, stage 0's pass of one row after the record;
 S1, the last stage's verify, acceptance and drafts; B, the last stage's chain of the next tree's
-branches after each record; T0w, stage 0's fork, commit and pass over the tree's rows. Steps follow
+branches after each record; T0w, stage 0's fork, commit and pass over the tree's rows (the defaults:
+the medians of a 2-core run's timelines, docs/data/tree-10ms-b1-parts.log). Steps follow
 the protocol of shard_worker/stage.py and guessing.py, event by event, with the trees holding at
 random at the given share:
 
@@ -51,15 +52,15 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--link-ms", type=float, default=12.0,
                         help="L: one way, with sending and receiving (default 12)")
-    parser.add_argument("--stage0-ms", type=float, default=11.7, help="T0: stage 0's pass of one row (default 11.7)")
-    parser.add_argument("--stage1-ms", type=float, default=16.5,
-                        help="S1: the last stage's verify, acceptance and drafts (default 16.5)")
-    parser.add_argument("--chain-ms", type=float, default=11.0,
-                        help="B: the last stage's chain of a tree's branches after a record (default 11)")
-    parser.add_argument("--tree-pass-ms", type=float, default=16.4,
-                        help="T0w: stage 0's fork, commit and pass over the tree's rows (default 16.4)")
-    parser.add_argument("--far-step-ms", type=float, default=23.9,
-                        help="one far worker's step, for the ratio (default 23.9: 105.4 tokens/s at MAL 2.52)")
+    parser.add_argument("--stage0-ms", type=float, default=9.2, help="T0: stage 0's pass of one row (default 9.2)")
+    parser.add_argument("--stage1-ms", type=float, default=17.8,
+                        help="S1: the last stage's verify, acceptance and drafts (default 17.8)")
+    parser.add_argument("--chain-ms", type=float, default=13.5,
+                        help="B: the last stage's chain of a tree's branches after a record (default 13.5)")
+    parser.add_argument("--tree-pass-ms", type=float, default=19.5,
+                        help="T0w: stage 0's fork, commit and pass over the tree's rows (default 19.5)")
+    parser.add_argument("--far-step-ms", type=float, default=24.4,
+                        help="one far worker's step, for the ratio (default 24.4: 103.4 tokens/s at MAL 2.52)")
     parser.add_argument("--held", type=float, nargs="+", default=[0.0, 0.5, 0.62, 0.73, 1.0],
                         help="the shares of trees that hold (default 0 0.5 0.62 0.73 1)")
     args = parser.parse_args()
