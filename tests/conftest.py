@@ -43,6 +43,11 @@ def pytest_configure(config) -> None:
     except SystemExit:  # argparse has printed what is wrong
         raise pytest.UsageError("--worker-flags takes shardspec generate's worker option flags") from None
     kernels.use(from_flags(args, WorkerOptions))
+    # xdist's test processes share the machine's cores: each computes in-process on its share, not on all of
+    # them at once (which oversubscribed two cores beside the worker daemons the other process spawns)
+    processes = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if processes > 1 and not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
 
 
 @pytest.fixture(scope="session")
