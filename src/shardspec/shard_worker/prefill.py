@@ -64,16 +64,19 @@ class LastStagePrefill:
         hidden_before = None
         if start and self.draft_len:
             hidden_before = self.saved_hidden[torch.tensor([spec.state for spec in specs], device=self.device)][:, None]
-        if tails is not None and (hidden_before is not None or not self.draft_len) and len(saves) <= 1 and \
-                tails.fits(start, prompts.shape[1] - start):  # one replay, any save within it
+
+        def replayed(chunk_start: int, n: int) -> bool:  # (with MTP a piece needs the hidden state before it)
+            ready = hidden_before is not None or not self.draft_len
+            return tails is not None and ready and tails.fits(chunk_start, n)
+
+        if len(saves) <= 1 and replayed(start, prompts.shape[1] - start):  # one replay, any save within it
             save = None
             for position, (state,) in saves.items():
                 save = (position - start, self.saved_rows + state, state)
             return tails.prefill(prompts[:, start:], start, slots, hidden_before, save)
         for ids, batch in self._chunks(prompts, slots, start, tuple(saves)):
             chunk_start = batch.kv_len - ids.shape[1]
-            if tails is not None and (hidden_before is not None or not self.draft_len) and \
-                    tails.fits(chunk_start, ids.shape[1]):
+            if replayed(chunk_start, ids.shape[1]):
                 last = tails.prefill(ids, chunk_start, slots, hidden_before)
             else:
                 hidden = self._forward(ids, batch)
