@@ -20,9 +20,10 @@ from tokenizers import Tokenizer
 
 from shardspec.constraints import grammar_of, llg_tokenizer
 from shardspec.layers.grammar import Constraint
+from shardspec.server.api import ApiError, ChatBody, parse_body
 from shardspec.server.chat import ChatTemplate
 from shardspec.server.chat_output import ChatOutput, Delta
-from shardspec.server.tools import Tool, calls_grammar, typed_value
+from shardspec.server.tools import Tool, calls_grammar, parse_tools, typed_value
 from shardspec.testing.chat_model import ADDED_TOKENS, CHAT_TEMPLATE, chat_tokenizer, write_chat_model
 
 WEATHER = {
@@ -142,6 +143,30 @@ def test_a_think_the_model_opens_itself_is_reasoning_only_at_the_start():
     assert (opened.reasoning, opened.content) == ("hmm", "answer")
     later = ChatOutput(thinks=True).whole("answer <think>x</think>")
     assert (later.reasoning, later.content) == ("", "answer <think>x</think>")
+    for text in ("<b>hi</b> <think>x", "<thin> <think>x", "\n<br><think>x"):  # content that starts like a tag
+        for cuts in ([], list(range(1, len(text)))):
+            output, split = ChatOutput(thinks=True), Delta()
+            for start, end in zip([0, *cuts], [*cuts, len(text)]):
+                split += output.feed(text[start:end])
+            split += output.finish()
+            assert (split.reasoning, split.content) == ("", text.strip()), (text, cuts)
+
+
+def test_a_parameter_value_holding_the_function_s_end_tag_streams_the_arguments_it_has_whole():
+    text = ("<tool_call>\n<function=take_note>\n<parameter=text>\nend with </function> then\n</parameter>\n"
+            "</function>\n</tool_call>")
+    for cuts in ([], [60], [70, 80], list(range(1, len(text)))):
+        split = split_streamed(text, cuts, reasoning=False)
+        assert calls_of(split) == [("take_note", '{"text": "end with </function> then"}')], cuts
+
+
+@pytest.mark.parametrize("role", ["wizard", "function", "System"])
+def test_a_message_of_a_role_templates_do_not_know_gets_a_400_and_developer_is_system(role):
+    with pytest.raises(ApiError) as caught:
+        parse_body(json.dumps({"messages": [{"role": role, "content": "x"}]}).encode(), ChatBody)
+    assert caught.value.status == 400 and caught.value.param == "messages.0.role"
+    developer = parse_body(b'{"messages": [{"role": "developer", "content": "be brief"}]}', ChatBody)
+    assert developer.messages[0].for_template(0) == {"role": "system", "content": "be brief"}
 
 
 # --- the template and the grammars ------------------------------------------------------------------
@@ -218,6 +243,27 @@ def test_the_forced_call_grammar_takes_the_template_s_calls_that_validate_and_no
     assert not matches(single, rendered_call(*good[0]))
 
 
+def test_a_string_parameter_s_pattern_holds_in_a_forced_call_anchored_or_anywhere_in_the_value():
+    def grammar(pattern: str) -> str:
+        schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": pattern}}}
+        return calls_grammar(parse_tools([{"type": "function", "function": {"name": "f", "parameters": schema}}]),
+                             parallel=False, tokens=ADDED)
+
+    def takes(pattern: str, value: str) -> bool:
+        return matches(grammar(pattern), rendered_call("f", {"code": value}))
+
+    for pattern, value, valid in [("^[A-Z][a-z]+$", "Paris", True), ("^[A-Z][a-z]+$", "paris", False),
+                                  ("^[A-Z][a-z]+$", "Paris1", False), ("[0-9]{3}", "ab123c", True),
+                                  ("[0-9]{3}", "ab12c", False), ("^a|b$", "axx", True), ("^a|b$", "xxb", True),
+                                  ("^a|b$", "bxa", False), ("^a/b$", "a/b", True), (r"a\\$", "xa\\", True),
+                                  (r"a\\$", "a\\x", False), ("^[^/]+$", "a/b", False)]:
+        assert takes(pattern, value) is valid is bool(jsonschema.Draft202012Validator(
+            {"pattern": pattern}).is_valid(value)), (pattern, value)
+    with pytest.raises(ApiError) as caught:
+        grammar("(^a)")
+    assert caught.value.param == "tools[0].function.parameters.properties.code.pattern"
+
+
 def test_a_constraint_after_reasoning_is_free_until_the_marker_token_and_holds_after_it():
     grammar = grammar_of({"json": NOTE, "after": "</think>"}, ADDED)
     assert matches(grammar, 'free {"not": json} text\n</think>\n\n{"text":"hi"}')
@@ -248,11 +294,13 @@ def call(client: openai.OpenAI, **kwargs):
 
 
 def streamed(client: openai.OpenAI, **kwargs) -> tuple[list[tuple[str, str]], str, str | None]:
-    """(name, arguments) per call, the content and the finish reason of a streamed completion."""
+    """(name, arguments) per call, the content and the finish reason of a streamed completion; every
+    chunk says something (a delta, an end)."""
     calls: dict[int, list[str]] = {}
     content, finish = "", None
     for chunk in call(client, stream=True, **kwargs):
         delta = chunk.choices[0].delta
+        assert delta.model_dump(exclude_none=True) or chunk.choices[0].finish_reason, chunk
         content += delta.content or ""
         for entry in delta.tool_calls or []:
             name, arguments = calls.setdefault(entry.index, ["", ""])

@@ -60,6 +60,7 @@ def test_a_text_response_streamed_and_not_gives_the_same_output_and_usage(client
     events, final = streamed(client, model, **NO_REASONING, **ALL_TOKENS)
     assert whole.status == final.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
     assert [item.type for item in whole.output] == ["message"]
+    assert whole.output[-1].status == final.output[-1].status == "incomplete"  # (cut off)
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert whole.output_text == final.output_text == deltas != ""
     assert whole.usage.output_tokens == final.usage.output_tokens == 8
@@ -81,7 +82,9 @@ def test_a_forced_call_streams_its_arguments_and_they_validate_against_the_tool_
     deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     done = next(e for e in events if e.type == "response.function_call_arguments.done")
     assert deltas == done.arguments == final.output[0].arguments == call.arguments
-    assert events[-1].type == "response.completed"
+    assert events[-1].type == "response.completed" and call.status == final.output[0].status == "completed"
+    cut = create(client, model, max_output_tokens=3, temperature=1.0, seed=4, **FORCED, **NO_REASONING)
+    assert cut.status == "incomplete" and cut.output[-1].status == "incomplete", cut.output
 
 
 def test_previous_response_id_continues_as_the_whole_conversation_sent_again_does(client, model):
@@ -130,12 +133,14 @@ def test_an_unknown_unstored_or_another_key_s_previous_response_id_is_a_400(chat
     assert create(client, model, previous_response_id=stored.id, max_output_tokens=2).status == "incomplete"
 
 
-def test_a_stored_response_is_retrieved_and_deleted_by_its_id(client, model):
+def test_a_stored_response_is_retrieved_and_deleted_by_its_id(client, model, chat_server):
     made = create(client, model, max_output_tokens=3)
     assert client.responses.retrieve(made.id).output_text == made.output_text
     client.responses.delete(made.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(made.id)
+    again = httpx.delete(f"{chat_server.url}/responses/{made.id}")  # (as curl -X DELETE sends it: no body, no type)
+    assert again.status_code == 404 and again.json()["error"]["message"], again.text
 
 
 def test_the_store_drops_the_least_recently_used_response_beyond_its_count_or_its_bytes():

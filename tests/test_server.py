@@ -462,6 +462,37 @@ def test_sigint_stops_the_server_and_its_workers(tiny_model, tmp_path):
         httpx.get(f"{server.root}/health")
 
 
+def test_a_signal_ends_the_requests_in_flight_with_an_error_they_can_read_and_no_traceback(tiny_model, tmp_path):
+    server = start_server(tmp_path, "--model", str(tiny_model), "--local", "1", "--max-seq-len", "128",
+                          "--max-seqs", "1", "--shutdown-timeout", "0")
+    body = {"model": tiny_model.name, "prompt": [1, 2, 3], "max_tokens": 120, "ignore_eos": True}
+    queued: dict[str, httpx.Response] = {}
+    with httpx.Client(timeout=60) as http, http.stream("POST", f"{server.url}/completions",
+                                                       json={**body, "stream": True}) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # running: one token out
+        waiting = threading.Thread(target=lambda: queued.update(reply=httpx.post(
+            f"{server.url}/completions", json=body, timeout=60)))  # (one slot: it waits behind the stream)
+        waiting.start()
+        deadline = time.monotonic() + 30
+        while not _waiting(server) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        server.proc.send_signal(signal.SIGINT)
+        rest = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+        waiting.join(60)
+    assert rest[-1] == "[DONE]" and json.loads(rest[-2])["error"]["code"] == "shutting_down", rest[-3:]
+    reply = queued["reply"]
+    assert reply.status_code == 503 and reply.json()["error"]["code"] == "shutting_down"
+    assert server.stop() == 0
+    assert "Traceback" not in server.log.read_text(errors="replace")
+
+
+def _waiting(server: Server) -> int:
+    """Requests queued for a slot, from the server's /metrics."""
+    families = text_string_to_metric_families(httpx.get(f"{server.root}/metrics").text)
+    return int(next(f for f in families if f.name == "shardspec_requests_waiting").samples[0].value)
+
+
 def test_dead_workers_give_503_with_a_one_line_reason_and_the_server_still_stops(tiny_model, tmp_path):
     server = start_server(tmp_path, "--model", str(tiny_model), "--local", "1", "--max-seq-len", "128")
     try:
@@ -746,7 +777,7 @@ def test_serve_refuses_a_limit_below_one_naming_the_option(option, capsys):
 def test_a_503_body_has_the_failure_s_first_line_and_the_log_has_the_worker_s_log_tail(caplog):
     failure = ("local worker 0 exited with code 1 after 3 restarts:\nTraceback (most recent call last):\n"
                '  File "daemon.py", line 9, in load\nOSError: /secret/model/config.json')
-    service = Service(SimpleNamespace(draft_tokens=0, observer=None, tokenizer=None), MODEL, None)
+    service = Service(SimpleNamespace(draft_tokens=0, observer=None, tokenizer=None, stopping=None), MODEL, None)
     with caplog.at_level(logging.ERROR, logger="shardspec.server"):
         error = service.unavailable(failure)
     assert error.status == 503 and error.body()["error"]["code"] == "workers_unavailable"

@@ -70,6 +70,9 @@ def test_detokenize_gives_back_the_text_of_the_tokens(chat_server, model):
     ("tokenize", {"messages": [{"role": "user", "content": 3}]}, 400, "messages.0.content"),
     ("tokenize", {"messages": MESSAGES, "continue_final_message": True}, 400, "continue_final_message"),
     ("tokenize", {"prompt": "x", "model": "nope"}, 404, "model"),
+    ("tokenize", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "a b"}}]}, 400,
+     "tools[0].function.name"),  # (what a generation refuses is not counted either)
+    ("tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
     ("detokenize", {"tokens": [0, 10**9]}, 400, "tokens"),
     ("detokenize", {"tokens": [-1]}, 400, "tokens"),
     ("detokenize", {"tokens": "12"}, 400, "tokens"),

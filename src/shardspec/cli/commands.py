@@ -364,7 +364,8 @@ def _serve_options(args: argparse.Namespace) -> Any:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
     try:
         limits = HttpLimits(args.max_body_bytes, args.read_timeout, args.max_connections,
-                            args.max_logprob_entries, write_timeout_s=args.write_timeout)
+                            args.max_logprob_entries, write_timeout_s=args.write_timeout,
+                            shutdown_timeout_s=args.shutdown_timeout)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     return ServeOptions(

@@ -348,6 +348,7 @@ def _add_http_limit_options(serve: Any) -> None:
         DEFAULT_MAX_CONNECTIONS,
         DEFAULT_MAX_LOGPROB_ENTRIES,
         DEFAULT_READ_TIMEOUT_S,
+        DEFAULT_SHUTDOWN_TIMEOUT_S,
         DEFAULT_WRITE_TIMEOUT_S,
     )
 
@@ -359,6 +360,10 @@ def _add_http_limit_options(serve: Any) -> None:
     serve.add_argument("--write-timeout", type=float, default=DEFAULT_WRITE_TIMEOUT_S, metavar="SECONDS",
                        help=f"a client that stops reading its response for this long (default "
                             f"{DEFAULT_WRITE_TIMEOUT_S:g}) is disconnected and its generation cancelled")
+    serve.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
+                       help=f"on SIGINT or SIGTERM, requests in flight get this long to finish (default "
+                            f"{DEFAULT_SHUTDOWN_TIMEOUT_S:g}); those still running then end with an error (a "
+                            "stream's error event, a 503); a second signal ends them at once")
     serve.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
                        help=f"open connections at most (default {DEFAULT_MAX_CONNECTIONS}); beyond it requests get 503")
     serve.add_argument("--max-logprob-entries", type=int, default=DEFAULT_MAX_LOGPROB_ENTRIES, metavar="N",

@@ -88,6 +88,7 @@ class Engine:
         self.loop_task: asyncio.Task | None = None
         self.closed = False
         self.lost: str | None = None  # why the workers are being (or cannot be) reconnected
+        self.stopping: str | None = None  # why the engine takes no more requests (stop)
 
     @property
     def load_info(self) -> LoadReply:
@@ -124,6 +125,8 @@ class Engine:
         """Why the engine cannot serve requests now, or None when it can."""
         if self.closed or self.loop_task is None:
             return "the engine is not running"
+        if self.stopping is not None:
+            return self.stopping
         if self.lost is not None:
             if self.loop_task.done():
                 return self.lost
@@ -163,6 +166,14 @@ class Engine:
         for request in self.scheduler.take_all():
             request.fail(EngineError("the engine was closed"))
         await self.group.close()
+
+    def stop(self, reason: str) -> None:
+        """Take no more requests, and end those in flight now (a server that shuts down): each one's
+        generate() raises EngineError(reason), and its sequence is freed as a cancelled one's."""
+        self.stopping = reason
+        for request in [*self.scheduler.running.values(), *self.scheduler.waiting]:
+            if not request.finished:
+                request.queue.put_nowait(EngineError(reason))
 
     # --- the API -----------------------------------------------------------------------------------
 

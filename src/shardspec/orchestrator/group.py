@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import shutil
 import tempfile
@@ -30,7 +31,7 @@ from shardspec.orchestrator.blocks import Paging
 from shardspec.orchestrator.config import EngineConfig
 from shardspec.orchestrator.requests import EngineError
 from shardspec.orchestrator.shard_sender import offer_shards
-from shardspec.orchestrator.workers import LocalWorkers, WorkerClient, WorkerLost, free_port, wait_ready
+from shardspec.orchestrator.workers import DIR_PREFIX, LocalWorkers, WorkerClient, WorkerLost, free_port, wait_ready
 from shardspec.protocol import transport
 from shardspec.protocol.errors import ErrorCode, RemoteError
 from shardspec.protocol.messages import (
@@ -155,7 +156,8 @@ class WorkerGroup:
         staged = len(self.stages) > 1
         links = [link_address(address) for address in self.addresses] if staged else []
         if self.store_dir is None:
-            self.store_dir = tempfile.mkdtemp(prefix="shardspec-store-")  # (0700)
+            # (0700; named as LocalWorkers' folders, so that remove_stale_dirs takes it when this process died)
+            self.store_dir = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-store-")
         secret = secrets.token_hex(16)  # seals the group's keys and values in the rendezvous store (SealedStore)
         dist_addr = rendezvous(self.addresses, self.config.dist_port, links, f"{self.store_dir}/{secret}")
         curve = staged and not self.relay and self.links[0][0] is not None

@@ -6,7 +6,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -152,7 +152,8 @@ class CompletionBody(GenerationBody):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")  # e.g. `name`, `tool_call_id`: passed on to the template
-    role: str
+    # (a template drops a role it does not know without a word; "developer" is OpenAI's newer "system")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, as the API returned them
     reasoning_content: str | None = None
@@ -160,6 +161,8 @@ class ChatMessage(BaseModel):
     def for_template(self, index: int) -> dict[str, Any]:
         message = self.model_dump(exclude_none=True)
         message["content"] = _text_content(self.content, index)
+        if self.role == "developer":
+            message["role"] = "system"
         if self.tool_calls:
             message["tool_calls"] = [_call_for_template(call, f"messages[{index}].tool_calls[{j}]")
                                      for j, call in enumerate(self.tool_calls)]

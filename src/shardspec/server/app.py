@@ -88,6 +88,8 @@ class Service:
 
     def unavailable(self, failure: str) -> ApiError:
         """503 with the failure's first line; its details (a worker's log tail) go to the server's log."""
+        if failure == self.engine.stopping:
+            return ApiError(503, failure, code="shutting_down", kind="service_unavailable")
         if failure != self.logged_failure:
             log.error("the model's workers are unavailable: %s", failure)
             self.logged_failure = failure
@@ -170,6 +172,7 @@ class Service:
         if body.tools and not self.chat.writes_tool_calls:
             raise ApiError(400, "this model's chat template does not write tool calls in the format this server "
                            "parses (Qwen3.5's <tool_call><function=...> blocks)", "tools")
+        parse_tools(body.tools or [])  # (a count of tokens is refused where generating would be: /tokenize too)
         messages = [m.for_template(i) for i, m in enumerate(body.messages)]
         try:  # in a thread, like tokenizing: a template may take long over many messages
             prompt = await asyncio.to_thread(self.chat.render_request, messages, body.tools, body.chat_template_kwargs,
@@ -252,11 +255,14 @@ class Service:
             async with aclosing(choices.rest()) as rest:  # closed with this stream: its pumps stop first
                 async for index, event in rest:
                     if event.text or event.finish_reason is not None or event.logprobs:
-                        yield sse(shape.chunk(index, event.text, event.finish_reason, False,
-                                               shape.logprobs(index, event.logprobs)))
-        except ApiError as exc:  # headers are sent: the error travels as an event
+                        chunk = shape.chunk(index, event.text, event.finish_reason, False,
+                                            shape.logprobs(index, event.logprobs))
+                        if not _says_nothing(chunk):  # (a chat's text held back: a marker may be starting)
+                            yield sse(chunk)
+        except ApiError as exc:  # headers are sent: the error travels as an event, then the stream's end
             self.metrics.requests.labels(endpoint=choices.generations[0].job.endpoint, outcome="failed").inc()
             yield sse(exc.body())
+            yield sse("[DONE]")
             return
         finally:
             await choices.aclose()
@@ -309,6 +315,12 @@ def _whole_response(shape: Shape, choices: Choices, events: list[Event]) -> Resp
 
 def _json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))  # (as JSONResponse)
+
+
+def _says_nothing(chunk: dict[str, Any]) -> bool:
+    """A chat chunk of an empty delta, without an end or log-probabilities."""
+    choice = chunk["choices"][0]
+    return choice.get("delta") == {} and choice["finish_reason"] is None and choice["logprobs"] is None
 
 
 def _first_chunks(shape: Shape, choices: Choices, first: list[Event]) -> list[bytes]:

@@ -141,8 +141,10 @@ class ChatOutput:
         return True
 
     def _may_think(self) -> bool:
-        """A `<think>` opens reasoning only before any content."""
-        if self.thinks and (self.content.started or self.pending.lstrip()[:1] not in ("", "<")):
+        """A `<think>` opens reasoning only before any content: where the text so far (less leading
+        whitespace) is `<think>` or the start of it."""
+        head = self.pending.lstrip()[: len(THINK_OPEN)]
+        if self.thinks and (self.content.started or not THINK_OPEN.startswith(head)):
             self.thinks = False
         return self.thinks
 

@@ -28,7 +28,7 @@ from shardspec.server.messages import anthropic_error
 
 log = logging.getLogger("shardspec.server")
 
-BODILESS_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+BODILESS_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE"})  # (unless they declare a body)
 JSON = b"application/json"
 
 

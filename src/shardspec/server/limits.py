@@ -11,6 +11,7 @@ from dataclasses import dataclass
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # ~4 MB of prompt text, or ~600k token ids as JSON
 DEFAULT_READ_TIMEOUT_S = 30.0
 DEFAULT_WRITE_TIMEOUT_S = 30.0
+DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0  # a signal: how long requests in flight may still run
 DEFAULT_MAX_CONNECTIONS = 512  # beyond it uvicorn answers 503; keeps fds below the usual limit of 1024
 MAX_HEADER_BYTES = 16 << 10  # h11's own default, stated: a request line and headers beyond it get 400
 KEEP_ALIVE_S = 5
@@ -29,6 +30,7 @@ class HttpLimits:
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES  # log-probabilities one response may hold
     write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S  # a response the client does not read: how long it may stall
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S  # after a signal, the requests in flight may run this long
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
@@ -41,3 +43,5 @@ class HttpLimits:
             raise ValueError(f"--max-logprob-entries must be positive, got {self.max_logprob_entries}")
         if not self.write_timeout_s > 0:
             raise ValueError(f"--write-timeout must be positive, got {self.write_timeout_s}")
+        if not 0 <= self.shutdown_timeout_s <= 24 * 3600:
+            raise ValueError(f"--shutdown-timeout must be in [0, 86400] seconds, got {self.shutdown_timeout_s}")

@@ -395,6 +395,8 @@ class ResponseWriter:
 
     def item(self, block: Block, done: bool) -> dict[str, Any]:
         status = "completed" if done else "in_progress"
+        if done and self.turn.finish_reason == "length" and block is self.turn.blocks.blocks[-1]:
+            status = "incomplete"  # (cut off by max_output_tokens: a call's arguments may lack what it requires)
         if block.kind == CALL:
             assert block.call is not None
             return {"id": self.item_id(block), "type": "function_call", "call_id": block.call.id,

@@ -5,7 +5,9 @@ gets a free port that the ready line names. HTTP is served from the start: while
 `/health` answers 503 with the share of the weights read, and every other route 503. Signals are
 handled here rather than by uvicorn: the first stops a model load in progress or starts uvicorn's
 graceful shutdown, a second forces it; in every case the engine then says goodbye to the workers
-and stops the ones it spawned.
+and stops the ones it spawned. A graceful shutdown lets the requests in flight run for
+`--shutdown-timeout`, then ends the rest with an error a client can read (a stream's error event, a
+503), before uvicorn would cancel them mid-response.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from shardspec.server.guard import uvicorn_config
 from shardspec.server.limits import HttpLimits
 
 BUNDLED_NAME = "shardspec-tiny-stdlib"
-GRACEFUL_SHUTDOWN_S = 5
+ENDING_S = 2  # after requests were ended at a shutdown, how long uvicorn waits for their responses to go out
 
 
 @dataclass
@@ -106,18 +108,25 @@ async def serve(options: ServeOptions, sock: socket.socket, ready: Callable[[str
     `on_progress` each worker's load progress while they load."""
     gate = LoadingGate()
     config = uvicorn_config(gate, options.limits, lifespan="off", log_level=options.log_level, access_log=False,
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+                            timeout_graceful_shutdown=options.limits.shutdown_timeout_s + ENDING_S)
     server = _Server(config)
     main = asyncio.current_task()
     assert main is not None
+    served: list[Engine] = []
+
+    def stop_requests() -> None:
+        for engine in served:
+            engine.stop("the server is shutting down")
 
     def on_signal() -> None:
         if gate.app is None:
             main.cancel()  # still loading: stop the load, the engine cleans up
         elif server.should_exit:
             server.force_exit = True
+            stop_requests()
         else:
             server.should_exit = True
+            loop.call_later(options.limits.shutdown_timeout_s, stop_requests)
 
     def progressed(progress: list[LoadProgress | None]) -> None:
         gate.on_progress(progress)
@@ -134,6 +143,7 @@ async def serve(options: ServeOptions, sock: socket.socket, ready: Callable[[str
             chat = ChatTemplate.from_folder(model_dir) if model_dir.is_dir() else None
             gate.app = create_app(engine, options.model_name, chat, limits=options.limits,
                                   cache_salt=options.cache_salt)
+            served.append(engine)
             host, port = sock.getsockname()[:2]
             ready(f"http://{f'[{host}]' if ':' in host else host}:{port}/v1", engine)
             await asyncio.shield(serving)

@@ -114,6 +114,13 @@ def _check_keywords(schema: dict[str, Any], param: str) -> None:
             raise ApiError(400, f"{keyword} is a non-negative integer, got {value!r:.40}", f"{param}.{keyword}")
     if schema.get("minLength", 0) > schema.get("maxLength", float("inf")):
         raise ApiError(400, "minLength exceeds maxLength", f"{param}.minLength")
+    if "pattern" in schema:
+        if not isinstance(schema["pattern"], str):
+            raise ApiError(400, "pattern is a regular expression", f"{param}.pattern")
+        try:
+            whole_value_regex(schema["pattern"])
+        except ValueError as exc:
+            raise ApiError(400, str(exc), f"{param}.pattern") from None
 
 
 def chosen_tools(choice: str | dict[str, Any] | None, tools: list[Tool]) -> tuple[str, list[Tool]]:
@@ -180,12 +187,58 @@ def _parameter_rules(rule: str, key: str, schema: dict[str, Any], root: dict[str
         count = f"{{{low},{high}}}"
         # the text cannot hold </parameter> (the parser ends the value at the first one)
         text = f"/(?s:.){count}/ & ~/(?s:.*)<\\/parameter>(?s:.*)/"
+        if isinstance(schema.get("pattern"), str):
+            text += f" & /{whole_value_regex(schema['pattern'])}/"
         return [f"{rule}: {opening} {rule.upper()}", f"{rule.upper()}: ({text}) {closing}"]
     sub = {k: v for k, v in schema.items() if k not in SCHEMA_NOTES}
     for defs in ("$defs", "definitions"):  # $refs resolve against the value's own schema
         if isinstance(root.get(defs), dict):
             sub.setdefault(defs, root[defs])
     return [f"{rule}: {opening} %json {json.dumps(sub)} {closing}"]
+
+
+def whole_value_regex(pattern: str) -> str:
+    """A JSON Schema `pattern` as a regex of the whole value, for a grammar's /.../ (its slashes
+    escaped). The pattern matches anywhere in the value (ECMA-262's search), each of its top-level
+    alternatives unless a ^ at its start or a $ at its end anchors it; ValueError for a ^ or $ anchor
+    anywhere else (outside a character class), which this form cannot say."""
+    alternatives: list[list[tuple[str, str]]] = [[]]
+    depth = 0
+    for c, kind in _regex_chars(pattern):
+        depth += (c == "(") - (c == ")") if kind == "bare" else 0
+        if (c, kind) == ("|", "bare") and depth == 0:
+            alternatives.append([])
+        else:
+            alternatives[-1].append((c, kind))
+    wholes = []
+    for chars in alternatives:
+        head, tail = chars[:1] == [("^", "bare")], chars[-1:] == [("$", "bare")]
+        inner = chars[head : len(chars) - tail]
+        if any(kind == "bare" and c in "^$" for c, kind in inner):
+            raise ValueError(f"a string parameter's pattern may anchor with ^ and $ only at the ends of its "
+                             f"alternatives, got {pattern!r:.80}")
+        text = "".join("\\/" if c == "/" and kind != "escaped" else c for c, kind in inner)
+        wholes.append(("" if head else "(?s:.*)") + f"(?:{text})" + ("" if tail else "(?s:.*)"))
+    return wholes[0] if len(wholes) == 1 else "(?:" + "|".join(wholes) + ")"
+
+
+def _regex_chars(pattern: str) -> Iterator[tuple[str, str]]:
+    """A regex's characters, each with its kind: "escape" (a backslash that escapes the next),
+    "escaped", "class" (inside a character class, its brackets included) or "bare" (where ^, $, |
+    and parentheses are syntax)."""
+    escaped, in_class = False, False
+    for c in pattern:
+        if escaped:
+            escaped = False
+            yield c, "escaped"
+        elif c == "\\":
+            escaped = True
+            yield c, "escape"
+        elif in_class or c == "[":
+            in_class = c != "]"
+            yield c, "class"
+        else:
+            yield c, "bare"
 
 
 def _is_plain_string(schema: dict[str, Any]) -> bool:
@@ -244,7 +297,10 @@ class CallParser:
         for match in params[self.done :]:
             yield self._piece(match.group(1).strip(), match.group(2))
         self.done = len(params)
-        if not self.closed and "</function>" in self.text[params[-1].end() if params else 0 :]:
+        rest = self.text[params[-1].end() if params else 0 :]
+        if (opened := rest.find("<parameter=")) >= 0:  # (a parameter still open: its value may hold anything)
+            rest = rest[:opened]
+        if not self.closed and "</function>" in rest:
             yield self.close()
 
     def close(self) -> str:
