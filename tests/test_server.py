@@ -35,7 +35,7 @@ from shardspec.server.chat import ChatTemplate
 from shardspec.server.encoding import ChatEncoder, encode_within
 from shardspec.server.generation import StopText
 from shardspec.server.guard import uvicorn_config
-from shardspec.server.limits import DEFAULT_MAX_BODY_BYTES, HttpLimits
+from shardspec.server.limits import DEFAULT_MAX_BODY_BYTES, MAX_HEADER_BYTES, HttpLimits
 from shardspec.server.run import bind
 from shardspec.testing.chat_model import CHAT_TEMPLATE, chat_tokenizer
 
@@ -757,6 +757,14 @@ def test_a_half_sent_request_is_closed_after_the_read_timeout(guarded_server):
                 time.sleep(0.05)
     body, headers = b'{"a": 1}', {"Content-Type": "application/json"}
     assert httpx.post(f"http://{guarded_server}/", content=body, headers=headers).text == "8"  # the next is served
+
+
+@pytest.mark.parametrize("method", ["POST", "GET"])
+def test_headers_over_the_limit_get_431_however_they_arrive(guarded_server, method):
+    headers = {"Content-Type": "application/json", "X-Big": "x" * (MAX_HEADER_BYTES + 1)}
+    reply = httpx.request(method, f"http://{guarded_server}/", content=b"{}", headers=headers)
+    assert reply.status_code == 431 and "headers" in reply.json()["error"]["message"]
+    assert httpx.post(f"http://{guarded_server}/", json={}).text == "2"  # (within it: served)
 
 
 @pytest.mark.parametrize("method", [b"POST", b"GET"])

@@ -116,6 +116,10 @@ class RequestGuard:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         headers = dict(scope["headers"]) if scope["type"] == "http" else {}
+        # (h11 bounds headers that arrive in pieces; those of one read come whole, so they are counted here)
+        if sum(len(name) + len(value) + 4 for name, value in scope.get("headers", ())) > MAX_HEADER_BYTES:
+            await _refuse(send, ApiError(431, f"the request's headers exceed {MAX_HEADER_BYTES} bytes"), scope["path"])
+            return
         if scope["type"] != "http" or (scope["method"] in BODILESS_METHODS and not _declares_body(headers)):
             await self.app(scope, receive, send)
             return
