@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 import pytest
 
@@ -56,6 +61,8 @@ def test_generate_streams_token_ids_and_a_summary_without_json(tiny_model):
         (["--prompt-ids", "1", "--repetition-penalty", "0"], "repetition_penalty must be above 0"),
         (["--prompt-ids", "1", "--presence-penalty", "3"], "presence_penalty must be in [-2.0, 2.0]"),
         (["--prompt-ids", "1", "--frequency-penalty", "-2.5"], "frequency_penalty must be in [-2.0, 2.0]"),
+        # (sampling values are checked before any worker is reached: none listens there)
+        (["--prompt-ids", "1", "--temperature", "-1", "--workers", "tcp://127.0.0.1:9"], "temperature must be in"),
     ],
 )
 def test_generate_rejects_bad_input_with_exit_code_2_and_no_traceback(tiny_model, args, message, capsys):
@@ -102,6 +109,32 @@ def test_generate_penalises_repetition_by_default_when_it_samples_and_never_when
     assert penalty("--temperature", "0") == 1.0
     assert penalty("--temperature", "0", "--repetition-penalty", "1.3") == 1.3
     assert penalty("--repetition-penalty", "1") == 1.0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_generate_with_its_exit_code_and_nothing_left(tiny_model, sig):
+    proc = subprocess.Popen([sys.executable, "-m", "shardspec", "generate", "--model", str(tiny_model), "--local", "2",
+                             "--prompt-ids", "1,2", "--max-tokens", "400"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(sig, signal.SIG_DFL))
+    assert "starting workers" in proc.stderr.readline()  # (the workers are spawned and loading)
+    folders = list(Path(tempfile.gettempdir()).glob(f"shardspec-{proc.pid}-*"))
+    deadline = time.monotonic() + 30
+    while not folders and time.monotonic() < deadline:
+        time.sleep(0.05)
+        folders = list(Path(tempfile.gettempdir()).glob(f"shardspec-{proc.pid}-*"))
+    proc.send_signal(sig)
+    err = proc.stderr.read()
+    assert proc.wait(60) == 128 + sig and "interrupted" in err and "Traceback" not in err, err
+    assert folders and not [f for f in folders if f.exists()]
+    spawned = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if _cmdline_holds(pid, folders[0])]
+    assert not spawned
+
+
+def _cmdline_holds(pid: int, folder: Path) -> bool:
+    try:
+        return str(folder) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
 
 
 def test_generate_on_a_folder_without_a_model_says_so(tmp_path):

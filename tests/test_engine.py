@@ -68,6 +68,8 @@ BAD_REQUESTS = [
     ({"temperature": 1e-30}, "temperature must be 0 (greedy) or at least"),
     ({"top_p": 0.0}, "top_p"),
     ({"prompt": "text"}, "tokenizer"),
+    ({"prompt": b"\x01\x02"}, "not bytes"),  # (as ids, one per byte, it would run)
+    ({"prompt": None}, "not NoneType"),
 ]
 
 

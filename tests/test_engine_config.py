@@ -16,6 +16,7 @@ from shardspec.protocol.messages import LoadRequest
     ({"tp": -1}, "tp"),
     ({"workers": []}, "workers"),
     ({"workers": ["nonsense"]}, "workers"),
+    ({"workers": ["tcp://a:1", "tcp://b:1", "tcp://a:1"]}, "workers: each address once"),
     ({"dtype": "int8"}, "dtype"),
     ({"max_seqs": 0}, "max_seqs"),
     ({"max_seqs": 10**6}, "max_seqs"),

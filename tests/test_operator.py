@@ -75,6 +75,29 @@ def test_a_worker_lost_mid_load_fails_the_load_naming_it(tiny_model, spawn_worke
     assert time.monotonic() - started < 30
 
 
+def test_an_on_progress_that_raises_fails_the_load_with_its_exception_and_the_workers_go_idle(tiny_model,
+                                                                                               spawn_worker):
+    workers = [spawn_worker().address, spawn_worker().address]
+
+    def broken(progress: list[LoadProgress | None]) -> None:
+        raise ZeroDivisionError("the caller's bug")
+
+    async def run():
+        async with shardspec.connect(model=str(tiny_model), workers=workers, pp=2, on_progress=broken):
+            pass
+
+    started = time.monotonic()
+    with pytest.raises(ZeroDivisionError, match="the caller's bug"):
+        asyncio.run(run())
+    assert time.monotonic() - started < 30
+
+    async def again():  # (the workers left the group: the next engine takes them)
+        async with shardspec.connect(model=str(tiny_model), workers=workers, pp=2) as engine:
+            return [c.token_ids async for c in engine.generate([1, 2, 3], max_tokens=2)]
+
+    assert sum(len(ids) for ids in asyncio.run(again())) == 2
+
+
 def test_health_says_loading_with_the_share_read_and_other_routes_503_until_the_app_is_in():
     gate = LoadingGate()
     gate.on_progress([LoadProgress(3, 10, 300, 1000), None])
@@ -166,6 +189,11 @@ def test_status_where_nothing_listens_is_a_clear_error_within_the_connect_grace(
     assert result.returncode == 1
     assert result.stdout.count("connection refused: is a worker listening") == 2, result.stdout
     assert time.monotonic() - started < 25 and "Traceback" not in result.stderr
+
+
+def test_status_of_something_that_is_no_address_is_a_usage_error():
+    bogus = status("bogus")
+    assert bogus.returncode == 2 and "tcp://HOST:PORT or ipc://PATH" in bogus.stderr, bogus.stderr
 
 
 # --- the status page ------------------------------------------------------------------------------

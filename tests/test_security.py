@@ -57,6 +57,10 @@ def test_keys_generate_writes_a_zeromq_certificate_pair_and_never_overwrites_it(
     again = shardspec_cli("keys", "generate", str(tmp_path), "--name", "node")
     assert again.returncode == 2 and "not overwriting" in again.stderr
     assert zmq.auth.load_certificate(str(tmp_path / "node.key_secret"))[1] == secret
+    for name in ("../outside", "", "a/b"):  # (a name is a file name: nothing lands outside DIR)
+        refused = shardspec_cli("keys", "generate", str(tmp_path / "in"), "--name", name)
+        assert refused.returncode == 2 and "a key pair's name" in refused.stderr, refused.stderr
+    assert not (tmp_path / "outside.key").exists() and not (tmp_path / "in").exists()
 
 
 def generate(model, address, **security) -> list[int]:

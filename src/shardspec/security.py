@@ -13,6 +13,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import socket
 import stat
 from collections.abc import Iterator
@@ -45,6 +46,9 @@ def generate(folder: str | Path, name: str) -> tuple[Path, Path]:
     its missing parents, if new, are made 0700 and the secret file 0600 as they are created (never
     loosened by a umask); an existing folder others may write into is warned about."""
     folder = Path(folder)
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
+        raise KeyFileError(f"a key pair's name is 1 to 64 letters, digits, '.', '_' or '-' (no folder), "
+                           f"got {name!r:.80}")
     public_file, secret_file = folder / f"{name}.key", folder / f"{name}.key_secret"
     if secret_file.exists():
         raise KeyFileError(f"{secret_file} exists; not overwriting a secret key")

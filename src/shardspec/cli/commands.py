@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import json
 import logging
+import os
+import signal
 import sys
 from typing import Any
 
@@ -25,6 +27,9 @@ from shardspec.protocol.transport import (
 
 class UsageError(Exception):
     """Bad command-line input: printed as one line, exit code 2."""
+
+
+MAX_THREADS_PER_CORE = 4  # a worker's --threads at most (torch aborts the process past what it can start)
 
 
 def progress(message: str) -> None:
@@ -107,13 +112,18 @@ def run_worker(args: argparse.Namespace) -> int:
         parse_device(args.device)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    if args.threads is not None:
-        if args.threads < 1:
-            raise UsageError(f"--threads must be at least 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
     _check_heartbeat(args)
     max_message_bytes = _check_worker_limits(args)
     keys, allow = _worker_keys(args)
+    for flag, folder in (("--cache-dir", args.cache_dir), ("--model-dir", args.model_dir)):
+        if folder is not None and (folder.exists() or flag == "--model-dir") and not folder.is_dir():
+            raise UsageError(f"{flag} must be a folder{'' if flag == '--model-dir' else ' (or a path to make one)'}, "
+                             f"got {folder}")
+    if args.threads is not None:  # (last: a thread count torch cannot start aborts the process)
+        most = MAX_THREADS_PER_CORE * (os.cpu_count() or 1)
+        if not 1 <= args.threads <= most:
+            raise UsageError(f"--threads must be in [1, {most}] ({MAX_THREADS_PER_CORE} per core), got {args.threads}")
+        torch.set_num_threads(args.threads)
     setup_logging(f"worker[{args.listen}]", args.log_level)
     if args.insecure and keys is None:
         logging.getLogger("shardspec.worker").warning("INSECURE: no CURVE keys; anyone who reaches %s can use "
@@ -189,9 +199,12 @@ async def run_status(args: argparse.Namespace) -> int:
     from shardspec.orchestrator.workers import printable, worker_status
     from shardspec.protocol.errors import RemoteError
     from shardspec.protocol.transport import check_range
+    from shardspec.utils import check_address
 
     try:
         check_range("--timeout", args.timeout, 0.1, 3600.0)
+        for address in args.addresses:
+            check_address(address)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if (args.keys is None) != (args.server_keys is None):
@@ -258,6 +271,18 @@ def _generate_prompt(args: argparse.Namespace) -> Any:
         raise UsageError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
 
 
+def _check_sampling(args: argparse.Namespace) -> None:
+    """generate's sampling options as a request's are checked, before any worker starts."""
+    from shardspec.orchestrator import request_values as values
+
+    penalties = sampling_penalties(args)
+    try:
+        values.penalties(values.sampling(args.temperature, args.top_k, args.top_p, args.seed),
+                         penalties["presence_penalty"], penalties["frequency_penalty"], penalties["repetition_penalty"])
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def sampling_penalties(args: argparse.Namespace) -> dict[str, float]:
     """generate's penalty options, as engine.generate takes them."""
     repetition = args.repetition_penalty
@@ -268,11 +293,45 @@ def sampling_penalties(args: argparse.Namespace) -> dict[str, float]:
 
 
 async def run_generate(args: argparse.Namespace) -> int:
+    """`generate`, stopped by SIGINT or SIGTERM: the first shuts the workers down (they leave the
+    group, spawned ones stop, their folders go), a second kills the spawned ones at once; then exit
+    128 + the signal's number."""
+    from shardspec.orchestrator.workers import kill_spawned
+
+    loop, main = asyncio.get_running_loop(), asyncio.current_task()
+    assert main is not None
+    signals: list[int] = []
+
+    def on_signal(sig: int) -> None:
+        signals.append(sig)
+        if len(signals) == 1:
+            print(f"\nshardspec generate: {signal.Signals(sig).name}: stopping the workers (again to force)",
+                  file=sys.stderr, flush=True)
+            main.cancel()
+        else:
+            kill_spawned()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        return await _generate(args)
+    except asyncio.CancelledError:
+        if not signals:
+            raise
+        print("shardspec generate: interrupted", file=sys.stderr)
+        return 128 + signals[0]
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+async def _generate(args: argparse.Namespace) -> int:
     from shardspec.orchestrator.engine import ENGINE_ERRORS, connect
     from shardspec.utils import setup_logging
 
     setup_logging("orchestrator", args.log_level)
     prompt = _generate_prompt(args)
+    _check_sampling(args)
     config = engine_config(args, max_seqs=1, pipeline=not args.no_pipeline, forced_acceptance=args.forced_acceptance)
     token_ids: list[int] = []
     final = None

@@ -105,8 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                                description="CURVE key pairs in ZeroMQ's certificate format.")
     key_commands = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
     make = key_commands.add_parser("generate", help="write NAME.key (public) and NAME.key_secret into DIR")
-    make.add_argument("dir", metavar="DIR")
-    make.add_argument("--name", default="shardspec", help="file name of the pair (default: shardspec)")
+    make.add_argument("dir", metavar="DIR", help="the folder of the pair, made (0700) if it is missing")
+    make.add_argument("--name", default="shardspec",
+                      help="file name of the pair: letters, digits, '.', '_' or '-' (default: shardspec)")
 
     gen = commands.add_parser(
         "generate",

@@ -325,6 +325,9 @@ class EngineConfig:
                 self.workers = [check_address(address) for address in self.workers]
             except ValueError as exc:
                 raise ValueError(f"workers: {exc}") from None
+            if repeated := sorted({a for a in self.workers if self.workers.count(a) > 1}):
+                raise ValueError(f"workers: each address once (one worker serves one rank), got {repeated[0]} "
+                                 f"{self.workers.count(repeated[0])} times")
         for name in ("local", "tp"):
             value = getattr(self, name)
             if value is not None and (type(value) is not int or not lo <= value <= hi):

@@ -31,7 +31,15 @@ from shardspec.orchestrator.blocks import Paging
 from shardspec.orchestrator.config import EngineConfig
 from shardspec.orchestrator.requests import EngineError
 from shardspec.orchestrator.shard_sender import offer_shards
-from shardspec.orchestrator.workers import DIR_PREFIX, LocalWorkers, WorkerClient, WorkerLost, free_port, wait_ready
+from shardspec.orchestrator.workers import (
+    DIR_PREFIX,
+    LocalWorkers,
+    WorkerClient,
+    WorkerLost,
+    free_port,
+    remove_stale_dirs,
+    wait_ready,
+)
 from shardspec.protocol import transport
 from shardspec.protocol.errors import ErrorCode, RemoteError
 from shardspec.protocol.messages import (
@@ -80,7 +88,7 @@ class WorkerGroup:
         self.rank_of: dict[int, int] = {}  # id(WorkerClient) -> its rank, for the relay
         self.watchdog = StepWatchdog(config.step_timeout)
         self.collectives = ""  # how the TP groups' collectives go (InitReply.collectives)
-        self.loading = False  # a load is running on the workers
+        self.progress_failed: asyncio.Future | None = None  # while a load runs: set by an on_progress that raised
         self.store_dir: str | None = None  # the folder of the groups' file stores (ipc:// workers), until close
         self.hostnames: list[str] = []  # each rank's, from its hello
         self.devices: list[str] = []
@@ -116,6 +124,7 @@ class WorkerGroup:
     # --- connecting --------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        remove_stale_dirs()  # (this user's folders of orchestrators killed before: spawned workers', stores)
         if self.config.spawns_workers:
             self.local = LocalWorkers(self.config.world_size, self.config.device, self.config.heartbeat_timeout)
         await self.connect(self.config.connect_timeout)
@@ -123,7 +132,7 @@ class WorkerGroup:
     async def connect(self, hello_timeout: float) -> None:
         """Fresh connections to every worker: hello, a new process group, load."""
         workers = [WorkerClient(self.ctx, address, *link, heartbeat_timeout=self.config.heartbeat_timeout,
-                                on_failure=self.on_failure, on_link=self._relay, on_progress=self._progress)
+                                on_failure=self.on_failure, on_link=self._relay, on_progress=self.report_progress)
                    for address, link in zip(self.addresses, self.links, strict=True)]
         self.stages = [[workers[rank] for rank in ranks] for ranks in self.config.stage_ranks()]
         self.rank_of = {id(worker): rank for rank, worker in enumerate(workers)}
@@ -182,19 +191,31 @@ class WorkerGroup:
         """Each rank's last LoadProgress of the load running (None before its first)."""
         return [worker.loading for worker in self.workers]
 
-    def _progress(self, _worker: WorkerClient, _progress: LoadProgress) -> None:
-        if self.on_progress is not None and self.loading:
+    def report_progress(self, *_: Any) -> None:
+        """Tell on_progress each rank's progress of the load running; an exception of it fails the load
+        (its caller, connect(), raises it) rather than the reads of the replies it came with."""
+        if self.on_progress is None or self.progress_failed is None or self.progress_failed.done():
+            return
+        try:
             self.on_progress(self.load_progress())
+        except Exception as exc:
+            self.progress_failed.set_exception(exc)
 
     async def load(self, request: LoadRequest) -> LoadReply:
         """Load (or load again, with other caches) on every rank; recovery reloads the same request."""
         for worker in self.workers:
             worker.loading = None
-        self.loading = True
+        self.progress_failed = failed = asyncio.get_running_loop().create_future()
+        loading = asyncio.ensure_future(self.call_all(request))
         try:
-            replies = await self.call_all(request)
+            await asyncio.wait([loading, failed], return_when=asyncio.FIRST_COMPLETED)
+            if failed.done():
+                raise failed.exception()
+            replies = loading.result()
         finally:
-            self.loading = False
+            self.progress_failed = None
+            loading.cancel()
+            failed.cancel()
         for stage, ranks in enumerate(self.config.stage_ranks()):
             log.info("stage %d: decoder layers %s on %s", stage, replies[ranks[0]][0].layers,
                      ", ".join(self.workers[rank].address for rank in ranks))
@@ -206,8 +227,9 @@ class WorkerGroup:
         return self.load_info
 
     async def disconnect(self) -> None:
-        """Goodbye to the workers still connected (each leaves the group and goes idle); close all."""
-        live = [w for w in self.workers if w.failure is None]
+        """Goodbye to the workers still connected (each leaves the group and goes idle; one never reached
+        gets none to wait on); close all."""
+        live = [w for w in self.workers if w.failure is None and w.answered]
         await asyncio.gather(*(w.call(ShutdownRequest(), timeout=GOODBYE_TIMEOUT_S) for w in live),
                              return_exceptions=True)
         await asyncio.gather(*(w.close() for w in self.workers))

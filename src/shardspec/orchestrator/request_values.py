@@ -24,8 +24,10 @@ def prompt_ids(prompt: str | list[int], tokenizer: Tokenizer | None, vocab: int)
         if tokenizer is None:
             raise ValueError("this model folder has no tokenizer.json: pass token ids instead of text")
         ids = tokenizer.encode(prompt)
-    else:
+    elif isinstance(prompt, (list, tuple)):
         ids = list(prompt)
+    else:  # (bytes would pass as ids, one per byte)
+        raise ValueError(f"the prompt is a string or a list of token ids, not {type(prompt).__name__}")
     if not ids:
         raise ValueError("the prompt is empty")
     if not all(type(t) is int and 0 <= t < vocab for t in ids):

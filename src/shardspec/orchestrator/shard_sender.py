@@ -139,8 +139,7 @@ class Transfer:
         self.sent[worker] += count
         items = done + future.result()[0].done  # (an item counts once its last chunk is in)
         worker.loading = LoadProgress(items, len(self.needs[worker]), self.sent[worker], self.totals[worker])
-        if self.group.on_progress is not None:
-            self.group.on_progress(self.group.load_progress())
+        self.group.report_progress()
 
 
 class ChunkSize:

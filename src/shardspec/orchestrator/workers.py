@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -284,7 +285,6 @@ class LocalWorkers:
     MAX_BACKOFF_S = 300.0
 
     def __init__(self, count: int, device: str, heartbeat_timeout: float = transport.DEFAULT_HEARTBEAT_TIMEOUT_S):
-        remove_stale_dirs()
         self.dir = Path(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-"))
         self.addresses = [f"ipc://{self.dir}/worker{i}.sock" for i in range(count)]
         self.logs = [self.dir / f"worker{i}.log" for i in range(count)]
@@ -301,6 +301,7 @@ class LocalWorkers:
         self.next_start: list[float | None] = [None] * count  # a paused worker's next start (monotonic)
         self.note: str | None = None  # why a worker is not started yet (a crash loop's pause), for the failure
         self.procs: list[subprocess.Popen] = [self._spawn(i, "wb") for i in range(count)]
+        _SPAWNED.add(self)
 
     def _spawn(self, i: int, mode: str) -> subprocess.Popen:
         with open(self.logs[i], mode) as log_file:
@@ -373,6 +374,16 @@ class LocalWorkers:
 
 
 DIR_PREFIX = "shardspec-"  # LocalWorkers' folders: shardspec-PID-RANDOM in the temporary folder
+_SPAWNED: weakref.WeakSet[LocalWorkers] = weakref.WeakSet()
+
+
+def kill_spawned() -> None:
+    """SIGKILL every worker this process spawned (a second Ctrl-C: the shutdown under way then finds
+    them gone at once, and still removes their folders)."""
+    for local in list(_SPAWNED):
+        for proc in local.procs:
+            if proc.poll() is None:
+                proc.kill()
 
 
 def remove_stale_dirs() -> list[Path]:
