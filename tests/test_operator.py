@@ -173,7 +173,7 @@ def test_status_of_a_keyed_worker_without_keys_is_refused_clearly_and_with_them_
                        str(tmp_path / "w" / "worker.key"))
     finally:
         worker.stop()
-    assert refused.returncode == 1 and "security handshake" in refused.stdout and "--keys" in refused.stdout, refused
+    assert refused.returncode == 1 and "asks for CURVE keys" in refused.stdout and "--keys" in refused.stdout, refused
     assert keyed.returncode == 0 and "idle" in keyed.stdout, keyed
     secret = (tmp_path / "o" / "orchestrator.key_secret").read_text()
     key = re.search(r'secret-key = "(.+)"', secret).group(1)

@@ -366,7 +366,8 @@ class EngineConfig:
             raise ValueError(f"cache_memory must be a number of bytes in [1, {hi}] or a size such as 512MiB, "
                              f"got {self.cache_memory!r}")
         if self.max_seq_len is not None and (type(self.max_seq_len) is not int or self.max_seq_len < 1):
-            raise ValueError(f"max_seq_len must be a positive integer or None, got {self.max_seq_len!r}")
+            raise ValueError(f"max_seq_len must be a positive number of tokens (or None: the model's context), "
+                             f"got {self.max_seq_len!r}")
         for name in ("max_seqs", "max_seq_len", "prefill_chunk", "draft_tokens", "tree_width"):
             if getattr(self, name) is None:
                 continue

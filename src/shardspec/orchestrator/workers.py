@@ -193,8 +193,11 @@ class WorkerClient:
                 self.fail(WorkerLost(f"what listens at {self.address} did not complete a ZeroMQ handshake in "
                                      f"{HANDSHAKE_S:g}s: it is not a shardspec worker"))
             elif event["event"] & (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
-                self.fail(WorkerLost(f"security handshake with worker {self.address} failed: check --keys and "
-                                     "--server-keys (CURVE on one side only, or the wrong server key)"))
+                self.fail(WorkerLost(
+                    f"security handshake with worker {self.address} failed: check --keys and --server-keys (CURVE "
+                    "on one side only, or the wrong server key)" if self.curve else
+                    f"the ZeroMQ handshake with {self.address} failed: it is not a shardspec worker, or it asks for "
+                    "CURVE keys (--keys and --server-keys)"))
 
     def _handshake_dropped(self) -> str:
         """Why a worker most likely dropped the connection before its first reply. A worker that refuses
