@@ -15,6 +15,7 @@ import shardspec
 from shardspec.cli import BUNDLED_MODEL
 from shardspec.layers.sampling import filtered_logits
 from shardspec.orchestrator.requests import EngineError
+from shardspec.orchestrator.workers import WorkerLost
 from shardspec.protocol.messages import SamplingParams
 
 PROMPT = [5, 17, 300, 42]
@@ -83,6 +84,15 @@ def test_bad_requests_raise_clear_errors_and_the_engine_keeps_serving(tiny_model
                 assert len(await collect(engine, max_tokens=4)) == 4
 
     asyncio.run(run())
+
+
+def test_spawned_workers_slower_than_the_connect_timeout_are_said_to_be_starting_not_missing(tiny_model):
+    async def run():
+        async with shardspec.connect(model=str(tiny_model), local=1, connect_timeout=0.2):
+            pass
+
+    with pytest.raises(WorkerLost, match=r"local worker .* did not start within 0.2s \(--connect-timeout\)"):
+        asyncio.run(run())  # (a worker imports torch for longer than that)
 
 
 def test_cancelled_generations_free_their_slots(tiny_model):

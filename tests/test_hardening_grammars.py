@@ -89,6 +89,12 @@ def test_constraints_past_the_structural_limits_are_refused_before_llguidance_se
     assert MAX_GRAMMAR_RULES < 3000 and MAX_GRAMMAR_CHARS == messages.MAX_GRAMMAR_CHARS
 
 
+def test_the_boolean_schemas_are_any_json_value_and_none():
+    assert grammar_of({"json": True}) == grammar_of({"json": {}})
+    with pytest.raises(ConstraintError, match="allows no value"):
+        grammar_of({"json": False})
+
+
 # --- the compile processes -----------------------------------------------------------------------
 
 

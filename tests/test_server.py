@@ -947,13 +947,23 @@ def test_chat_logprobs_and_top_logprobs_streamed_and_not_are_the_same_in_openai_
     assert len(content) == whole.usage.completion_tokens
     for entry in content:
         assert len(entry.top_logprobs) == 5 and entry.top_logprobs[0].logprob == entry.logprob  # greedy
-        assert entry.bytes == list(entry.token.encode())
+        assert bytes(entry.bytes).decode(errors="replace") == entry.token
         assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
     streamed = [e for c in client.chat.completions.create(stream=True, **kwargs)
                 if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
     no_top = client.chat.completions.create(**(kwargs | {"top_logprobs": None}))
     assert all(e.top_logprobs == [] for e in no_top.choices[0].logprobs.content)
+
+
+def test_a_token_s_bytes_are_its_own_even_where_it_holds_a_piece_of_a_character():
+    tokenizer = Tokenizer.from_folder(BUNDLED_MODEL)
+    for text in ("日本語😀 ok", "def f(x):\n\treturn x", "<|endoftext|>"):
+        ids = tokenizer.encode(text)
+        pieces = [tokenizer.token_bytes(t) for t in ids]
+        assert b"".join(pieces) == text.encode(), text
+    assert any(b"\xef\xbf\xbd" not in p and p.decode(errors="replace") == "\ufffd"
+               for p in map(tokenizer.token_bytes, tokenizer.encode("日本語")))  # (a piece of a character)
 
 
 def test_echo_gives_the_prompt_s_logprobs_as_lm_eval_s_loglikelihood_asks_for_them(server):

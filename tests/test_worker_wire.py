@@ -189,7 +189,6 @@ def test_worker_exits_cleanly_on_signal_and_removes_its_socket(spawn_worker, sig
         (["--listen", "ipc:///tmp/x.sock", "--threads", "0"], "--threads"),
         (["--listen", "ipc:///tmp/x.sock", "--threads", "100000"], "--threads must be in [1,"),  # (torch aborted)
         (["--listen", "ipc:///tmp/x.sock", "--threads", "100000", "--lease", "0.001"], "--lease"),
-        (["--listen", "ipc:///tmp/x.sock", "--model-dir", "/nonexistent/models"], "--model-dir must be a folder"),
         (["--listen", "ipc:///tmp/x.sock", "--cache-dir", sys.executable], "--cache-dir must be a folder"),
     ],
 )

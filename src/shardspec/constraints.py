@@ -94,6 +94,10 @@ def _schema(value: Any) -> Any:
             raise ConstraintError(f"the JSON schema is not JSON: {exc}") from None
     if not isinstance(value, dict | bool):
         raise ConstraintError("a JSON schema is an object")
+    if value is False:
+        raise ConstraintError("the JSON schema false allows no value")
+    if value is True:
+        value = {}  # (any JSON value: llguidance takes only an object)
     nodes = refs = 0
     for depth, node in _walk(value):
         nodes += 1

@@ -115,16 +115,18 @@ def run_worker(args: argparse.Namespace) -> int:
     _check_heartbeat(args)
     max_message_bytes = _check_worker_limits(args)
     keys, allow = _worker_keys(args)
-    for flag, folder in (("--cache-dir", args.cache_dir), ("--model-dir", args.model_dir)):
-        if folder is not None and (folder.exists() or flag == "--model-dir") and not folder.is_dir():
-            raise UsageError(f"{flag} must be a folder{'' if flag == '--model-dir' else ' (or a path to make one)'}, "
-                             f"got {folder}")
+    if args.cache_dir is not None and args.cache_dir.exists() and not args.cache_dir.is_dir():
+        raise UsageError(f"--cache-dir must be a folder (or a path to make one), got {args.cache_dir}")
     if args.threads is not None:  # (last: a thread count torch cannot start aborts the process)
         most = MAX_THREADS_PER_CORE * (os.cpu_count() or 1)
         if not 1 <= args.threads <= most:
             raise UsageError(f"--threads must be in [1, {most}] ({MAX_THREADS_PER_CORE} per core), got {args.threads}")
         torch.set_num_threads(args.threads)
     setup_logging(f"worker[{args.listen}]", args.log_level)
+    if args.model_dir is not None and not args.model_dir.is_dir():
+        logging.getLogger("shardspec.worker").warning("--model-dir %s is no folder: this worker reads no model "
+                                                      "folder, its models come from its cache or over the network",
+                                                      args.model_dir)
     if args.insecure and keys is None:
         logging.getLogger("shardspec.worker").warning("INSECURE: no CURVE keys; anyone who reaches %s can use "
                                                       "this worker", args.listen)

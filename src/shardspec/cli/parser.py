@@ -306,9 +306,10 @@ def _add_serve_parser(commands: Any) -> None:
     serve = commands.add_parser(
         "serve",
         help="serve the model over an OpenAI-compatible HTTP API",
-        description="Load a model on local or remote workers and serve /v1/completions, /v1/chat/completions "
-        "(streamed as server-sent events or not), /v1/models, /health and /metrics. Concurrent requests share "
-        "the steps (continuous batching). SIGINT/SIGTERM stop the server and shut the workers down.",
+        description="Load a model on local or remote workers and serve /v1/completions, /v1/chat/completions, "
+        "/v1/responses, /v1/messages (streamed as server-sent events or not), /tokenize, /detokenize, /v1/models, "
+        "/health, /metrics and the /status page. Concurrent requests share the steps (continuous batching). "
+        "SIGINT/SIGTERM stop the server (after --shutdown-timeout) and shut the workers down.",
     )
     _add_model_options(serve, "default: float32 for local CPU workers (a request's greedy output then does not "
                        "depend on what else is in the batch, and on CPU it is not slower than bfloat16), else auto "

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers.decoders import ByteLevel
 
 from shardspec.models.config import MAX_TOKENIZER_BYTES, ConfigError, read_bytes, read_json
 
@@ -33,6 +35,33 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token: int) -> bytes:
+        """A token's own bytes, a piece of a UTF-8 character included (what OpenAI's logprobs carry
+        as `bytes`): a byte-level BPE's token spelled back through its byte alphabet; otherwise, and
+        for an added token, its text's UTF-8."""
+        piece = self.inner.id_to_token(token)
+        byte_level = isinstance(self.inner.decoder, ByteLevel) and token not in self._added_ids
+        if piece is not None and byte_level and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        return self.decode([token]).encode()
+
+    @functools.cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self.inner.get_added_tokens_decoder())
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """A byte-level BPE's characters -> the bytes they stand for (GPT-2's table: printable bytes as
+    themselves, the rest from U+0100 on, in order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in printable}
+    for n, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = chr(256 + n)
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_OF = _byte_alphabet()
 
 
 class Detokenizer:

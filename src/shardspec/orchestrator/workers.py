@@ -472,6 +472,9 @@ async def _answer(client: WorkerClient, request: Any, local: LocalWorkers | None
                              f"{transport.REFUSED_GRACE_S:g}s)")
         if loop.time() > deadline:
             future.cancel()
+            if local is not None and not client.answered:  # (spawned here: still starting, not missing)
+                raise WorkerLost(f"local worker {client.address} did not start within {timeout:g}s"
+                                 + (f" ({flag})" if flag else ""))
             if client.refused_since is not None:
                 raise WorkerLost(f"connection refused: is a worker listening on {client.address}? (refused for "
                                  f"{loop.time() - client.refused_since:.0f}s)")

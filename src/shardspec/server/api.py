@@ -345,9 +345,12 @@ class ChatShape(Shape):
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
-    def __init__(self, model: str, output: Callable[[], Any], token_text: Any = None, reasons: bool = False):
-        """`output` makes a choice's server.chat_output.ChatOutput (which needs this module's errors)."""
+    def __init__(self, model: str, output: Callable[[], Any], token_text: Any = None, reasons: bool = False,
+                 token_bytes: Callable[[int], bytes] | None = None):
+        """`output` makes a choice's server.chat_output.ChatOutput (which needs this module's errors);
+        `token_bytes` a token's own bytes (Tokenizer.token_bytes; default: its text's UTF-8)."""
         super().__init__(model, token_text)
+        self.token_bytes = token_bytes
         self.output = output
         self.reasons = reasons  # the model may reason: messages carry reasoning_content
         self.streams: dict[int, Any] = {}  # a choice index -> its streaming split
@@ -386,7 +389,8 @@ class ChatShape(Shape):
 
     def _scored(self, token: int, logprob: float) -> dict[str, Any]:
         text = self.token_text(token)
-        return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode())}
+        raw = self.token_bytes(token) if self.token_bytes is not None else text.encode()
+        return {"token": text, "logprob": _logprob(logprob), "bytes": list(raw)}
 
 
 def _finish(reason: str | None, output: Any) -> str | None:

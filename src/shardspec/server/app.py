@@ -160,7 +160,9 @@ class Service:
         arrived = time.perf_counter()
         body = parse_body(await request.body(), ChatBody)
         run = await self.chat_jobs(request.url.path, body, request.headers.get("authorization"), arrived)
-        shape = ChatShape(self.name, run.output, self.token_text_or_none(), reasons=self.thinks)
+        tokenizer = self.engine.tokenizer
+        shape = ChatShape(self.name, run.output, self.token_text_or_none(), reasons=self.thinks,
+                          token_bytes=functools.cache(tokenizer.token_bytes) if tokenizer is not None else None)
         return await self.respond(request, run.jobs, shape, body)
 
     async def chat_prompt(self, body: ChatBody, add_generation_prompt: bool = True) -> tuple[list[dict[str, Any]],

@@ -220,14 +220,15 @@ def _response_format(spec: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def chat_messages(items: list[Any], instructions: str | None, offset: int = 0) -> list[dict[str, Any]]:
-    """The chat messages of the instructions and the input items (item i named input[i - offset]):
+    """The chat messages of the instructions and the input items (item i named input[i - offset]; the
+    `offset` items before, the stored conversation's, named previous_response_id):
     messages; a function call joins the assistant's message before it (one turn's calls together);
     a function call's output is a tool message; a reasoning item is the next assistant message's
     reasoning_content."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
     reasoning: str | None = None
     for i, item in enumerate(items):
-        param = f"input[{i - offset}]"
+        param = f"input[{i - offset}]" if i >= offset else "previous_response_id"
         if not isinstance(item, dict):
             raise ApiError(400, "an input item is an object", param)
         kind = item.get("type", "message")
