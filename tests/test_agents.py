@@ -158,6 +158,10 @@ def test_a_parameter_value_holding_the_function_s_end_tag_streams_the_arguments_
     for cuts in ([], [60], [70, 80], list(range(1, len(text)))):
         split = split_streamed(text, cuts, reasoning=False)
         assert calls_of(split) == [("take_note", '{"text": "end with </function> then"}')], cuts
+    after = ("<tool_call>\n<function=take_note>\n<parameter=text>\na\n</parameter>\n</function>\n"
+             "<parameter=extra>\nb\n</parameter>\n</tool_call>")  # (a parameter after the call's end: not in it)
+    for cuts in ([], [80], list(range(1, len(after)))):
+        assert calls_of(split_streamed(after, cuts, reasoning=False)) == [("take_note", '{"text": "a"}')], cuts
 
 
 @pytest.mark.parametrize("role", ["wizard", "function", "System"])
@@ -243,25 +247,33 @@ def test_the_forced_call_grammar_takes_the_template_s_calls_that_validate_and_no
     assert not matches(single, rendered_call(*good[0]))
 
 
-def test_a_string_parameter_s_pattern_holds_in_a_forced_call_anchored_or_anywhere_in_the_value():
-    def grammar(pattern: str) -> str:
-        schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": pattern}}}
+def test_a_string_parameter_s_pattern_holds_in_a_forced_call_as_ecma_262_reads_it():
+    def grammar(pattern: str, kind: str | list[str] = "string") -> str:
+        schema = {"type": "object", "properties": {"code": {"type": kind, "pattern": pattern}}}
         return calls_grammar(parse_tools([{"type": "function", "function": {"name": "f", "parameters": schema}}]),
                              parallel=False, tokens=ADDED)
 
-    def takes(pattern: str, value: str) -> bool:
-        return matches(grammar(pattern), rendered_call("f", {"code": value}))
+    def takes(pattern: str, value: str | None, kind: str | list[str] = "string") -> bool:
+        return matches(grammar(pattern, kind), rendered_call("f", {"code": value}))
 
+    # (ASCII values without line ends: where Python's re, jsonschema's, reads a pattern as ECMA-262 does)
     for pattern, value, valid in [("^[A-Z][a-z]+$", "Paris", True), ("^[A-Z][a-z]+$", "paris", False),
                                   ("^[A-Z][a-z]+$", "Paris1", False), ("[0-9]{3}", "ab123c", True),
                                   ("[0-9]{3}", "ab12c", False), ("^a|b$", "axx", True), ("^a|b$", "xxb", True),
                                   ("^a|b$", "bxa", False), ("^a/b$", "a/b", True), (r"a\\$", "xa\\", True),
-                                  (r"a\\$", "a\\x", False), ("^[^/]+$", "a/b", False)]:
+                                  (r"a\\$", "a\\x", False), ("^[^/]+$", "a/b", False), (r"(^$|^\d+$)", "12", True),
+                                  (r"(^$|^\d+$)", "1a", False), (r"(?:^x|y$)", "xa", True), (r"[\d_]+", "_", True)]:
         assert takes(pattern, value) is valid is bool(jsonschema.Draft202012Validator(
             {"pattern": pattern}).is_valid(value)), (pattern, value)
+    # ECMA-262's own: \d and \w are ASCII, `.` is no line terminator (Python's re reads all three otherwise)
+    for pattern, value in [(r"^\d+$", "١٢٣"), (r"^\w+$", "é"), ("^a.b$", "a\rb")]:
+        assert not takes(pattern, value), (pattern, value)
+    assert takes("^[A-Z]+$", None, ["string", "null"]) and not takes("^[A-Z]+$", None)  # (null is written null)
     with pytest.raises(ApiError) as caught:
-        grammar("(^a)")
+        grammar("a(^b)")
     assert caught.value.param == "tools[0].function.parameters.properties.code.pattern"
+    parse_tools([{"type": "function", "function": {"name": "f", "parameters": {  # (a call not forced: no grammar)
+        "type": "object", "properties": {"code": {"type": "string", "pattern": "a(^b)"}}}}}])
 
 
 def test_a_constraint_after_reasoning_is_free_until_the_marker_token_and_holds_after_it():

@@ -117,16 +117,17 @@ def test_a_signal_stops_generate_with_its_exit_code_and_nothing_left(tiny_model,
                              "--prompt-ids", "1,2", "--max-tokens", "400"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(sig, signal.SIG_DFL))
     assert "starting workers" in proc.stderr.readline()  # (the workers are spawned and loading)
-    folders = list(Path(tempfile.gettempdir()).glob(f"shardspec-{proc.pid}-*"))
+    def folders() -> list[Path]:  # (the spawned workers' folder, and the group's store once it forms)
+        return list(Path(tempfile.gettempdir()).glob(f"shardspec-{proc.pid}-*"))
+
     deadline = time.monotonic() + 30
-    while not folders and time.monotonic() < deadline:
+    while not (workers := [f for f in folders() if "-store-" not in f.name]) and time.monotonic() < deadline:
         time.sleep(0.05)
-        folders = list(Path(tempfile.gettempdir()).glob(f"shardspec-{proc.pid}-*"))
     proc.send_signal(sig)
     err = proc.stderr.read()
     assert proc.wait(60) == 128 + sig and "interrupted" in err and "Traceback" not in err, err
-    assert folders and not [f for f in folders if f.exists()]
-    spawned = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if _cmdline_holds(pid, folders[0])]
+    assert workers and not folders()
+    spawned = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if _cmdline_holds(pid, workers[0])]
     assert not spawned
 
 

@@ -463,9 +463,10 @@ def test_sigint_stops_the_server_and_its_workers(tiny_model, tmp_path):
 
 
 def test_a_signal_ends_the_requests_in_flight_with_an_error_they_can_read_and_no_traceback(tiny_model, tmp_path):
-    server = start_server(tmp_path, "--model", str(tiny_model), "--local", "1", "--max-seq-len", "128",
+    server = start_server(tmp_path, "--model", str(tiny_model), "--local", "1", "--max-seq-len", "1024",
                           "--max-seqs", "1", "--shutdown-timeout", "0")
-    body = {"model": tiny_model.name, "prompt": [1, 2, 3], "max_tokens": 120, "ignore_eos": True}
+    # (1,000 tokens: seconds of decoding, so that the stream is still running when the signal comes)
+    body = {"model": tiny_model.name, "prompt": [1, 2, 3], "max_tokens": 1000, "ignore_eos": True}
     queued: dict[str, httpx.Response] = {}
     with httpx.Client(timeout=60) as http, http.stream("POST", f"{server.url}/completions",
                                                        json={**body, "stream": True}) as stream:
@@ -760,10 +761,16 @@ def test_a_half_sent_request_is_closed_after_the_read_timeout(guarded_server):
 
 
 @pytest.mark.parametrize("method", ["POST", "GET"])
-def test_headers_over_the_limit_get_431_however_they_arrive(guarded_server, method):
+def test_headers_over_the_limit_are_refused_whole_with_431_and_in_pieces_by_h11(guarded_server, method):
     headers = {"Content-Type": "application/json", "X-Big": "x" * (MAX_HEADER_BYTES + 1)}
     reply = httpx.request(method, f"http://{guarded_server}/", content=b"{}", headers=headers)
     assert reply.status_code == 431 and "headers" in reply.json()["error"]["message"]
+    host, port = guarded_server.split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as conn:  # (past h11's bound before they end)
+        conn.sendall(method.encode() + b" / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"x" * (MAX_HEADER_BYTES + 64))
+        time.sleep(0.3)
+        conn.sendall(b"\r\n\r\n")
+        assert b"".join(iter(lambda: conn.recv(65536), b"")).startswith(b"HTTP/1.1 400 ")
     assert httpx.post(f"http://{guarded_server}/", json={}).text == "2"  # (within it: served)
 
 

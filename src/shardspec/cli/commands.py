@@ -303,17 +303,18 @@ async def run_generate(args: argparse.Namespace) -> int:
     loop, main = asyncio.get_running_loop(), asyncio.current_task()
     assert main is not None
     signals: list[int] = []
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def on_signal(sig: int) -> None:
         signals.append(sig)
-        if len(signals) == 1:
-            print(f"\nshardspec generate: {signal.Signals(sig).name}: stopping the workers (again to force)",
-                  file=sys.stderr, flush=True)
-            main.cancel()
-        else:
-            kill_spawned()
+        print(f"\nshardspec generate: {signal.Signals(sig).name}: stopping the workers (again to force)",
+              file=sys.stderr, flush=True)
+        main.cancel()
+        for each in previous:  # (the next one may come while the cleanup blocks the loop, waiting for a
+            loop.remove_signal_handler(each)  # worker to exit: a plain handler runs all the same)
+            signal.signal(each, lambda *_: kill_spawned())
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in previous:
         loop.add_signal_handler(sig, on_signal, sig)
     try:
         return await _generate(args)
@@ -323,8 +324,9 @@ async def run_generate(args: argparse.Namespace) -> int:
         print("shardspec generate: interrupted", file=sys.stderr)
         return 128 + signals[0]
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig, handler in previous.items():
             loop.remove_signal_handler(sig)
+            signal.signal(sig, handler)
 
 
 async def _generate(args: argparse.Namespace) -> int:

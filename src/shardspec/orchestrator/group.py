@@ -21,7 +21,7 @@ import os
 import secrets
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import torch
@@ -147,7 +147,7 @@ class WorkerGroup:
             await self.call_all(ShutdownRequest(), timeout=GOODBYE_TIMEOUT_S)  # every rank back to idle
             await self._hello_all(hello_timeout)
             await self._init()
-        await offer_shards(self)  # workers that lack the model receive it from here
+        await self._reporting(offer_shards(self))  # workers that lack the model receive it from here
         await self.load(self.load_request)
 
     async def _hello_all(self, timeout: float) -> None:
@@ -192,30 +192,41 @@ class WorkerGroup:
         return [worker.loading for worker in self.workers]
 
     def report_progress(self, *_: Any) -> None:
-        """Tell on_progress each rank's progress of the load running; an exception of it fails the load
-        (its caller, connect(), raises it) rather than the reads of the replies it came with."""
+        """Tell on_progress each rank's progress of the transfer or load running. An exception of it
+        ends the first one (connect() raises it) rather than the reads of the replies it came with;
+        after that (a reload while serving) it is logged and on_progress is told no more."""
         if self.on_progress is None or self.progress_failed is None or self.progress_failed.done():
             return
         try:
             self.on_progress(self.load_progress())
         except Exception as exc:
-            self.progress_failed.set_exception(exc)
+            if not self.loads:
+                self.progress_failed.set_exception(exc)
+                return
+            log.error("on_progress raised %r; it is told no more of the loads", exc)
+            self.on_progress = None
+
+    async def _reporting(self, work: Coroutine[Any, Any, Any]) -> Any:
+        """`work` (a transfer or a load) while report_progress may tell on_progress how it goes."""
+        self.progress_failed = failed = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(work)
+        try:
+            await asyncio.wait([task, failed], return_when=asyncio.FIRST_COMPLETED)
+            if failed.done():
+                if task.done() and not task.cancelled():
+                    task.exception()  # (retrieved: the callback's exception is the one raised)
+                raise failed.exception()
+            return task.result()
+        finally:
+            self.progress_failed = None
+            task.cancel()
+            failed.cancel()
 
     async def load(self, request: LoadRequest) -> LoadReply:
         """Load (or load again, with other caches) on every rank; recovery reloads the same request."""
         for worker in self.workers:
             worker.loading = None
-        self.progress_failed = failed = asyncio.get_running_loop().create_future()
-        loading = asyncio.ensure_future(self.call_all(request))
-        try:
-            await asyncio.wait([loading, failed], return_when=asyncio.FIRST_COMPLETED)
-            if failed.done():
-                raise failed.exception()
-            replies = loading.result()
-        finally:
-            self.progress_failed = None
-            loading.cancel()
-            failed.cancel()
+        replies = await self._reporting(self.call_all(request))
         for stage, ranks in enumerate(self.config.stage_ranks()):
             log.info("stage %d: decoder layers %s on %s", stage, replies[ranks[0]][0].layers,
                      ", ".join(self.workers[rank].address for rank in ranks))
@@ -253,15 +264,18 @@ class WorkerGroup:
         return False
 
     async def close(self) -> None:
-        """Goodbye to the workers, and stop the ones this engine spawned."""
-        await self.disconnect()
-        if self.local is not None:
-            self.local.stop()
-        if self.store_dir is not None:
-            shutil.rmtree(self.store_dir, ignore_errors=True)
-        # destroy, not term: term waits for every socket of the context to be closed, and hung the close of an
-        # engine in the test suite (2 of 4 runs) on one still open; destroy closes what is left (linger 0) first
-        self.ctx.destroy(linger=0)
+        """Goodbye to the workers, and stop the ones this engine spawned (also when the goodbyes are
+        cancelled: a signal that comes while they are under way)."""
+        try:
+            await self.disconnect()
+        finally:
+            if self.local is not None:
+                self.local.stop()
+            if self.store_dir is not None:
+                shutil.rmtree(self.store_dir, ignore_errors=True)
+            # destroy, not term: term waits for every socket of the context to be closed, and hung the close of
+            # an engine in the test suite (2 of 4 runs) on one still open; destroy closes what is left first
+            self.ctx.destroy(linger=0)
 
     # --- relaying stage links -----------------------------------------------------------------------
 

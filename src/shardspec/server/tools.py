@@ -42,6 +42,7 @@ class Tool:
 
     name: str
     parameters: dict[str, Any] = field(default_factory=dict)
+    index: int = 0  # its place in the request's tools (what an error names)
 
     @property
     def properties(self) -> dict[str, Any]:
@@ -58,7 +59,7 @@ def parse_tools(raw: list[Any]) -> list[Tool]:
     ApiError 400 naming the first bad one."""
     if len(raw) > MAX_TOOLS:
         raise ApiError(400, f"at most {MAX_TOOLS} tools", "tools")
-    tools = [_tool(entry, f"tools[{i}]") for i, entry in enumerate(raw)]
+    tools = [_tool(entry, i) for i, entry in enumerate(raw)]
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
         raise ApiError(400, f"tool names must differ; {sorted(n for n in set(names) if names.count(n) > 1)} repeat",
@@ -66,7 +67,8 @@ def parse_tools(raw: list[Any]) -> list[Tool]:
     return tools
 
 
-def _tool(entry: Any, param: str) -> Tool:
+def _tool(entry: Any, index: int) -> Tool:
+    param = f"tools[{index}]"
     if not isinstance(entry, dict) or entry.get("type") != "function" or not isinstance(entry.get("function"), dict):
         raise ApiError(400, 'a tool is {"type": "function", "function": {"name": ..., "parameters": ...}}', param)
     function = entry["function"]
@@ -79,7 +81,7 @@ def _tool(entry: Any, param: str) -> Tool:
     if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
         raise ApiError(400, "a function's parameters are a JSON schema of an object", param)
     _check_parameters(parameters, param)
-    return Tool(name, parameters)
+    return Tool(name, parameters, index)
 
 
 def _check_parameters(parameters: dict[str, Any], param: str) -> None:
@@ -114,13 +116,8 @@ def _check_keywords(schema: dict[str, Any], param: str) -> None:
             raise ApiError(400, f"{keyword} is a non-negative integer, got {value!r:.40}", f"{param}.{keyword}")
     if schema.get("minLength", 0) > schema.get("maxLength", float("inf")):
         raise ApiError(400, "minLength exceeds maxLength", f"{param}.minLength")
-    if "pattern" in schema:
-        if not isinstance(schema["pattern"], str):
-            raise ApiError(400, "pattern is a regular expression", f"{param}.pattern")
-        try:
-            whole_value_regex(schema["pattern"])
-        except ValueError as exc:
-            raise ApiError(400, str(exc), f"{param}.pattern") from None
+    if not isinstance(schema.get("pattern", ""), str):
+        raise ApiError(400, "pattern is a regular expression", f"{param}.pattern")
 
 
 def chosen_tools(choice: str | dict[str, Any] | None, tools: list[Tool]) -> tuple[str, list[Tool]]:
@@ -166,7 +163,11 @@ def calls_grammar(tools: list[Tool], parallel: bool, tokens: Collection[str] = (
         function = _lit(f"\n<function={tool.name}>\n")
         lines.append(f"call_{i}: {opening} {function} {parts} {end} {closing}")
         for j, key in enumerate(keys):
-            lines += _parameter_rules(f"p_{i}_{j}", key, tool.schema_of(key) or {}, tool.parameters)
+            try:
+                lines += _parameter_rules(f"p_{i}_{j}", key, tool.schema_of(key) or {}, tool.parameters)
+            except ValueError as exc:  # (a string's pattern this grammar cannot say)
+                raise ApiError(400, str(exc), f"tools[{tool.index}].function.parameters.properties.{key}.pattern"
+                               ) from None
     return "\n".join(lines) + "\n"
 
 
@@ -188,7 +189,9 @@ def _parameter_rules(rule: str, key: str, schema: dict[str, Any], root: dict[str
         # the text cannot hold </parameter> (the parser ends the value at the first one)
         text = f"/(?s:.){count}/ & ~/(?s:.*)<\\/parameter>(?s:.*)/"
         if isinstance(schema.get("pattern"), str):
-            text += f" & /{whole_value_regex(schema['pattern'])}/"
+            text = f"({text} & /{whole_value_regex(schema['pattern'])}/)"
+            if isinstance(schema.get("type"), list) and "null" in schema["type"]:
+                text += ' | "null"'  # (the template writes null as null: typed_value reads it back)
         return [f"{rule}: {opening} {rule.upper()}", f"{rule.upper()}: ({text}) {closing}"]
     sub = {k: v for k, v in schema.items() if k not in SCHEMA_NOTES}
     for defs in ("$defs", "definitions"):  # $refs resolve against the value's own schema
@@ -198,28 +201,55 @@ def _parameter_rules(rule: str, key: str, schema: dict[str, Any], root: dict[str
 
 
 def whole_value_regex(pattern: str) -> str:
-    """A JSON Schema `pattern` as a regex of the whole value, for a grammar's /.../ (its slashes
-    escaped). The pattern matches anywhere in the value (ECMA-262's search), each of its top-level
-    alternatives unless a ^ at its start or a $ at its end anchors it; ValueError for a ^ or $ anchor
-    anywhere else (outside a character class), which this form cannot say."""
-    alternatives: list[list[tuple[str, str]]] = [[]]
-    depth = 0
-    for c, kind in _regex_chars(pattern):
-        depth += (c == "(") - (c == ")") if kind == "bare" else 0
-        if (c, kind) == ("|", "bare") and depth == 0:
-            alternatives.append([])
-        else:
-            alternatives[-1].append((c, kind))
+    """A JSON Schema `pattern` (ECMA-262) as a regex of the whole value for a grammar's /.../: the
+    pattern matches anywhere in the value, each of its top-level alternatives unless a ^ at its start
+    or a $ at its end anchors it (an alternative that is one group is read the same way inside);
+    ECMA's ASCII \\d and \\w and its `.` (not a line terminator) spelled out, slashes escaped.
+    ValueError for a ^ or $ anchor anywhere else (outside a character class), which this form
+    cannot say."""
     wholes = []
-    for chars in alternatives:
+    for chars in _alternatives(list(_regex_chars(pattern))):
+        if (group := _group_body(chars)) is not None:  # (^a|b$) and (?:^a|b$) as ^a|b$
+            wholes.append(whole_value_regex("".join(c for c, _ in group)))
+            continue
         head, tail = chars[:1] == [("^", "bare")], chars[-1:] == [("$", "bare")]
         inner = chars[head : len(chars) - tail]
         if any(kind == "bare" and c in "^$" for c, kind in inner):
             raise ValueError(f"a string parameter's pattern may anchor with ^ and $ only at the ends of its "
                              f"alternatives, got {pattern!r:.80}")
-        text = "".join("\\/" if c == "/" and kind != "escaped" else c for c, kind in inner)
+        text = "".join(_ecma(c, kind) for c, kind in inner)
         wholes.append(("" if head else "(?s:.*)") + f"(?:{text})" + ("" if tail else "(?s:.*)"))
     return wholes[0] if len(wholes) == 1 else "(?:" + "|".join(wholes) + ")"
+
+
+def _alternatives(chars: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
+    """A regex's characters split at its top-level |."""
+    alternatives: list[list[tuple[str, str]]] = [[]]
+    depth = 0
+    for c, kind in chars:
+        depth += (c == "(") - (c == ")") if kind == "bare" else 0
+        if (c, kind) == ("|", "bare") and depth == 0:
+            alternatives.append([])
+        else:
+            alternatives[-1].append((c, kind))
+    return alternatives
+
+
+def _group_body(chars: list[tuple[str, str]]) -> list[tuple[str, str]] | None:
+    """The inside of a plain or non-capturing group that is the whole of `chars`, else None."""
+    if len(chars) < 2 or chars[0] != ("(", "bare") or chars[-1] != (")", "bare"):
+        return None
+    depth = 0
+    for i, (c, kind) in enumerate(chars):
+        depth += (c == "(") - (c == ")") if kind == "bare" else 0
+        if depth == 0 and i < len(chars) - 1:
+            return None  # (the first group closes before the end: (a)(b))
+    body = chars[1:-1]
+    if body[:1] == [("?", "bare")]:
+        if body[1:2] != [(":", "bare")]:
+            return None  # (a lookaround or a named group: left to llguidance, which refuses what it cannot)
+        body = body[2:]
+    return body
 
 
 def _regex_chars(pattern: str) -> Iterator[tuple[str, str]]:
@@ -239,6 +269,27 @@ def _regex_chars(pattern: str) -> Iterator[tuple[str, str]]:
             yield c, "class"
         else:
             yield c, "bare"
+
+
+_ECMA_ESCAPES = {"d": "0-9", "w": "A-Za-z0-9_"}  # (ECMA's \\d and \\w are ASCII; llguidance's would be Unicode)
+
+
+def _ecma(c: str, kind: str) -> str:
+    """One character of an ECMA-262 regex in llguidance's syntax (an escape's backslash comes out with
+    the character it escapes)."""
+    if kind == "escape":
+        return ""
+    if kind == "escaped":
+        ascii_class = _ECMA_ESCAPES.get(c.lower())
+        if ascii_class is None:
+            return "\\" + c
+        negated = c.isupper()
+        return f"[{'^' if negated else ''}{ascii_class}]"
+    if (c, kind) == (".", "bare"):
+        return "[^\\n\\r\\u2028\\u2029]"
+    if c == "/":
+        return "\\/"
+    return c
 
 
 def _is_plain_string(schema: dict[str, Any]) -> bool:
@@ -282,25 +333,33 @@ class CallParser:
         self.call: ToolCall | None = None
         self.done = 0  # parameters emitted
         self.closed = False
+        self.body = 0  # where the function's tag ends
         self.undeclared: int | None = None  # where the tag of a function the request did not offer ends
 
     def feed(self, text: str) -> Iterator[str]:
         self.text += text
+        if self.closed:
+            return  # (what follows the call's </function> in its block is no part of it)
         if self.call is None:
             if (match := _FUNCTION.search(self.text)) is None:
                 return
             if match.group(1).strip() not in self.tools:
                 self.undeclared = match.end()  # a function the request did not offer: text, not a call
                 return
-            self.call = ToolCall(match.group(1).strip())
-        params = list(_PARAMETER.finditer(self.text))
+            self.call, self.body = ToolCall(match.group(1).strip()), match.end()
+        params, end = [], self.body
+        for match in _PARAMETER.finditer(self.text, self.body):  # (those before the call's </function>)
+            if "</function>" in self.text[end : match.start()]:
+                break
+            params.append(match)
+            end = match.end()
         for match in params[self.done :]:
             yield self._piece(match.group(1).strip(), match.group(2))
         self.done = len(params)
-        rest = self.text[params[-1].end() if params else 0 :]
+        rest = self.text[end:]
         if (opened := rest.find("<parameter=")) >= 0:  # (a parameter still open: its value may hold anything)
             rest = rest[:opened]
-        if not self.closed and "</function>" in rest:
+        if "</function>" in rest:
             yield self.close()
 
     def close(self) -> str:
