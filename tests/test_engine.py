@@ -14,6 +14,7 @@ from conftest import pooled
 import shardspec
 from shardspec.cli import BUNDLED_MODEL
 from shardspec.layers.sampling import filtered_logits
+from shardspec.orchestrator import request_values as values
 from shardspec.orchestrator.requests import EngineError
 from shardspec.orchestrator.workers import WorkerLost
 from shardspec.protocol.messages import SamplingParams
@@ -212,8 +213,10 @@ def test_a_request_the_workers_refuse_fails_alone_and_every_other_stream_gives_i
             running = asyncio.ensure_future(collect(engine, prompts[0], max_tokens=12))
             await asyncio.sleep(0)
             # past the engine's own checks, as a bug or a bad value would be: the wire refuses top_k > 2**30
-            bad = engine._new_request([1, 2, 3], 12, 0.0, 0, 1.0, 0, True)
-            bad.sampling = SamplingParams(0.0, 2**31, 1.0, 0)
+            bad = values.new_request(next(engine.seq_ids), engine.load_info, None, None, [1, 2, 3], 12,
+                                     SamplingParams(0.0, 2**31, 1.0, 0), True, penalties=(0.0, 0.0, 1.0),
+                                     stop_token_ids=None, logit_bias=None, min_tokens=0, logprobs=None,
+                                     prompt_logprobs=None, cache_salt=None, prefix_points=None)
             joined = [asyncio.ensure_future(collect(engine, p, max_tokens=12)) for p in prompts[1:]]
             engine.scheduler.add(bad)  # admitted with the two requests that arrive with it
             engine.wakeup.set()

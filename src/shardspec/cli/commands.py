@@ -279,7 +279,7 @@ def _check_sampling(args: argparse.Namespace) -> None:
 
     penalties = sampling_penalties(args)
     try:
-        values.penalties(values.sampling(args.temperature, args.top_k, args.top_p, args.seed),
+        values.with_penalties(values.sampling(args.temperature, args.top_k, args.top_p, args.seed),
                          penalties["presence_penalty"], penalties["frequency_penalty"], penalties["repetition_penalty"])
     except ValueError as exc:
         raise UsageError(str(exc)) from None

@@ -41,7 +41,6 @@ from shardspec.protocol.messages import (
     LoadProgress,
     LoadReply,
     LoadRequest,
-    PrefillSpec,
     ReleaseRequest,
     StatsRequest,
     StepReply,
@@ -220,19 +219,16 @@ class Engine:
         at or before each, so the next prompt that shares that prefix starts there. `arrived`: when the
         request arrived (time.perf_counter(); a server's, default now), from which its first chunk's
         `timeline` and its stats' time to first token count."""
-        request = self._new_request(prompt, max_tokens, temperature, top_k, top_p, seed, stop_at_eos)
+        if (failure := self.failure) is not None:
+            raise EngineError(failure)
+        request = values.new_request(
+            next(self.seq_ids), self.load_info, self.tokenizer, self.forced_acceptance, prompt, max_tokens,
+            values.sampling(temperature, top_k, top_p, seed), stop_at_eos,
+            penalties=(presence_penalty, frequency_penalty, repetition_penalty), stop_token_ids=stop_token_ids,
+            logit_bias=logit_bias, min_tokens=min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            cache_salt=cache_salt, prefix_points=prefix_points)
         if arrived is not None:
             request.started = min(arrived, request.started)
-        request.cache_salt = values.cache_salt(cache_salt)
-        request.prefix_points = values.prefix_points(prefix_points or [], len(request.prompt))
-        request.stop_ids += values.stop_token_ids(stop_token_ids or [], self.load_info.vocab_size)
-        request.logit_bias = values.logit_bias(logit_bias or {}, self.load_info.vocab_size)
-        request.min_tokens = values.in_wire_range("min_tokens", min_tokens, int, PrefillSpec, "min_tokens")
-        if min_tokens > max_tokens:
-            raise ValueError(f"min_tokens ({min_tokens}) cannot exceed max_tokens ({max_tokens})")
-        request.sampling = values.penalties(request.sampling, presence_penalty, frequency_penalty, repetition_penalty)
-        request.logprobs = values.logprobs("logprobs", logprobs)
-        request.prompt_logprobs = values.logprobs("prompt_logprobs", prompt_logprobs)
         detok = Detokenizer(self.tokenizer, skip_special_tokens) if self.tokenizer else None
         if structured_output is not None:  # (last: the key it holds is released below)
             request.grammar = await self._grammar(structured_output)
@@ -263,22 +259,6 @@ class Engine:
         """Every worker's StatsReply, in rank order; `timeline`: with its last steps' events
         (protocol.messages.TimelineEvent: when each step's messages left and came)."""
         return [reply for reply, _ in await self.group.call_all(StatsRequest(timeline), timeout=30)]
-
-    def _new_request(self, prompt: str | list[int], max_tokens: int, temperature: float, top_k: int, top_p: float,
-                     seed: int | None, stop_at_eos: bool) -> Request:
-        if (failure := self.failure) is not None:
-            raise EngineError(failure)
-        ids = values.prompt_ids(prompt, self.tokenizer, self.load_info.vocab_size)
-        context = self.load_info.max_seq_len
-        max_tokens = values.in_wire_range("max_tokens", max_tokens, int, PrefillSpec, "max_tokens")
-        values.in_wire_range("prompt", len(ids), int, PrefillSpec, "length", "the prompt's length in tokens")
-        if len(ids) + max_tokens > context:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of "
-                             f"{context} tokens")
-        sampling = values.sampling(temperature, top_k, top_p, seed)
-        stop_ids = list(self.load_info.eos_token_ids) if stop_at_eos else []
-        return Request(next(self.seq_ids), ids, max_tokens, sampling, stop_ids, self.draft_tokens,
-                       self.forced_acceptance)
 
     async def _grammar(self, constraint: dict[str, Any]) -> str:
         """The key of a structured-output constraint's grammar, compiled and built on the last stage
