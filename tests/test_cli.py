@@ -27,11 +27,11 @@ def test_help_lists_the_commands():
     assert "worker" in result.stdout and "generate" in result.stdout
 
 
-def test_generate_json_reports_tokens_reason_and_stats(tiny_model):
-    result = shardspec("generate", "--model", str(tiny_model), "--prompt-ids", "1,2,3", "--max-tokens", "9",
-                       "--local", "2", "--json", "--temperature", "0")
-    assert result.returncode == 0, result.stderr
-    out = json.loads(result.stdout)
+def test_generate_json_reports_tokens_reason_and_stats(tiny_model, capfd):
+    # in this process (what `python -m shardspec` runs is main; its workers are processes all the same)
+    assert main(["generate", "--model", str(tiny_model), "--prompt-ids", "1,2,3", "--max-tokens", "9",
+                 "--local", "2", "--json", "--temperature", "0"]) == 0
+    out = json.loads(capfd.readouterr().out)
     assert len(out["token_ids"]) == 9 and out["finish_reason"] == "length"
     assert {"prompt_tokens", "generated_tokens", "tokens_per_s", "time_to_first_token_s"} <= set(out["stats"])
     assert {"drafts", "accepted_tokens", "acceptance_per_position", "mean_acceptance_length"} <= set(out["stats"])
@@ -39,11 +39,11 @@ def test_generate_json_reports_tokens_reason_and_stats(tiny_model):
     assert "text" not in out  # this checkpoint has no tokenizer
 
 
-def test_generate_streams_token_ids_and_a_summary_without_json(tiny_model):
-    result = shardspec("generate", "--model", str(tiny_model), "--prompt-ids", "4,5", "--max-tokens", "5")
-    assert result.returncode == 0, result.stderr
-    assert len(result.stdout.split()) == 5
-    assert "5 tokens" in result.stderr and "tokens/s" in result.stderr
+def test_generate_streams_token_ids_and_a_summary_without_json(tiny_model, capfd):
+    assert main(["generate", "--model", str(tiny_model), "--prompt-ids", "4,5", "--max-tokens", "5"]) == 0
+    result = capfd.readouterr()
+    assert len(result.out.split()) == 5
+    assert "5 tokens" in result.err and "tokens/s" in result.err
 
 
 @pytest.mark.parametrize(
@@ -138,10 +138,13 @@ def _cmdline_holds(pid: int, folder: Path) -> bool:
         return False
 
 
-def test_generate_on_a_folder_without_a_model_says_so(tmp_path):
-    result = shardspec("generate", "--model", str(tmp_path), "--prompt-ids", "1")
-    assert result.returncode == 2 and "not a model folder" in result.stderr
-    assert "Traceback" not in result.stderr
+@pytest.mark.parametrize("command", [["generate", "--prompt-ids", "1"], ["serve", "--port", "0"]])
+def test_generate_and_serve_on_a_folder_without_a_model_say_so_in_one_line_and_exit_2(tmp_path, command, capfd):
+    # in this process (what `python -m shardspec` runs is main); serve says it before any HTTP is served
+    assert main([command[0], "--model", str(tmp_path), *command[1:]]) == 2
+    err = capfd.readouterr().err
+    assert "not a model folder" in err and "Traceback" not in err
+    assert "Started server" not in err and "Shutting down" not in err
 
 
 def _subcommands(parser):

@@ -760,18 +760,35 @@ def test_a_half_sent_request_is_closed_after_the_read_timeout(guarded_server):
     assert httpx.post(f"http://{guarded_server}/", content=body, headers=headers).text == "8"  # the next is served
 
 
+def _raw_reply(address: str, *pieces: bytes) -> tuple[int, dict]:
+    """The status and JSON body the server answers to `pieces` sent on one connection, 0.3 s apart."""
+    host, port = address.split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        for i, piece in enumerate(pieces):
+            time.sleep(0.3 * (i > 0))
+            conn.sendall(piece)
+        reply = b"".join(iter(lambda: conn.recv(65536), b""))  # ends: the server closed the connection
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head.lower()
+    return int(head.split()[1]), json.loads(body)
+
+
 @pytest.mark.parametrize("method", ["POST", "GET"])
-def test_headers_over_the_limit_are_refused_whole_with_431_and_in_pieces_by_h11(guarded_server, method):
+def test_headers_over_the_limit_are_refused_with_431_whether_they_come_whole_or_in_pieces(guarded_server, method):
     headers = {"Content-Type": "application/json", "X-Big": "x" * (MAX_HEADER_BYTES + 1)}
     reply = httpx.request(method, f"http://{guarded_server}/", content=b"{}", headers=headers)
     assert reply.status_code == 431 and "headers" in reply.json()["error"]["message"]
-    host, port = guarded_server.split(":")
-    with socket.create_connection((host, int(port)), timeout=30) as conn:  # (past h11's bound before they end)
-        conn.sendall(method.encode() + b" / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"x" * (MAX_HEADER_BYTES + 64))
-        time.sleep(0.3)
-        conn.sendall(b"\r\n\r\n")
-        assert b"".join(iter(lambda: conn.recv(65536), b"")).startswith(b"HTTP/1.1 400 ")
+    # (past h11's bound before they end: h11 stops reading them)
+    start = method.encode() + b" / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"x" * (MAX_HEADER_BYTES + 64)
+    status, body = _raw_reply(guarded_server, start, b"\r\n\r\n")
+    assert status == 431 and "headers" in body["error"]["message"]
     assert httpx.post(f"http://{guarded_server}/", json={}).text == "2"  # (within it: served)
+
+
+def test_a_request_that_is_not_http_gets_a_400_error_object(guarded_server):
+    status, body = _raw_reply(guarded_server, b"POST / HTTP/1.1\r\nHost x\r\n\r\n")  # (a header without its colon)
+    assert status == 400 and "HTTP" in body["error"]["message"]
+    assert httpx.post(f"http://{guarded_server}/", json={}).text == "2"
 
 
 @pytest.mark.parametrize("method", [b"POST", b"GET"])

@@ -137,7 +137,12 @@ def run_worker(args: argparse.Namespace) -> int:
     except Exception as exc:  # e.g. the address is in use
         print(f"shardspec worker: error: {exc}", file=sys.stderr)
         return 1
-    return 0
+    # Stopped: its model, group, sockets and socket file are released. The interpreter's own teardown
+    # (torch's modules and objects, half a second of CPU) would only delay the exit its owner waits for.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _check_heartbeat(args: argparse.Namespace) -> None:
@@ -406,6 +411,7 @@ def run_serve(args: argparse.Namespace) -> int:
     progress(f"starting {'workers' if options.engine.spawns_workers else 'connection'} and loading {args.model}")
     display = LoadDisplay(worker_labels(options.engine))
     try:
+        options.engine.check_model_folder()  # before HTTP is served: a bad folder is one clear line
         asyncio.run(serve(options, sock, _serving_line(options.model_name, display.close), on_progress=display))
     except ValueError as exc:
         raise UsageError(str(exc)) from None

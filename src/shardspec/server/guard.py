@@ -106,6 +106,20 @@ class DeadlineH11Protocol(H11Protocol):
         if not self.transport.is_closing():
             self.transport.close()
 
+    def send_400_response(self, msg: str) -> None:
+        """What h11 could not parse, as an error object like every other refusal: 431 where the headers
+        came in pieces past MAX_HEADER_BYTES (h11 stops buffering them), else 400."""
+        if len(self.conn.trailing_data[0]) > MAX_HEADER_BYTES:
+            error = ApiError(431, f"the request's headers exceed {MAX_HEADER_BYTES} bytes")
+        else:
+            error = ApiError(400, "the request is not valid HTTP/1.1")
+        payload = json.dumps(error.body()).encode()
+        headers = [(b"content-type", JSON), (b"content-length", str(len(payload)).encode()), (b"connection", b"close")]
+        for event in (h11.Response(status_code=error.status, headers=headers), h11.Data(data=payload),
+                      h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
+
 
 class RequestGuard:
     """ASGI middleware: a request's body is JSON, bounded, and read in time, before the app runs."""
@@ -116,7 +130,8 @@ class RequestGuard:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         headers = dict(scope["headers"]) if scope["type"] == "http" else {}
-        # (h11 bounds headers that arrive in pieces; those of one read come whole, so they are counted here)
+        # (h11 bounds headers that arrive in pieces: DeadlineH11Protocol.send_400_response; those of one read
+        # come whole, so they are counted here)
         if sum(len(name) + len(value) + 4 for name, value in scope.get("headers", ())) > MAX_HEADER_BYTES:
             await _refuse(send, ApiError(431, f"the request's headers exceed {MAX_HEADER_BYTES} bytes"), scope["path"])
             return

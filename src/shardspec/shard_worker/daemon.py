@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import time
 import traceback
 from collections import deque
@@ -133,6 +134,11 @@ class ShardWorker(OpHandlers):
         monitor = self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
+        # a signal also writes a byte here, which ends the poll at once (zmq's poll resumes after one)
+        woken, waker = socket.socketpair()
+        woken.setblocking(False)
+        waker.setblocking(False)
+        previous_wakeup = signal.set_wakeup_fd(waker.fileno(), warn_on_full_buffer=False)
         socket_file = security.ipc_socket_file(self.listen)
         bound = False
         try:
@@ -148,12 +154,15 @@ class ShardWorker(OpHandlers):
             poller = zmq.Poller()
             poller.register(sock, zmq.POLLIN)
             poller.register(monitor, zmq.POLLIN)
+            poller.register(woken, zmq.POLLIN)
             while not self.stopping:
                 self._answer_grammars()
                 if self.deferred:
                     self._serve_one(sock, monitor, self.deferred.popleft())
                     continue
                 events = dict(poller.poll(GRAMMAR_POLL_S * 1000 if self._building() else 200))
+                if woken.fileno() in events:
+                    woken.recv(64)  # (the signal's handler has run: the loop's test sees it)
                 if monitor in events:
                     self._drain_monitor(monitor)
                 if sock in events:
@@ -161,6 +170,9 @@ class ShardWorker(OpHandlers):
                 if self.owner is not None and time.monotonic() - self.owner_seen > self.lease:
                     self._reset(f"the orchestrator sent nothing for {self.lease:g}s (its lease lapsed)")
         finally:
+            signal.set_wakeup_fd(previous_wakeup)
+            woken.close()
+            waker.close()
             self._reset("worker stopping")
             sock.disable_monitor()
             monitor.close(linger=0)
