@@ -131,6 +131,18 @@ def test_a_signal_stops_generate_with_its_exit_code_and_nothing_left(tiny_model,
     assert not spawned
 
 
+def test_generate_whose_reader_leaves_stops_as_sigpipe_would_with_nothing_left(tiny_model):
+    # `shardspec generate ... | head`: the first write after the reader left fails with EPIPE
+    proc = subprocess.Popen([sys.executable, "-m", "shardspec", "generate", "--model", str(tiny_model), "--local", "1",
+                             "--prompt-ids", "1,2", "--max-tokens", "400", "--temperature", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.read(1)  # (streaming)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(60) == 128 + signal.SIGPIPE and "Traceback" not in err, err
+    assert not list(Path(tempfile.gettempdir()).glob(f"shardspec-{proc.pid}-*"))
+
+
 def _cmdline_holds(pid: int, folder: Path) -> bool:
     try:
         return str(folder) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")

@@ -1,6 +1,6 @@
 try:
-    from shardspec.cli import main
+    from shardspec.cli import run
 except KeyboardInterrupt:  # (Ctrl-C while the imports run: no traceback)
     raise SystemExit(130) from None
 
-raise SystemExit(main())
+run()

@@ -7,7 +7,12 @@ runs an OpenAI-compatible HTTP server, `status` asks workers what they do, `keys
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import os
+import signal
 import sys
+from typing import NoReturn
 
 from shardspec.cli.commands import (
     UsageError,
@@ -23,7 +28,7 @@ from shardspec.cli.parser import DEFAULT_REPETITION_PENALTY, build_parser
 from shardspec.orchestrator.config import BUNDLED_MODEL
 
 __all__ = ["BUNDLED_MODEL", "DEFAULT_REPETITION_PENALTY", "UsageError", "build_parser", "engine_config", "main",
-           "sampling_penalties"]
+           "run", "sampling_penalties"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,3 +49,19 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, asyncio.CancelledError):
         print(f"shardspec {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout left (`| head`): stop as a program SIGPIPE ends does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (what is still buffered goes nowhere)
+        return 128 + signal.SIGPIPE
+
+
+def run() -> NoReturn:
+    """The `shardspec` program: main, then exit at once. Whatever main started is stopped and closed
+    when it returns (workers, sockets, folders, grammar processes); the interpreter's own teardown of
+    torch's and the server's modules would only add most of a second of CPU to every exit (a worker's
+    owner, a script, a test waits for it)."""
+    code = main()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # (a reader that left: `shardspec generate ... | head`)
+            stream.flush()
+    os._exit(code)
