@@ -312,9 +312,22 @@ def test_a_peer_stuck_mid_collective_frees_the_survivor_within_the_dist_timeout(
     assert greedy(tiny_model, addresses) == reference
 
 
-def test_a_spawned_worker_that_dies_is_restarted_and_the_engine_serves_the_same_output(tiny_model):
+def test_a_spawned_worker_that_dies_is_restarted_and_the_engine_serves_the_same_output(tiny_model, caplog):
+    """The reload after the restart reports progress too: an on_progress that raises there is logged
+    and told no more, and the engine serves all the same."""
+    reloads = []
+
+    def on_progress(progress):
+        if engine_ready:
+            reloads.append(progress)
+            raise RuntimeError("a display that broke")
+
+    engine_ready = False
+
     async def run():
-        async with shardspec.connect(model=str(tiny_model), local=2) as engine:
+        nonlocal engine_ready
+        async with shardspec.connect(model=str(tiny_model), local=2, on_progress=on_progress) as engine:
+            engine_ready = True
             before = await collect(engine, max_tokens=40)
             first = engine.group.local.procs[1]
             elapsed, error = await fail_mid_generation(engine, first.kill)
@@ -323,9 +336,11 @@ def test_a_spawned_worker_that_dies_is_restarted_and_the_engine_serves_the_same_
             assert engine.group.local.procs[1] is not first and engine.group.local.restarts == [0, 1]
             return elapsed, before, await collect(engine, max_tokens=40)
 
-    elapsed, before, after = asyncio.run(run())
+    with caplog.at_level("ERROR", logger="shardspec"):
+        elapsed, before, after = asyncio.run(run())
     assert elapsed < HEARTBEAT_S + SLACK_S
     assert after == before
+    assert len(reloads) == 1 and "a display that broke" in caplog.text and "told no more" in caplog.text
 
 
 def test_a_spawned_worker_in_a_crash_loop_is_started_again_after_a_pause_that_the_failure_names(tiny_model,
