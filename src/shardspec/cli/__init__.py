@@ -15,6 +15,7 @@ import sys
 from typing import NoReturn
 
 from shardspec.cli.commands import (
+    ReaderLeft,
     UsageError,
     engine_config,
     run_generate,
@@ -49,8 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, asyncio.CancelledError):
         print(f"shardspec {args.command}: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # the reader of stdout left (`| head`): stop as a program SIGPIPE ends does
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (what is still buffered goes nowhere)
+    except ReaderLeft:  # (`| head`): stop as a program that SIGPIPE ends does, with nothing more on stdout
+        with contextlib.suppress(OSError, ValueError):  # (what is still buffered goes nowhere)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
 
 

@@ -29,6 +29,19 @@ class UsageError(Exception):
     """Bad command-line input: printed as one line, exit code 2."""
 
 
+class ReaderLeft(Exception):
+    """The reader of stdout went away (`shardspec generate ... | head`)."""
+
+
+def write_out(text: str, end: str = "\n") -> None:
+    """`text` on stdout at once. A reader that left raises ReaderLeft: main tells it from a
+    BrokenPipeError of the engine's own pipes and sockets."""
+    try:
+        print(text, end=end, flush=True)
+    except BrokenPipeError:
+        raise ReaderLeft from None
+
+
 MAX_THREADS_PER_CORE = 4  # a worker's --threads at most (torch aborts the process past what it can start)
 
 
@@ -189,7 +202,7 @@ def run_keys(args: argparse.Namespace) -> int:
         public, secret = security.generate(args.dir, args.name)
     except security.KeyFileError as exc:
         raise UsageError(str(exc)) from None
-    print(f"wrote {public} (public: give it to peers) and {secret} (secret: keep it here)")
+    write_out(f"wrote {public} (public: give it to peers) and {secret} (secret: keep it here)")
     return 0
 
 
@@ -229,11 +242,11 @@ async def run_status(args: argparse.Namespace) -> int:
         if isinstance(answer, Exception):
             failed += 1
             reason = answer.message if isinstance(answer, RemoteError) else str(answer)
-            print(json.dumps({"address": address, "error": reason}) if args.json
-                  else printable(f"{address}: error: {reason}"))  # (the worker's text: no escape codes)
+            write_out(json.dumps({"address": address, "error": reason}) if args.json
+                      else printable(f"{address}: error: {reason}"))  # (the worker's text: no escape codes)
         else:
-            print(json.dumps({"address": address, **asdict(answer)}) if args.json
-                  else printable(status_line(address, answer)))
+            write_out(json.dumps({"address": address, **asdict(answer)}) if args.json
+                      else printable(status_line(address, answer)))
     return 1 if failed else 0
 
 
@@ -355,8 +368,8 @@ async def _generate(args: argparse.Namespace) -> int:
                                                    **sampling_penalties(args)):
                     token_ids += chunk.token_ids
                     if not args.json:
-                        print(chunk.text if engine.tokenizer else " ".join(map(str, chunk.token_ids)),
-                              end="" if engine.tokenizer else " ", flush=True)
+                        write_out(chunk.text if engine.tokenizer else " ".join(map(str, chunk.token_ids)),
+                                  end="" if engine.tokenizer else " ")
                     final = chunk
                 text = engine.tokenizer.decode(token_ids) if engine.tokenizer else None
         finally:
@@ -371,7 +384,7 @@ async def _generate(args: argparse.Namespace) -> int:
         out = {"token_ids": token_ids, "finish_reason": final.finish_reason, "stats": final.stats}
         if text is not None:
             out["text"] = text
-        print(json.dumps(out))
+        write_out(json.dumps(out))
     else:
         print("\n" + summary_line(final.finish_reason, final.stats), file=sys.stderr)
     return 0
