@@ -44,6 +44,11 @@ MAX_VIEWS = 256  # slot views kept (per buffer, dtype and shape)
 CHECK_PEERS_S = 0.1  # while sleeping, how often the peers' processes are checked
 
 
+class CollectiveFailed(RuntimeError):
+    """A collective that cannot complete: a peer rank died, the group gave up, or a peer is late. What
+    an operator sees when a worker of the group goes away, not a bug of this one."""
+
+
 def supported() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and hasattr(os, "memfd_create")
 
@@ -156,13 +161,13 @@ class ShmCollectives:
 
     def _check_peers(self, n: int, late: bool) -> None:
         if (reason := self.abort()) is not None:
-            raise RuntimeError(f"a tensor-parallel collective gave up: {reason}")
+            raise CollectiveFailed(f"a tensor-parallel collective gave up: {reason}")
         for r in self.peers:
             if self.counts[r * LINE // 8] < n and not _alive(self.pids[r]):
-                raise RuntimeError(f"tensor-parallel rank {r} (pid {self.pids[r]}) died during a collective")
+                raise CollectiveFailed(f"tensor-parallel rank {r} (pid {self.pids[r]}) died during a collective")
         if late:
             missing = [r for r in self.peers if self.counts[r * LINE // 8] < n]
-            raise RuntimeError(f"tensor-parallel ranks {missing} did not reach collective {n} within "
+            raise CollectiveFailed(f"tensor-parallel ranks {missing} did not reach collective {n} within "
                                f"{self.timeout_s:g} s")
 
 

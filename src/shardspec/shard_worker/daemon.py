@@ -28,6 +28,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from shardspec import security
 from shardspec.layers.parallel import TPGroup
+from shardspec.layers.shm import CollectiveFailed
 from shardspec.protocol import codec, transport
 from shardspec.protocol.codec import Message
 from shardspec.protocol.errors import ErrorCode, ProtocolError
@@ -238,6 +239,10 @@ class ShardWorker(OpHandlers):
             self.errors += 1
             self._log_rejected(exc)
             reply = error_message(codec.peek_id(frames), exc.code, exc.message)
+        except CollectiveFailed as exc:  # a peer of the group went away: its story, told in one line
+            self.errors += 1
+            log.warning("%s", exc)
+            reply = error_message(codec.peek_id(frames), ErrorCode.INTERNAL, str(exc))
         except Exception as exc:  # a bug or a device failure: report it, keep serving
             self.errors += 1
             log.error("internal error: %s", traceback.format_exc())
