@@ -115,6 +115,19 @@ def test_a_silent_owner_loses_the_worker_after_its_lease(spawn_worker, sync_clie
     assert request(intruder, "stats").meta["code"] == "busy"
 
 
+def test_an_owner_whose_lease_lapsed_is_told_so_at_its_next_request(spawn_worker, sync_client):
+    worker = spawn_worker("--lease", "2")
+    owner = sync_client(worker.address)
+    assert request(owner, "hello").op == "hello"  # then a pause past the lease (a stopped process, say)
+    deadline = time.monotonic() + 20
+    while "lease lapsed" not in worker.log_text():
+        assert time.monotonic() < deadline, worker.log_text()
+        time.sleep(0.1)
+    reply = request(owner, "stats")
+    assert reply.meta["code"] == "bad_state" and "--lease" in reply.meta["message"], reply.meta
+    assert request(owner, "hello").op == "hello" and request(owner, "stats").op == "stats"  # (connecting again)
+
+
 def test_an_idle_orchestrator_keeps_its_workers_past_the_lease(tiny_model, spawn_worker):
     worker = spawn_worker("--lease", "2")
 

@@ -88,6 +88,7 @@ class ShardWorker(OpHandlers):
         self.owner_gone = False  # its connection dropped (seen while a step waited on a stage link, say)
         self.dropping = False  # the owner's last reply was dropped
         self.owner_seen = 0.0  # when the owner last sent a request, or was last answered (monotonic)
+        self.lapsed: bytes | None = None  # the last owner whose lease lapsed: its next request is told so
         self.closed_fds: set[int] = set()  # connections seen to close (and not reused since): departed peers
         self.monitor: zmq.Socket | None = None
         self.sock: zmq.Socket | None = None  # the ROUTER socket orchestrators talk to
@@ -169,6 +170,7 @@ class ShardWorker(OpHandlers):
                 if sock in events:
                     self._serve_one(sock, monitor, sock.recv_multipart(copy=False))
                 if self.owner is not None and time.monotonic() - self.owner_seen > self.lease:
+                    self.lapsed = self.owner
                     self._reset(f"the orchestrator sent nothing for {self.lease:g}s (its lease lapsed)")
         finally:
             signal.set_wakeup_fd(previous_wakeup)
@@ -360,8 +362,12 @@ class ShardWorker(OpHandlers):
                 raise ProtocolError(ErrorCode.BUSY, "this worker serves another orchestrator")
             if self.owner is None and fd in self.closed_fds:  # queued by a client that already left
                 raise ProtocolError(ErrorCode.BAD_STATE, "hello from a connection that is closed")
-            self.owner, self.owner_fd = peer, fd
+            self.owner, self.owner_fd, self.lapsed = peer, fd, None
             self.owner_address = address
+        elif self.owner is None and peer == self.lapsed:
+            raise ProtocolError(ErrorCode.BAD_STATE, f"this worker let this orchestrator go: it sent nothing for "
+                                f"{self.lease:g} s (the worker's --lease); its model and state are freed, connect "
+                                "again")
         elif self.owner is None:
             raise ProtocolError(ErrorCode.BAD_STATE, f"say hello before {request.op!r}")
         elif peer != self.owner:
