@@ -199,7 +199,8 @@ def test_killing_either_rank_of_a_shared_memory_group_is_named_in_time_and_leave
     assert elapsed < HEARTBEAT_S + SLACK_S
     assert len(after) == 8
     assert set(os.listdir("/dev/shm")) <= shm_before
-    survivor = ws[1 - killed].log.read_text(errors="replace")  # (a peer that went away is an operator's event, not an internal error)
+    # (a peer that went away is an operator's event, not an internal error)
+    survivor = ws[1 - killed].log.read_text(errors="replace")
     assert "Traceback" not in survivor and "internal error" not in survivor, survivor
 
 

@@ -75,6 +75,21 @@ def test_a_received_stage_is_kept_by_content_and_the_next_offer_needs_nothing(re
     assert stage0.source == "send" and {n.item for n in stage0.need}.isdisjoint(f"tensor:{k}" for k in held)
 
 
+def test_a_cache_emptied_while_the_worker_runs_receives_the_stage_again(receiver, tiny_model_vl):
+    request, frames = offer(tiny_model_vl)
+    send(receiver, tiny_model_vl, receiver.offer(request, frames, 0, 1).need, request.key)
+    receiver.committed = {request.key: {"late.weight": "0" * 64}}  # (received, not yet recorded)
+    for sub in receiver.cache.root.iterdir():  # an operator's `rm -rf CACHE/*`
+        if sub.is_dir():
+            shutil.rmtree(sub)
+        else:
+            sub.unlink()
+    reply = receiver.offer(request, frames, 0, 1)
+    assert reply.source == "send" and reply.need
+    send(receiver, tiny_model_vl, reply.need, request.key)
+    assert receiver.offer(request, frames, 0, 1).source == "cache"
+
+
 def test_a_cached_stage_loads_the_same_tensors_as_the_folder(receiver, tiny_model_vl):
     request, frames = offer(tiny_model_vl)
     send(receiver, tiny_model_vl, receiver.offer(request, frames, 0, 1).need, request.key)

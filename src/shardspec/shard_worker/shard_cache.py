@@ -54,6 +54,10 @@ class ShardCache:
         self.limit = limit
         self.tag = tag
         self.used: int | None = None  # bytes of blobs and partial files, as last counted plus what came since
+        self.make_folders()
+
+    def make_folders(self) -> None:
+        """Its folders, made again where an operator emptied the cache while the worker ran."""
         for sub in ("blobs", "partial", "models"):
             (self.root / sub).mkdir(parents=True, exist_ok=True, mode=0o700)
 

@@ -53,6 +53,7 @@ class ShardReceiver:
             if frame is None or frame.dtype != torch.uint8 or frame.dim() != 1:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"shards takes the model's {name} as a uint8 frame")
         try:
+            self.cache.make_folders()
             self.cache.write_file(body.key, "config.json", tensors["config"].numpy().tobytes())
             self.cache.write_file(body.key, INDEX_FILE, tensors["index"].numpy().tobytes())
             checkpoint = sources.cached_checkpoint(self.cache, body.key)
@@ -171,10 +172,15 @@ class ShardReceiver:
 
     def record(self) -> None:
         """Write the tensors received since the last time into the model's tensors.json (one write
-        every RECORD_EVERY_S, not one per tensor: a model may have 100,000 of them)."""
-        for key, tensors in self.committed.items():
-            self.cache.add_tensors(key, tensors)
-        self.committed, self.recorded = {}, time.monotonic()
+        every RECORD_EVERY_S, not one per tensor: a model may have 100,000 of them). One that cannot be
+        written (the cache emptied meanwhile) is dropped with a warning: those tensors are sent again."""
+        committed, self.committed, self.recorded = self.committed, {}, time.monotonic()
+        for key, tensors in committed.items():
+            try:
+                self.cache.add_tensors(key, tensors)
+            except OSError as exc:
+                log.warning("shard cache: could not record %d received tensors of model %s: %s", len(tensors),
+                            key[:12], exc)
 
     def _held_blobs(self, key: str) -> set[str]:
         return set(self.cache.tensors(key).values()) | set(self.committed.get(key, {}).values())
