@@ -57,6 +57,7 @@ def test_generate_streams_token_ids_and_a_summary_without_json(tiny_model, capfd
         (["--prompt-ids", "1", "--max-tokens", "5000"], "exceeds the context"),
         (["hello"], "tokenizer"),
         (["--prompt-ids", "1", "--tp", "2", "--local", "1"], "tp must equal"),
+        (["--prompt-ids", "1", "--tp", "2", "--pp", "2", "--local", "2"], "tp × pp must equal the worker count"),
         (["--prompt-ids", "1", "--workers", "nonsense"], "tcp://HOST:PORT"),
         (["--prompt-ids", "1", "--repetition-penalty", "0"], "repetition_penalty must be above 0"),
         (["--prompt-ids", "1", "--presence-penalty", "3"], "presence_penalty must be in [-2.0, 2.0]"),

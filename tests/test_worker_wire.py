@@ -190,6 +190,7 @@ def test_worker_exits_cleanly_on_signal_and_removes_its_socket(spawn_worker, sig
         (["--listen", "ipc:///tmp/x.sock", "--threads", "100000"], "--threads must be in [1,"),  # (torch aborted)
         (["--listen", "ipc:///tmp/x.sock", "--threads", "100000", "--lease", "0.001"], "--lease"),
         (["--listen", "ipc:///tmp/x.sock", "--cache-dir", sys.executable], "--cache-dir must be a folder"),
+        (["--listen", "ipc:///tmp/x.sock", "--cache-dir", "/proc/none"], "--cache-dir /proc/none: cannot make"),
     ],
 )
 def test_worker_cli_rejects_bad_arguments_with_a_message(args, message, capsys):

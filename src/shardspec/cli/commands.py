@@ -145,6 +145,10 @@ def run_worker(args: argparse.Namespace) -> int:
                                                       "this worker", args.listen)
     try:
         cache = ShardCache(args.cache_dir, args.cache_size, tag=args.listen)
+    except OSError as exc:
+        raise UsageError(f"--cache-dir {exc.filename or args.cache_dir}: cannot make or use it: "
+                         f"{exc.strerror or exc}") from None
+    try:
         ShardWorker(args.listen, args.device, keys, allow, args.heartbeat_timeout, args.lease,
                     max_message_bytes, args.threads, cache, args.model_dir).serve_forever()
     except Exception as exc:  # e.g. the address is in use
@@ -320,8 +324,8 @@ async def run_generate(args: argparse.Namespace) -> int:
 
     def on_signal(sig: int) -> None:
         signals.append(sig)
-        print(f"\nshardspec generate: {signal.Signals(sig).name}: stopping the workers (again to force)",
-              file=sys.stderr, flush=True)
+        what = "stopping the workers (again to force)" if args.workers is None else "the workers go back to idle"
+        print(f"\nshardspec generate: {signal.Signals(sig).name}: {what}", file=sys.stderr, flush=True)
         main.cancel()
         for each in previous:  # (the next one may come while the cleanup blocks the loop, waiting for a
             loop.remove_signal_handler(each)  # worker to exit: a plain handler runs all the same)
@@ -375,7 +379,7 @@ async def _generate(args: argparse.Namespace) -> int:
         finally:
             display.close()
     except ValueError as exc:
-        raise UsageError(str(exc)) from None
+        raise UsageError(_in_flags(str(exc), args)) from None
     except ENGINE_ERRORS as exc:
         print(f"\nshardspec generate: error: {exc}", file=sys.stderr)
         return 1
@@ -422,7 +426,7 @@ def run_serve(args: argparse.Namespace) -> int:
         options.engine.check_model_folder()  # before HTTP is served: a bad folder is one clear line
         asyncio.run(serve(options, sock, _serving_line(options.model_name, display.close), on_progress=display))
     except ValueError as exc:
-        raise UsageError(str(exc)) from None
+        raise UsageError(_in_flags(str(exc), args)) from None
     except ENGINE_ERRORS as exc:
         print(f"shardspec serve: error: {exc}", file=sys.stderr)
         return 1

@@ -136,7 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--frequency-penalty", type=float, default=0.0, metavar="F",
                      help="subtract F times its count in the output from each token's logit (default 0)")
     _add_decoding_options(gen)
-    gen.add_argument("--no-pipeline", action="store_true", help="wait for each step's reply before sending the next")
+    gen.add_argument("--no-pipeline", action="store_true",
+                     help="wait for each step's reply before sending the next (default: the next step is sent "
+                          "while the workers run this one)")
     gen.add_argument("--forced-acceptance", type=float, default=None, metavar="P",
                      help=f"BENCHMARKS ONLY: accept each draft with probability P whatever the model says; "
                           f"changes the output; needs {FORCED_ACCEPTANCE_ENV}=1 (default: off)")

@@ -340,8 +340,10 @@ class EngineConfig:
         if self.world_size % self.pp:
             raise ValueError(f"pp={self.pp} stages but {given}: the workers must be a multiple of pp")
         if self.tp is not None and self.tp != self.tp_size:
-            per = "the worker count" if self.pp == 1 else f"the worker count ÷ pp ({self.pp})"
-            raise ValueError(f"tp={self.tp} but {given}; tp must equal {per}")
+            if self.pp == 1:
+                raise ValueError(f"tp={self.tp} but {given}: tp must equal the worker count")
+            raise ValueError(f"tp={self.tp} × pp={self.pp} make {self.tp * self.pp} workers, but {given}: tp × pp must "
+                             "equal the worker count")
         lo, hi = message_range(LoadRequest, "expert_parallel")
         if type(self.ep) is not int or not lo <= self.ep <= hi:
             raise ValueError(f"ep must be an expert-parallel degree in [{lo}, {hi}], got {self.ep!r}")

@@ -44,7 +44,7 @@ def check_heartbeat_timeout(seconds: Any) -> float:
 def check_range(name: str, value: Any, lo: float, hi: float) -> float:
     """A finite number in [lo, hi], or ValueError naming `name` and the range."""
     if type(value) not in (int, float) or not math.isfinite(value) or not lo <= value <= hi:
-        raise ValueError(f"{name} must be a number in [{lo:g}, {hi:g}], got {value!r}")
+        raise ValueError(f"{name} must be a number in [{lo:.12g}, {hi:.12g}], got {value!r}")
     return value
 
 

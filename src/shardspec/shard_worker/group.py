@@ -317,7 +317,9 @@ def _rendezvous_listener(host: str, port: int) -> socket.socket:
     except OSError as exc:
         listener.close()
         raise ProtocolError(ErrorCode.BAD_STATE, f"cannot host the process group's rendezvous on port {port}: "
-                            f"{exc.strerror or exc}; choose a free port with --dist-port") from None
+                            f"{exc.strerror or exc}; choose a free port with --dist-port (by default it is the first "
+                            "port above rank 0's that this group's workers do not use: each uses its port and the next "
+                            "two, so another service there needs --dist-port or ports further apart)") from None
     if not address:
         log.info("the rendezvous store listens on every interface (%s: not this host's address, or a name "
                  "for loopback here only)", host)
