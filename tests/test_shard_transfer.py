@@ -20,7 +20,7 @@ from shardspec.models.checkpoint import Checkpoint
 from shardspec.models.shard_files import folder_key, weight_map
 from shardspec.orchestrator.engine import connect
 from shardspec.orchestrator.requests import EngineError
-from shardspec.orchestrator.shard_sender import Transfer, _chunks, _items
+from shardspec.orchestrator.shard_sender import Transfer, _blob_bytes, _chunks, _items
 from shardspec.protocol.codec import Message, decode, encode
 from shardspec.protocol.errors import ErrorCode, ProtocolError
 from shardspec.protocol.messages import MAX_CHUNK_BYTES, ChunkRequest, ItemNeed, ShardsRequest, to_meta
@@ -34,7 +34,7 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 def offer(folder: Path) -> tuple[ShardsRequest, dict[str, torch.Tensor]]:
     """What the orchestrator sends first (shard_sender.offer_shards), for a model folder."""
     checkpoint = Checkpoint.open(folder)
-    index = json.dumps({"weight_map": weight_map(checkpoint)}).encode()
+    index = json.dumps({"weight_map": weight_map(checkpoint), "blob_bytes": _blob_bytes(checkpoint)}).encode()
     frames = {"config": torch.frombuffer(bytearray((folder / "config.json").read_bytes()), dtype=torch.uint8),
               "index": torch.frombuffer(bytearray(index), dtype=torch.uint8)}
     return ShardsRequest(model=str(folder), key=folder_key(checkpoint), mtp="auto"), frames
@@ -171,6 +171,16 @@ def test_the_cache_size_limit_evicts_the_least_recently_used_blobs(tmp_path):
     assert [cache.blob(d).exists() for d in digests] == [True, False, True]
     with pytest.raises(CacheFull, match="--cache-size"):
         cache.make_room(2500, keep=lambda: set(digests))
+
+
+def test_a_stage_the_cache_can_never_hold_is_refused_at_the_offer_and_evicts_nothing(tmp_path, tiny_model_vl):
+    request, frames = offer(tiny_model_vl)
+    receiver = ShardReceiver(ShardCache(tmp_path / "cache", limit=64 << 10), tmp_path / "none")
+    other = receiver.cache.blob("ab" * 32)
+    other.write_bytes(b"another model's tensor")
+    with pytest.raises(ProtocolError, match=r"cannot hold this rank's stage .* raise the worker's --cache-size") as exc:
+        receiver.offer(request, frames, 0, 1)
+    assert exc.value.code == ErrorCode.CAPACITY and other.is_file()
 
 
 def test_a_full_disk_is_a_clear_error_and_leaves_the_cache_consistent(receiver, monkeypatch):

@@ -76,14 +76,18 @@ async def offer_shards(group: WorkerGroup) -> None:
     request = group.load_request
     offer = ShardsRequest(model=request.model, key=config.model_key, layer_split=request.layer_split,
                           mtp=request.mtp, files=[name for name in SMALL_FILES if (folder / name).is_file()])
-    index = json.dumps({"weight_map": weight_map(checkpoint)}).encode()
-    frames = {"config": _frame((folder / "config.json").read_bytes()), "index": _frame(index)}
+    index = {"weight_map": weight_map(checkpoint)}
+    if config.hub_model is None:  # (a worker refuses at once a stage its cache can never hold)
+        index["blob_bytes"] = await asyncio.to_thread(_blob_bytes, checkpoint)
+    frames = {"config": _frame((folder / "config.json").read_bytes()), "index": _frame(json.dumps(index).encode())}
     try:
         replies = await group.call_all(offer, frames)
     except RemoteError as exc:
         if exc.code == ErrorCode.BAD_MESSAGE:  # a worker of a version before transfers
             log.warning("%s; the workers load the model from their own disks", exc)
             return
+        if exc.code == ErrorCode.CAPACITY:  # (its cache can never hold its stage: said before any byte is sent)
+            raise EngineError(f"sending the model to worker {exc.worker} failed: {exc.message}") from None
         raise
     needs = {worker: reply.need for worker, (reply, _) in zip(group.workers, replies, strict=True)
              if reply.source == "send"}
@@ -190,6 +194,12 @@ async def _chunks(key: str, item: Item, start: int, chunk_bytes=lambda: MAX_CHUN
 def _start(item: Item, need: ItemNeed) -> int:
     """Where the item's bytes start for a worker that holds `need.have` of them (0 if that is past its end)."""
     return need.have if need.have < item.size else 0
+
+
+def _blob_bytes(checkpoint: Checkpoint) -> dict[str, int]:
+    """Each tensor's size in a worker's shard cache (its blob: the bytes and a header naming it)."""
+    return {name: span.blob_bytes for path in sorted(set(checkpoint.files.values()))
+            for name, span in tensor_spans(path).items()}
 
 
 def _items(checkpoint: Checkpoint, hub_model: hub.HubModel | None, needs) -> dict[str, Item]:

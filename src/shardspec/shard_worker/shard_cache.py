@@ -155,6 +155,18 @@ class ShardCache:
         os.replace(path, target)  # (the folder is fsynced when the blob is recorded: add_tensors)
         return target
 
+    def check_room(self, whole: int, what: str) -> None:
+        """CacheFull before any byte is written or evicted where `whole` bytes (`what`) could never be
+        in the cache at once: past its size limit, or past the disk's free space and all the cache holds."""
+        if whole > self.limit:
+            raise CacheFull(f"the shard cache at {self.root} cannot hold {what}: it takes {whole / 1e6:.1f} MB, over "
+                            f"its limit of {self.limit / 1e6:.1f} MB: raise the worker's --cache-size")
+        held = sum(p.stat().st_size for sub in ("blobs", "partial") for p in (self.root / sub).iterdir() if p.is_file())
+        if whole > (free := shutil.disk_usage(self.root).free) + held:
+            raise CacheFull(f"the disk of the shard cache at {self.root} cannot hold {what}: it takes "
+                            f"{whole / 1e6:.1f} MB, and has {free / 1e6:.1f} MB free besides the cache's "
+                            f"{held / 1e6:.1f} MB (free space on that disk, or give the worker another --cache-dir)")
+
     def make_room(self, incoming: int, keep: Callable[[], set[str]], writing: Path | None = None) -> None:
         """Evict the least recently used blobs and partial files (not the blobs in `keep()`, nor the
         partial file being written) until `incoming` more bytes fit the size limit and the disk;

@@ -5,6 +5,7 @@ once whole and its sha256 checked, kept there as a blob)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import time
 from pathlib import Path
@@ -59,6 +60,9 @@ class ShardReceiver:
             checkpoint = sources.cached_checkpoint(self.cache, body.key)
             stage_, mtp = sources.stage_of(checkpoint, body.mtp, body.layer_split, stage, stages)
             lacking = sources.missing(checkpoint, stage_, mtp, self.cache.tensors(body.key))
+            sizes = _blob_bytes(tensors["index"])
+            self.cache.check_room(sum(sizes.get(name, 0) for name in sources.missing(checkpoint, stage_, mtp, {})),
+                                  f"this rank's stage of {body.model}")
         except CacheFull as exc:
             raise ProtocolError(ErrorCode.CAPACITY, str(exc)) from None
         except (ConfigError, OSError, ValueError) as exc:
@@ -194,3 +198,11 @@ class ShardReceiver:
                      self.received / 1e6 / max(seconds, 1e-9))
         self.key, self.received = "", 0
         self.digests.clear()  # (a transfer resumed later hashes what its partial files hold)
+
+
+def _blob_bytes(index: torch.Tensor) -> dict[str, int]:
+    """The offer's sizes of the tensors' blobs ({} from an orchestrator that sends none)."""
+    sizes = json.loads(index.numpy().tobytes()).get("blob_bytes", {})
+    if not isinstance(sizes, dict) or not all(type(n) is int and 0 <= n < 1 << 50 for n in sizes.values()):
+        raise ValueError("the index's blob_bytes must map tensor names to byte counts")
+    return sizes
