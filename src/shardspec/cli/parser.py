@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--keys", metavar="DIR_OR_FILE", help="this client's CURVE key pair, for workers with "
                         "keys (default: none, plain connections)")
     status.add_argument("--server-keys", metavar="DIR_OR_FILE", help="the workers' public key(s): one .key for "
-                        "all, or a folder with one per address, in order (default: none; needed with --keys)")
+                        "all, or a folder with one per address, taken in the order of their file names for the "
+                        "addresses in order (default: none; needed with --keys)")
     status.add_argument("--timeout", type=float, default=10.0, metavar="S",
                         help="give up on a worker that has not answered after this many seconds (default 10)")
     status.add_argument("--json", action="store_true", help="print one JSON object per worker instead of a table")
@@ -203,8 +204,9 @@ def _add_model_options(parser: argparse.ArgumentParser,
     parser.add_argument("--keys", metavar="DIR_OR_FILE", help="this orchestrator's CURVE key pair (for tcp:// workers; "
                         "default: none, plain connections)")
     parser.add_argument("--server-keys", metavar="DIR_OR_FILE",
-                        help="the workers' public key(s): one .key for all, or a folder with one per worker "
-                             "(default: none; needed with --keys)")
+                        help="the workers' public key(s): one .key for all, or a folder with one per worker, "
+                             "taken in the order of their file names for the workers in address order (default: "
+                             "none; needed with --keys)")
     _add_heartbeat_option(parser, "a worker that exited or stopped answering is declared lost after this many "
                           "seconds: its requests fail, and the orchestrator reconnects until it is back")
     parser.add_argument("--dist-timeout", type=float, default=DEFAULT_DIST_TIMEOUT_S, metavar="S",
