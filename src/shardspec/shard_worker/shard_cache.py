@@ -161,7 +161,7 @@ class ShardCache:
         if whole > self.limit:
             raise CacheFull(f"the shard cache at {self.root} cannot hold {what}: it takes {whole / 1e6:.1f} MB, over "
                             f"its limit of {self.limit / 1e6:.1f} MB: raise the worker's --cache-size")
-        held = sum(p.stat().st_size for sub in ("blobs", "partial") for p in (self.root / sub).iterdir() if p.is_file())
+        held = sum(_size(p) for sub in ("blobs", "partial") for p in (self.root / sub).iterdir())
         if whole > (free := shutil.disk_usage(self.root).free) + held:
             raise CacheFull(f"the disk of the shard cache at {self.root} cannot hold {what}: it takes "
                             f"{whole / 1e6:.1f} MB, and has {free / 1e6:.1f} MB free besides the cache's "
@@ -208,6 +208,14 @@ class ShardCache:
                 yield
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _size(path: Path) -> int:
+    """A file's size; 0 for one that another worker sharing the folder has just evicted."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 def _plain(name: str) -> str:
