@@ -228,7 +228,9 @@ class WorkerGroup:
             worker.loading = None
         replies = await self._reporting(self.call_all(request))
         for stage, ranks in enumerate(self.config.stage_ranks()):
-            log.info("stage %d: decoder layers %s on %s", stage, replies[ranks[0]][0].layers,
+            layers = replies[ranks[0]][0].layers  # ([first, end): written as `status` writes it)
+            log.info("stage %d: decoder layers %s on %s", stage,
+                     f"{layers[0]}-{layers[1] - 1}" if len(layers) == 2 else layers,
                      ", ".join(self.workers[rank].address for rank in ranks))
         self.load_request, self.load_info = request, replies[0][0]
         self.load_replies = [reply for reply, _ in replies]
