@@ -110,7 +110,7 @@ class DeadlineH11Protocol(H11Protocol):
         """What h11 could not parse, as an error object like every other refusal: 431 where the headers
         came in pieces past MAX_HEADER_BYTES (h11 stops buffering them), else 400."""
         if len(self.conn.trailing_data[0]) > MAX_HEADER_BYTES:
-            error = ApiError(431, f"the request's headers exceed {MAX_HEADER_BYTES} bytes")
+            error = _headers_too_large()
         else:
             error = ApiError(400, "the request is not valid HTTP/1.1")
         payload = json.dumps(error.body()).encode()
@@ -133,7 +133,7 @@ class RequestGuard:
         # (h11 bounds headers that arrive in pieces: DeadlineH11Protocol.send_400_response; those of one read
         # come whole, so they are counted here)
         if sum(len(name) + len(value) + 4 for name, value in scope.get("headers", ())) > MAX_HEADER_BYTES:
-            await _refuse(send, ApiError(431, f"the request's headers exceed {MAX_HEADER_BYTES} bytes"), scope["path"])
+            await _refuse(send, _headers_too_large(), scope["path"])
             return
         if scope["type"] != "http" or (scope["method"] in BODILESS_METHODS and not _declares_body(headers)):
             await self.app(scope, receive, send)
@@ -179,6 +179,10 @@ class RequestGuard:
     def _too_large(self) -> ApiError:
         return ApiError(413, f"the request body exceeds the server's limit of {self.limits.max_body_bytes} bytes "
                         "(shardspec serve --max-body-bytes)")
+
+
+def _headers_too_large() -> ApiError:
+    return ApiError(431, f"the request's headers exceed {MAX_HEADER_BYTES} bytes")
 
 
 def _declares_body(headers: dict[bytes, bytes]) -> bool:

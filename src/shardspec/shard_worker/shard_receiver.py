@@ -60,8 +60,8 @@ class ShardReceiver:
             checkpoint = sources.cached_checkpoint(self.cache, body.key)
             stage_, mtp = sources.stage_of(checkpoint, body.mtp, body.layer_split, stage, stages)
             lacking = sources.missing(checkpoint, stage_, mtp, self.cache.tensors(body.key))
-            sizes = _blob_bytes(tensors["index"])
-            self.cache.check_room(sum(sizes.get(name, 0) for name in sources.missing(checkpoint, stage_, mtp, {})),
+            sizes = _blob_bytes(tensors["index"])  # (the whole stage must fit, its cached tensors too)
+            self.cache.check_room(sum(sizes.get(name, 0) for name in sources.stage_keys(checkpoint, stage_, mtp)),
                                   f"this rank's stage of {body.model}")
         except CacheFull as exc:
             raise ProtocolError(ErrorCode.CAPACITY, str(exc)) from None
